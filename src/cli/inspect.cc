@@ -1,0 +1,184 @@
+// `weightd inspect PATH [--json] [--values NAME [--limit N]]`
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <cmath>
+#include <iostream>
+#include <memory>
+
+#include "cli/output.h"
+#include "format/checkpoint.h"
+#include "format/dtype.h"
+
+namespace weightd::cli {
+namespace {
+
+using format::Checkpoint;
+using format::Shard;
+using format::TensorInfo;
+
+struct InspectOptions {
+  std::string path;
+  bool json = false;
+  std::string values;
+  uint64_t limit = 0;
+};
+
+nlohmann::json ShapeJson(const std::vector<uint64_t>& shape) {
+  nlohmann::json a = nlohmann::json::array();
+  for (uint64_t d : shape) a.push_back(d);
+  return a;
+}
+
+std::string ShapeText(const std::vector<uint64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+nlohmann::json MetadataJson(const Shard& shard) {
+  nlohmann::json m = nlohmann::json::object();
+  for (const auto& [k, v] : shard.header.metadata) m[k] = v;
+  return m;
+}
+
+void PrintJson(const Checkpoint& ckpt) {
+  nlohmann::json out;
+  out["path"] = ckpt.path;
+  out["kind"] = ckpt.is_directory ? "checkpoint" : "file";
+  out["index"] = ckpt.has_index;
+  out["shards"] = nlohmann::json::array();
+  out["tensors"] = nlohmann::json::array();
+  for (const Shard& s : ckpt.shards) {
+    out["shards"].push_back({{"name", s.name},
+                             {"file_bytes", s.file_size},
+                             {"header_bytes", s.header.header_bytes},
+                             {"data_offset", s.header.data_offset()},
+                             {"tensors", s.header.tensors.size()},
+                             {"metadata", MetadataJson(s)}});
+    for (const TensorInfo& t : s.header.tensors) {
+      out["tensors"].push_back({{"name", t.name},
+                                {"shard", s.name},
+                                {"dtype", std::string(format::DTypeName(t.dtype))},
+                                {"shape", ShapeJson(t.shape)},
+                                {"data_offsets", {t.begin, t.end}},
+                                {"offset", s.header.data_offset() + t.begin},
+                                {"bytes", t.bytes()}});
+    }
+  }
+  out["total_tensors"] = ckpt.tensor_count();
+  out["total_bytes"] = ckpt.data_bytes();
+  out["file_bytes"] = ckpt.file_bytes();
+  std::cout << out.dump(2) << "\n";
+}
+
+void PrintText(const Checkpoint& ckpt) {
+  std::cout << ckpt.path << ": " << (ckpt.is_directory ? "checkpoint" : "safetensors file") << ", "
+            << ckpt.shards.size() << (ckpt.shards.size() == 1 ? " shard" : " shards")
+            << (ckpt.has_index ? " (from model.safetensors.index.json)" : "") << "\n";
+  for (const Shard& s : ckpt.shards) {
+    std::cout << "\n" << s.name << ": " << s.header.tensors.size() << " tensors, "
+              << FormatBytes(s.file_size) << ", header " << s.header.header_bytes << " bytes\n";
+    for (const auto& [k, v] : s.header.metadata) std::cout << "  metadata " << k << " = " << v << "\n";
+    for (const TensorInfo& t : s.header.tensors) {
+      std::cout << "  " << t.name << "  " << format::DTypeName(t.dtype) << " " << ShapeText(t.shape)
+                << "  offset " << s.header.data_offset() + t.begin << "  " << t.bytes() << " bytes\n";
+    }
+  }
+  std::cout << "\ntotal: " << ckpt.tensor_count() << " tensors, " << FormatBytes(ckpt.data_bytes())
+            << " of tensor data in " << ckpt.shards.size()
+            << (ckpt.shards.size() == 1 ? " shard" : " shards") << "\n";
+}
+
+// Values as JSON: numbers, except non-finite floats (strings "nan", "inf",
+// "-inf", which JSON numbers cannot express) and C64 ([re, im]).
+std::string JsonElement(const format::ElementValue& v) {
+  if (const auto* c = std::get_if<format::Complex>(&v)) {
+    return "[" + JsonElement(static_cast<double>(c->re)) + "," +
+           JsonElement(static_cast<double>(c->im)) + "]";
+  }
+  const std::string text = format::FormatElement(v);
+  if (const auto* d = std::get_if<double>(&v); d && !std::isfinite(*d)) return "\"" + text + "\"";
+  return text;
+}
+
+int PrintValues(const Checkpoint& ckpt, const InspectOptions& o) {
+  const Shard* shard = nullptr;
+  const TensorInfo* tensor = nullptr;
+  for (const Shard& s : ckpt.shards) {
+    if ((tensor = s.header.Find(o.values)) != nullptr) {
+      shard = &s;
+      break;
+    }
+  }
+  if (tensor == nullptr) return ReportError("inspect", ckpt.path + ": no tensor named `" + o.values + "`");
+
+  auto file = io::PosixFileSystem().Open(shard->path);
+  if (!file.ok()) return ReportError("inspect", file.error().message());
+
+  const uint64_t count = o.limit ? std::min(o.limit, tensor->elements) : tensor->elements;
+  if (o.json) {
+    std::cout << "{\"name\":" << nlohmann::json(tensor->name).dump() << ",\"shard\":"
+              << nlohmann::json(shard->name).dump() << ",\"dtype\":\""
+              << format::DTypeName(tensor->dtype) << "\",\"shape\":" << ShapeJson(tensor->shape).dump()
+              << ",\"elements\":" << tensor->elements << ",\"values\":[";
+  }
+  // Read in pieces of whole elements (24 bytes hold a whole number of
+  // elements of every width, 6-bit ones included) so a large tensor never
+  // needs one large buffer.
+  const uint32_t bits = format::DTypeBits(tensor->dtype);
+  const uint64_t chunk_bytes = 24 * 43'690;
+  const uint64_t chunk_elements = chunk_bytes * 8 / bits;
+  std::vector<std::byte> buf;
+  for (uint64_t first = 0; first < count; first += chunk_elements) {
+    const uint64_t n = std::min(chunk_elements, count - first);
+    const uint64_t byte_begin = first * bits / 8;
+    const uint64_t byte_len = (n * bits + 7) / 8;
+    buf.resize(static_cast<size_t>(byte_len));
+    Status read = (*file)->ReadExactly(shard->header.data_offset() + tensor->begin + byte_begin, buf);
+    if (!read.ok()) {
+      if (o.json) std::cout << "]}\n";
+      return ReportError("inspect", read.error().message());
+    }
+    for (uint64_t i = 0; i < n; ++i) {
+      const auto v = format::DecodeElement(tensor->dtype, buf, i);
+      const uint64_t index = first + i;
+      if (o.json) {
+        std::cout << (index ? "," : "") << JsonElement(v);
+      } else {
+        std::cout << format::FormatElement(v) << ((index + 1) % 16 == 0 || index + 1 == count ? "\n" : " ");
+      }
+    }
+  }
+  if (o.json) std::cout << "]}\n";
+  return kExitOk;
+}
+
+int RunInspect(const InspectOptions& o) {
+  auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), o.path);
+  if (!ckpt.ok()) return ReportError("inspect", ckpt.error().message());
+  if (!o.values.empty()) return PrintValues(*ckpt, o);
+  if (o.json) {
+    PrintJson(*ckpt);
+  } else {
+    PrintText(*ckpt);
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+Command AddInspectCommand(CLI::App& root) {
+  auto options = std::make_shared<InspectOptions>();
+  CLI::App* app = root.add_subcommand(
+      "inspect",
+      "List the tensors of a safetensors file or checkpoint directory and validate it.\n"
+      "Exit 0 when every shard is valid, 1 with the broken rule otherwise.");
+  app->add_option("PATH", options->path, "a .safetensors file or a checkpoint directory")->required();
+  app->add_flag("--json", options->json, "print JSON (documented in docs/cli.md)");
+  app->add_option("--values", options->values, "print the elements of tensor NAME as numbers");
+  app->add_option("--limit", options->limit, "with --values: print at most N elements");
+  return {app, [options] { return RunInspect(*options); }};
+}
+
+}  // namespace weightd::cli

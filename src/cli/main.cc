@@ -1,0 +1,39 @@
+// The weightd command: one binary, one subcommand per job (see docs/cli.md).
+#include <CLI/CLI.hpp>
+
+#include <iostream>
+#include <vector>
+
+#include "cli/output.h"
+
+int main(int argc, char** argv) {
+  using namespace weightd::cli;
+  CLI::App app{
+      "weightd keeps LLM model weights resident in memory between inference-engine restarts.\n"
+      "Run `weightd COMMAND --help` for one command's options."};
+  app.name("weightd");
+  app.require_subcommand(1);
+  app.set_version_flag("--version", "weightd 0.1.0");
+
+  std::vector<Command> commands = {
+      AddInspectCommand(app),
+      AddMakeCheckpointCommand(app),
+      AddDemoCommand(app),
+  };
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::CallForHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForAllHelp& e) {
+    return app.exit(e);
+  } catch (const CLI::CallForVersion& e) {
+    return app.exit(e);
+  } catch (const CLI::ParseError& e) {
+    return ReportError("usage", std::string(e.what()) + " (see weightd --help)", kExitUsage);
+  }
+  for (const Command& command : commands) {
+    if (command.app->parsed()) return command.run();
+  }
+  return ReportError("usage", "no command given (see weightd --help)", kExitUsage);
+}

@@ -1,0 +1,83 @@
+// `weightd make-checkpoint OUT --preset NAME [--seed N] [...]`
+#include <CLI/CLI.hpp>
+#include <nlohmann/json.hpp>
+
+#include <iostream>
+#include <memory>
+
+#include "cli/output.h"
+#include "format/synthetic.h"
+
+namespace weightd::cli {
+namespace {
+
+struct MakeOptions {
+  std::string out;
+  format::SyntheticOptions synthetic;
+  std::string size;
+  std::string variant = "base";
+  bool json = false;
+};
+
+int RunMake(MakeOptions o) {
+  if (!o.size.empty()) {
+    auto size = ParseSize(o.size);
+    if (!size || *size == 0) return ReportError("make-checkpoint", "--size " + o.size + ": not a size", kExitUsage);
+    o.synthetic.size_bytes = *size;
+  }
+  o.synthetic.finetune = o.variant == "finetune";
+  const auto start = std::chrono::steady_clock::now();
+  auto plan = format::WriteSyntheticCheckpoint(o.out, o.synthetic, [&](size_t done, size_t total) {
+    if (total > 1) std::cerr << "\rwrote shard " << done << "/" << total << std::flush;
+    if (total > 1 && done == total) std::cerr << "\n";
+  });
+  if (!plan.ok()) return ReportError("make-checkpoint", plan.error().message());
+  const double seconds = SecondsSince(start);
+  if (o.json) {
+    nlohmann::json out = {{"path", o.out},
+                          {"preset", o.synthetic.preset},
+                          {"variant", o.variant},
+                          {"seed", o.synthetic.seed},
+                          {"shards", plan->shards.size()},
+                          {"tensors", plan->tensor_count},
+                          {"bytes", plan->data_bytes},
+                          {"sparse", plan->sparse},
+                          {"seconds", seconds}};
+    std::cout << out.dump(2) << "\n";
+  } else {
+    std::cout << "wrote " << o.out << ": " << o.synthetic.preset
+              << (o.synthetic.finetune ? " (finetune variant)" : "") << ", " << plan->tensor_count
+              << " tensors, " << FormatBytes(plan->data_bytes) << (plan->sparse ? " (sparse)" : "")
+              << " in " << plan->shards.size() << (plan->shards.size() == 1 ? " shard" : " shards")
+              << ", " << seconds << " s\n";
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+Command AddMakeCheckpointCommand(CLI::App& root) {
+  auto o = std::make_shared<MakeOptions>();
+  CLI::App* app = root.add_subcommand(
+      "make-checkpoint",
+      "Write a synthetic checkpoint: real layouts, pseudo-random values, the same bytes for\n"
+      "the same options and seed. OUT must not exist or be empty; it appears only when complete.");
+  app->add_option("OUT", o->out, "directory to create")->required();
+  app->add_option("--preset", o->synthetic.preset,
+                  "tiny | llama | many-tensors | k3-layout (sparse files, ~1 TB apparent size)")
+      ->required()
+      ->check(CLI::IsMember({"tiny", "llama", "many-tensors", "k3-layout"}));
+  app->add_option("--seed", o->synthetic.seed, "values seed (default 0)");
+  app->add_option("--variant", o->variant, "base | finetune: same layout, different values")
+      ->check(CLI::IsMember({"base", "finetune"}));
+  app->add_option("--size", o->size, "llama: approximate size, e.g. 512M, 2G (default 512M)");
+  app->add_option("--layers", o->synthetic.layers, "llama, k3-layout: number of layers");
+  app->add_option("--hidden", o->synthetic.hidden, "llama: hidden size");
+  app->add_option("--experts", o->synthetic.experts, "k3-layout: experts per layer (default 384)");
+  app->add_option("--tensors", o->synthetic.tensors, "many-tensors: how many (default 70000)");
+  app->add_option("--shards", o->synthetic.shards, "number of shard files (default per preset)");
+  app->add_flag("--json", o->json, "print what was written as JSON");
+  return {app, [o] { return RunMake(*o); }};
+}
+
+}  // namespace weightd::cli

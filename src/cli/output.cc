@@ -1,0 +1,62 @@
+#include "cli/output.h"
+
+#include <cstdio>
+#include <iostream>
+
+namespace weightd::cli {
+
+int ReportError(std::string_view what, std::string_view why, int code) {
+  std::cerr << "weightd: error: " << what << ": " << why << std::endl;
+  return code;
+}
+
+std::optional<uint64_t> ParseSize(std::string_view text) {
+  uint64_t value = 0;
+  size_t i = 0;
+  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
+    if (__builtin_mul_overflow(value, uint64_t{10}, &value) ||
+        __builtin_add_overflow(value, static_cast<uint64_t>(text[i] - '0'), &value)) {
+      return std::nullopt;
+    }
+  }
+  if (i == 0) return std::nullopt;
+  std::string_view suffix = text.substr(i);
+  int shift = 0;
+  if (!suffix.empty()) {
+    switch (suffix[0]) {
+      case 'K': case 'k': shift = 10; break;
+      case 'M': case 'm': shift = 20; break;
+      case 'G': case 'g': shift = 30; break;
+      case 'T': case 't': shift = 40; break;
+      case 'B': case 'b': break;
+      default: return std::nullopt;
+    }
+    if (shift != 0) suffix.remove_prefix(1);
+    if (!(suffix.empty() || suffix == "B" || suffix == "iB" || suffix == "b")) return std::nullopt;
+  }
+  if (shift != 0 && value > (UINT64_MAX >> shift)) return std::nullopt;
+  return value << shift;
+}
+
+std::string FormatBytes(uint64_t bytes) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(bytes);
+  int unit = 0;
+  while (v >= 1024.0 && unit < 5) {
+    v /= 1024.0;
+    ++unit;
+  }
+  char buf[32];
+  if (unit == 0) {
+    std::snprintf(buf, sizeof buf, "%llu B", static_cast<unsigned long long>(bytes));
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f %s", v, kUnits[unit]);
+  }
+  return buf;
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+}  // namespace weightd::cli

@@ -1,0 +1,45 @@
+// What every subcommand shares: the error line, sizes in and out, timing.
+// Nothing here is logic a library user would need.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <string>
+#include <string_view>
+
+namespace CLI {
+class App;
+}
+
+namespace weightd::cli {
+
+// Exit codes: 0 success, 1 the work failed, 2 the command line was wrong.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitFailure = 1;
+inline constexpr int kExitUsage = 2;
+
+// Prints "weightd: error: <what>: <why>" to stderr and returns `code`.
+int ReportError(std::string_view what, std::string_view why, int code = kExitFailure);
+
+// "512M", "64G", "1T", "4096" (bytes); binary multiples. nullopt when the
+// text is not a size or overflows.
+std::optional<uint64_t> ParseSize(std::string_view text);
+
+// 1288490188 -> "1.20 GiB".
+std::string FormatBytes(uint64_t bytes);
+
+double SecondsSince(std::chrono::steady_clock::time_point start);
+
+// A subcommand: CLI11 fills its options, then main calls run.
+struct Command {
+  CLI::App* app = nullptr;
+  std::function<int()> run;
+};
+
+Command AddInspectCommand(CLI::App& root);
+Command AddMakeCheckpointCommand(CLI::App& root);
+Command AddDemoCommand(CLI::App& root);
+
+}  // namespace weightd::cli

@@ -1,0 +1,260 @@
+#include "format/checkpoint.h"
+
+#include <simdjson.h>
+
+#include <algorithm>
+#include <atomic>
+#include <optional>
+
+#include "format/rules.h"
+#include "io/read_many.h"
+
+namespace weightd::format {
+namespace {
+
+// An index lists every tensor once; even a 100k-tensor model's index is a
+// few MB. Anything far beyond is not an index we should trust with memory.
+constexpr uint64_t kMaxIndexBytes = 256ull << 20;
+constexpr int kMaxParallelHeaderReads = 16;
+
+constexpr std::string_view kShardSuffix = ".safetensors";
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+std::string Parent(const std::string& path) {
+  size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
+// The name as written must not climb out: no absolute paths, no "..", no
+// empty or NUL-bearing names.
+bool NameStaysInside(std::string_view name) {
+  if (name.empty() || name.front() == '/' || name.find('\0') != std::string_view::npos) return false;
+  size_t start = 0;
+  while (start <= name.size()) {
+    size_t end = name.find('/', start);
+    if (end == std::string_view::npos) end = name.size();
+    if (name.substr(start, end - start) == "..") return false;
+    start = end + 1;
+  }
+  return true;
+}
+
+bool IsUnder(const std::string& path, const std::string& dir) {
+  return path.size() > dir.size() && path.compare(0, dir.size(), dir) == 0 &&
+         (dir.back() == '/' || path[dir.size()] == '/');
+}
+
+// Checks that `name` in `dir` resolves inside `real_dir` (or into the hub
+// cache's blobs folder, see checkpoint.h) and exists.
+Status CheckShardPath(io::FileSystem& fs, const std::string& label, const std::string& real_dir,
+                      const std::string& name) {
+  if (!NameStaysInside(name)) {
+    return Error(label + ": shard `" + name + "`: " + std::string(rules::kShardNameEscapes));
+  }
+  const std::string path = io::JoinPath(label, name);
+  WEIGHTD_ASSIGN_OR_RETURN(bool exists, fs.Exists(path));
+  if (!exists) {
+    return Error(label + ": shard `" + name + "`: " + std::string(rules::kShardMissing));
+  }
+  auto real = fs.RealPath(path);
+  if (!real.ok()) {
+    // A dangling symlink.
+    return Error(label + ": shard `" + name + "`: " + std::string(rules::kShardMissing) + " (" +
+                 real.error().message() + ")");
+  }
+  if (IsUnder(*real, real_dir)) return OkStatus();
+  const std::string snapshots = Parent(real_dir);
+  if (io::BaseName(snapshots) == "snapshots" && IsUnder(*real, io::JoinPath(Parent(snapshots), "blobs"))) {
+    return OkStatus();
+  }
+  return Error(label + ": shard `" + name + "`: " + std::string(rules::kShardNameEscapes) +
+               " (it resolves to " + *real + ")");
+}
+
+Result<std::string> ReadWholeFile(io::FileSystem& fs, const std::string& path, uint64_t limit) {
+  WEIGHTD_ASSIGN_OR_RETURN(auto file, fs.Open(path));
+  if (file->size() > limit) {
+    return Error(path + ": file of " + std::to_string(file->size()) + " bytes is over the limit of " +
+                 std::to_string(limit));
+  }
+  std::string text(static_cast<size_t>(file->size()), '\0');
+  WEIGHTD_RETURN_IF_ERROR(
+      file->ReadExactly(0, std::span(reinterpret_cast<std::byte*>(text.data()), text.size())));
+  return text;
+}
+
+using WeightMap = std::vector<std::pair<std::string, std::string>>;
+
+struct Listing {
+  std::vector<ShardRef> shards;
+  std::optional<WeightMap> weight_map;  // when there is an index
+};
+
+}  // namespace
+
+uint64_t Checkpoint::tensor_count() const {
+  uint64_t n = 0;
+  for (const Shard& s : shards) n += s.header.tensors.size();
+  return n;
+}
+
+uint64_t Checkpoint::data_bytes() const {
+  uint64_t n = 0;
+  for (const Shard& s : shards) n += s.header.data_bytes;
+  return n;
+}
+
+uint64_t Checkpoint::file_bytes() const {
+  uint64_t n = 0;
+  for (const Shard& s : shards) n += s.file_size;
+  return n;
+}
+
+Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_view label,
+                                                                     std::string_view json) {
+  auto fail = [&](const std::string& detail) {
+    return Error(std::string(label) + ": " + std::string(rules::kIndexNotJson) +
+                 (detail.empty() ? "" : " (" + detail + ")"));
+  };
+  simdjson::dom::parser parser;
+  simdjson::padded_string padded(json);
+  simdjson::dom::element root;
+  if (auto err = parser.parse(padded).get(root); err != simdjson::SUCCESS) {
+    return fail(simdjson::error_message(err));
+  }
+  simdjson::dom::object weight_map;
+  if (root["weight_map"].get_object().get(weight_map) != simdjson::SUCCESS) {
+    return fail("no weight_map object");
+  }
+  std::vector<std::pair<std::string, std::string>> entries;
+  for (auto field : weight_map) {
+    std::string_view shard;
+    if (field.value.get_string().get(shard) != simdjson::SUCCESS) {
+      return fail("weight_map value for `" + std::string(field.key) + "` is not a string");
+    }
+    entries.emplace_back(std::string(field.key), std::string(shard));
+  }
+  std::sort(entries.begin(), entries.end());
+  for (size_t i = 1; i < entries.size(); ++i) {
+    if (entries[i].first == entries[i - 1].first) {
+      return fail("tensor `" + entries[i].first + "` listed twice");
+    }
+  }
+  return entries;
+}
+
+namespace {
+
+Result<Listing> List(io::FileSystem& fs, const std::string& path) {
+  Listing listing;
+  WEIGHTD_ASSIGN_OR_RETURN(bool is_dir, fs.IsDirectory(path));
+  if (!is_dir) {
+    listing.shards.push_back({io::BaseName(path), path});
+    return listing;
+  }
+
+  WEIGHTD_ASSIGN_OR_RETURN(std::string real_dir, fs.RealPath(path));
+  const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
+  WEIGHTD_ASSIGN_OR_RETURN(bool has_index, fs.Exists(index_path));
+
+  std::vector<std::string> names;
+  if (has_index) {
+    WEIGHTD_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(fs, index_path, kMaxIndexBytes));
+    WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map, ParseIndex(index_path, text));
+    for (const auto& [tensor, shard] : *listing.weight_map) names.push_back(shard);
+  } else {
+    WEIGHTD_ASSIGN_OR_RETURN(auto entries, fs.ListDirectory(path));
+    for (const io::DirEntry& e : entries) {
+      if (!EndsWith(e.name, kShardSuffix)) continue;
+      if (e.type == io::EntryType::kRegular || e.type == io::EntryType::kSymlink) names.push_back(e.name);
+    }
+  }
+  std::sort(names.begin(), names.end());
+  names.erase(std::unique(names.begin(), names.end()), names.end());
+  if (names.empty()) return Error(path + ": " + std::string(rules::kNoShards));
+
+  for (const std::string& name : names) {
+    WEIGHTD_RETURN_IF_ERROR(CheckShardPath(fs, path, real_dir, name));
+    listing.shards.push_back({name, io::JoinPath(path, name)});
+  }
+  return listing;
+}
+
+}  // namespace
+
+Result<std::vector<ShardRef>> ListShards(io::FileSystem& fs, const std::string& path) {
+  WEIGHTD_ASSIGN_OR_RETURN(Listing listing, List(fs, path));
+  return std::move(listing.shards);
+}
+
+Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path) {
+  Checkpoint ckpt;
+  ckpt.path = path;
+  WEIGHTD_ASSIGN_OR_RETURN(ckpt.is_directory, fs.IsDirectory(path));
+  WEIGHTD_ASSIGN_OR_RETURN(Listing listing, List(fs, path));
+  const std::vector<ShardRef>& refs = listing.shards;
+  ckpt.has_index = listing.weight_map.has_value();
+
+  // Headers are independent: read them many at once (on network storage each
+  // costs round trips).
+  ckpt.shards.resize(refs.size());
+  std::vector<std::optional<Error>> errors(refs.size());
+  std::atomic<size_t> next{0};
+  const int workers = static_cast<int>(std::min<size_t>(refs.size(), kMaxParallelHeaderReads));
+  io::RunTeam(workers, [&](int) {
+    for (size_t i; (i = next.fetch_add(1)) < refs.size();) {
+      Shard& shard = ckpt.shards[i];
+      shard.name = refs[i].name;
+      shard.path = refs[i].path;
+      auto file = fs.Open(shard.path);
+      if (!file.ok()) {
+        errors[i] = file.error();
+        continue;
+      }
+      shard.file_size = (*file)->size();
+      auto header = ReadShardHeader(**file, shard.path);
+      if (!header.ok()) {
+        errors[i] = header.error();
+        continue;
+      }
+      shard.header = std::move(header).value();
+    }
+  });
+  for (auto& e : errors) {
+    if (e) return *e;
+  }
+
+  // A tensor name may appear in one shard only.
+  std::vector<std::pair<std::string_view, size_t>> all;
+  for (size_t s = 0; s < ckpt.shards.size(); ++s) {
+    for (const TensorInfo& t : ckpt.shards[s].header.tensors) all.emplace_back(t.name, s);
+  }
+  std::sort(all.begin(), all.end());
+  for (size_t i = 1; i < all.size(); ++i) {
+    if (all[i].first == all[i - 1].first) {
+      return Error(path + ": tensor `" + std::string(all[i].first) + "`: " +
+                   std::string(rules::kTensorInTwoShards) + " (" + ckpt.shards[all[i - 1].second].name +
+                   " and " + ckpt.shards[all[i].second].name + ")");
+    }
+  }
+
+  if (listing.weight_map) {
+    const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
+    for (const auto& [tensor, shard_name] : *listing.weight_map) {
+      auto it = std::lower_bound(ckpt.shards.begin(), ckpt.shards.end(), shard_name,
+                                 [](const Shard& s, const std::string& n) { return s.name < n; });
+      if (it == ckpt.shards.end() || it->name != shard_name || it->header.Find(tensor) == nullptr) {
+        return Error(index_path + ": tensor `" + tensor + "`: " + std::string(rules::kIndexTensorMissing) +
+                     " (" + shard_name + ")");
+      }
+    }
+  }
+  return ckpt;
+}
+
+}  // namespace weightd::format

@@ -1,0 +1,64 @@
+// A checkpoint: one .safetensors file, or a directory of shards with an
+// optional model.safetensors.index.json. With an index, only the shards its
+// weight_map names belong to the checkpoint; without one, every *.safetensors
+// file in the directory does. Shards are kept in basename order, the order
+// the fingerprint hashes them in.
+//
+// Shard names come from an untrusted file: a name that would leave the
+// checkpoint directory (absolute, "..", a symlink resolving outside) is an
+// error. The one exception is the Hugging Face hub cache, whose snapshot
+// directories hold symlinks into the repository's blobs/ folder
+// (models--org--name/snapshots/REV/x -> ../../blobs/SHA): a symlink from
+// `<repo>/snapshots/<rev>/` into `<repo>/blobs/` is accepted.
+//
+// Thread safety: pure functions over the FileSystem given; safe from any thread.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "format/safetensors.h"
+#include "io/file.h"
+
+namespace weightd::format {
+
+inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json";
+
+struct ShardRef {
+  std::string name;  // relative to the checkpoint directory, as the index spells it
+  std::string path;  // directory joined with name
+};
+
+struct Shard {
+  std::string name;
+  std::string path;
+  uint64_t file_size = 0;
+  ShardHeader header;
+};
+
+struct Checkpoint {
+  std::string path;        // what the caller gave
+  bool is_directory = false;
+  bool has_index = false;
+  std::vector<Shard> shards;  // by name
+
+  uint64_t tensor_count() const;
+  uint64_t data_bytes() const;
+  uint64_t file_bytes() const;
+};
+
+// The shards of a checkpoint, without reading their headers: from the index
+// when there is one (checked for escapes and missing files), else every
+// *.safetensors file. A path to a single file gives that file.
+Result<std::vector<ShardRef>> ListShards(io::FileSystem& fs, const std::string& path);
+
+// Parses an index's weight_map: tensor name -> shard name, sorted by tensor.
+Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_view label,
+                                                                     std::string_view json);
+
+// Lists the shards and reads and validates every header (many at once).
+// With an index, also checks that each tensor it maps is in the shard it
+// names; across shards, a tensor name may appear once.
+Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path);
+
+}  // namespace weightd::format

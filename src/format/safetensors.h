@@ -1,0 +1,75 @@
+// Reading safetensors files: the 8-byte header length, the JSON header, and
+// the validation rules of the reference implementation. A file is
+//
+//   [u64 little-endian N][N bytes of UTF-8 JSON][data region]
+//
+// where the JSON object maps tensor names to {dtype, shape, data_offsets}
+// (offsets relative to the data region) plus an optional "__metadata__"
+// string-to-string map. Everything read from a file is untrusted: every rule
+// broken produces an Error naming the file, the tensor where there is one,
+// and the rule, in the words of docs/format.md. Parsing costs time and memory
+// linear in the header's size, whatever the header holds.
+//
+// Thread safety: pure functions; safe from any thread.
+#pragma once
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "format/dtype.h"
+#include "io/file.h"
+#include "weightd/result.h"
+
+namespace weightd::format {
+
+inline constexpr uint64_t kHeaderLengthBytes = 8;
+inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
+
+struct TensorInfo {
+  std::string name;
+  DType dtype = DType::kU8;
+  std::vector<uint64_t> shape;
+  uint64_t elements = 0;
+  // [begin, end) relative to the start of the data region.
+  uint64_t begin = 0;
+  uint64_t end = 0;
+
+  uint64_t bytes() const { return end - begin; }
+};
+
+struct ShardHeader {
+  // The JSON's length N, as the file's first 8 bytes say.
+  uint64_t header_bytes = 0;
+  // Bytes of tensor data after the header; the file is exactly
+  // data_offset() + data_bytes long.
+  uint64_t data_bytes = 0;
+  // Sorted by name.
+  std::vector<TensorInfo> tensors;
+  // "__metadata__", sorted by key.
+  std::vector<std::pair<std::string, std::string>> metadata;
+
+  uint64_t data_offset() const { return kHeaderLengthBytes + header_bytes; }
+  uint64_t file_size() const { return data_offset() + data_bytes; }
+
+  // nullptr when absent. O(log n).
+  const TensorInfo* Find(std::string_view name) const;
+};
+
+// Checks the 8-byte prefix against the file's size and returns N.
+// `label` names the file in errors.
+Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std::byte> prefix,
+                                    uint64_t file_size);
+
+// Parses and validates the N JSON bytes that follow the prefix of a file of
+// `file_size` bytes.
+Result<ShardHeader> ParseHeader(std::string_view label, std::span<const std::byte> json,
+                                uint64_t file_size);
+
+// Reads the prefix and the header of an open file and validates them.
+Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::string_view label);
+
+}  // namespace weightd::format

@@ -1,0 +1,250 @@
+#include "format/writer.h"
+
+#include <fcntl.h>
+#include <simdjson.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <cstring>
+#include <memory>
+
+#include "format/rules.h"
+
+namespace weightd::format {
+namespace {
+
+constexpr size_t kWriteBufferBytes = 4 << 20;
+
+std::string ErrnoText() { return std::strerror(errno); }
+
+// Closes the descriptor and removes the temporary file unless Commit() ran.
+class TempFile {
+ public:
+  explicit TempFile(std::string final_path) : final_path_(std::move(final_path)) {
+    static std::atomic<uint64_t> counter{0};
+    temp_path_ = final_path_ + ".tmp-" + std::to_string(::getpid()) + "-" +
+                 std::to_string(counter.fetch_add(1));
+    fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  }
+  TempFile(const TempFile&) = delete;
+  TempFile& operator=(const TempFile&) = delete;
+  ~TempFile() {
+    if (fd_ >= 0) ::close(fd_);
+    if (!committed_) ::unlink(temp_path_.c_str());
+  }
+
+  int fd() const { return fd_; }
+  const std::string& final_path() const { return final_path_; }
+
+  Status Commit() {
+    if (::close(fd_) != 0) {
+      fd_ = -1;
+      return Error(final_path_ + ": write failed: " + ErrnoText());
+    }
+    fd_ = -1;
+    if (::rename(temp_path_.c_str(), final_path_.c_str()) != 0) {
+      return Error(final_path_ + ": cannot rename into place: " + ErrnoText());
+    }
+    committed_ = true;
+    return OkStatus();
+  }
+
+ private:
+  std::string final_path_;
+  std::string temp_path_;
+  int fd_ = -1;
+  bool committed_ = false;
+};
+
+Status WriteAllAt(int fd, const std::byte* data, size_t len, uint64_t offset,
+                  const std::string& path) {
+  while (len > 0) {
+    ssize_t n = ::pwrite(fd, data, len, static_cast<off_t>(offset));
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Error(path + ": write failed: " + ErrnoText());
+    }
+    data += n;
+    len -= static_cast<size_t>(n);
+    offset += static_cast<uint64_t>(n);
+  }
+  return OkStatus();
+}
+
+std::string ShapeJson(const std::vector<uint64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? "," : "") + std::to_string(shape[i]);
+  return s + "]";
+}
+
+}  // namespace
+
+std::string JsonQuote(std::string_view text) {
+  std::string out = "\"";
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (c == '"' || c == '\\') {
+      out += '\\';
+      out += c;
+    } else if (u < 0x20) {
+      static const char* kHex = "0123456789abcdef";
+      out += "\\u00";
+      out += kHex[u >> 4];
+      out += kHex[u & 0xf];
+    } else {
+      out += c;
+    }
+  }
+  return out + "\"";
+}
+
+Result<ShardLayout> LayoutShard(std::vector<TensorSpec> tensors,
+                                const std::vector<std::pair<std::string, std::string>>& metadata) {
+  // The reference writer's order: descending dtype, then name.
+  std::sort(tensors.begin(), tensors.end(), [](const TensorSpec& a, const TensorSpec& b) {
+    if (a.dtype != b.dtype) return a.dtype > b.dtype;
+    return a.name < b.name;
+  });
+
+  ShardLayout layout;
+  std::string json = "{";
+  if (!metadata.empty()) {
+    auto sorted = metadata;
+    std::sort(sorted.begin(), sorted.end());
+    json += "\"__metadata__\":{";
+    for (size_t i = 0; i < sorted.size(); ++i) {
+      if (i > 0 && sorted[i].first == sorted[i - 1].first) {
+        return Error("metadata key `" + sorted[i].first + "`: " + std::string(rules::kDuplicateName));
+      }
+      json += (i ? "," : "") + JsonQuote(sorted[i].first) + ":" + JsonQuote(sorted[i].second);
+    }
+    json += "}";
+  }
+
+  std::vector<std::string_view> names;
+  uint64_t offset = 0;
+  for (const TensorSpec& spec : tensors) {
+    if (spec.name == "__metadata__" ||
+        !simdjson::validate_utf8(spec.name.data(), spec.name.size())) {
+      return Error("tensor `" + spec.name + "`: not a valid tensor name");
+    }
+    TensorInfo info;
+    info.name = spec.name;
+    info.dtype = spec.dtype;
+    info.shape = spec.shape;
+    info.elements = 1;
+    for (uint64_t d : spec.shape) {
+      if (__builtin_mul_overflow(info.elements, d, &info.elements)) {
+        return Error("tensor `" + spec.name + "`: " + std::string(rules::kElementCountOverflow));
+      }
+    }
+    uint64_t bits;
+    if (__builtin_mul_overflow(info.elements, uint64_t{DTypeBits(spec.dtype)}, &bits)) {
+      return Error("tensor `" + spec.name + "`: " + std::string(rules::kByteCountOverflow));
+    }
+    if (bits % 8 != 0) {
+      return Error("tensor `" + spec.name + "`: " + std::string(rules::kSubByteBoundary));
+    }
+    info.begin = offset;
+    if (__builtin_add_overflow(offset, bits / 8, &info.end)) {
+      return Error("tensor `" + spec.name + "`: " + std::string(rules::kByteCountOverflow));
+    }
+    offset = info.end;
+    if (json.size() > 1) json += ",";
+    json += JsonQuote(spec.name) + ":{\"dtype\":\"" + std::string(DTypeName(spec.dtype)) +
+            "\",\"shape\":" + ShapeJson(spec.shape) + ",\"data_offsets\":[" +
+            std::to_string(info.begin) + "," + std::to_string(info.end) + "]}";
+    layout.tensors.push_back(std::move(info));
+    names.push_back(spec.name);
+  }
+  std::sort(names.begin(), names.end());
+  if (auto dup = std::adjacent_find(names.begin(), names.end()); dup != names.end()) {
+    return Error("tensor `" + std::string(*dup) + "`: " + std::string(rules::kDuplicateName));
+  }
+  json += "}";
+  // Pad with spaces (JSON whitespace) so the data region starts 8-aligned.
+  json.append((8 - json.size() % 8) % 8, ' ');
+  if (json.size() > kMaxHeaderBytes) return Error(std::string(rules::kHeaderTooLarge));
+  layout.header_json = std::move(json);
+  layout.data_bytes = offset;
+  return layout;
+}
+
+Status WriteShard(const std::string& path, const ShardLayout& layout, const TensorFiller& fill,
+                  const WriteOptions& options) {
+  TempFile out(path);
+  if (out.fd() < 0) return Error(path + ": cannot create: " + ErrnoText());
+
+  std::string head(kHeaderLengthBytes, '\0');
+  uint64_t n = layout.header_json.size();
+  for (size_t i = 0; i < kHeaderLengthBytes; ++i) head[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  head += layout.header_json;
+  WEIGHTD_RETURN_IF_ERROR(
+      WriteAllAt(out.fd(), reinterpret_cast<const std::byte*>(head.data()), head.size(), 0, path));
+
+  const uint64_t base = layout.data_offset();
+  if (options.sparse_prefix) {
+    if (::ftruncate(out.fd(), static_cast<off_t>(layout.file_size())) != 0) {
+      return Error(path + ": cannot size the file: " + ErrnoText());
+    }
+    std::vector<std::byte> buf;
+    for (const TensorInfo& t : layout.tensors) {
+      const uint64_t len = std::min(*options.sparse_prefix, t.bytes());
+      buf.assign(static_cast<size_t>(len), std::byte{0});
+      fill(t, 0, buf);
+      WEIGHTD_RETURN_IF_ERROR(WriteAllAt(out.fd(), buf.data(), buf.size(), base + t.begin, path));
+    }
+    return out.Commit();
+  }
+
+  // Tensors are contiguous in data order, so the data region is one stream;
+  // small tensors share a buffer and a write.
+  std::unique_ptr<std::byte[]> buf(new std::byte[kWriteBufferBytes]);
+  size_t used = 0;
+  uint64_t written = 0;
+  for (const TensorInfo& t : layout.tensors) {
+    for (uint64_t done = 0; done < t.bytes();) {
+      const size_t len = static_cast<size_t>(std::min<uint64_t>(kWriteBufferBytes - used, t.bytes() - done));
+      fill(t, done, std::span(buf.get() + used, len));
+      used += len;
+      done += len;
+      if (used == kWriteBufferBytes) {
+        WEIGHTD_RETURN_IF_ERROR(WriteAllAt(out.fd(), buf.get(), used, base + written, path));
+        written += used;
+        used = 0;
+      }
+    }
+  }
+  WEIGHTD_RETURN_IF_ERROR(WriteAllAt(out.fd(), buf.get(), used, base + written, path));
+  return out.Commit();
+}
+
+Status WriteSafetensors(const std::string& path, const std::vector<TensorData>& tensors,
+                        const std::vector<std::pair<std::string, std::string>>& metadata) {
+  std::vector<TensorSpec> specs;
+  for (const TensorData& t : tensors) specs.push_back(t.spec);
+  WEIGHTD_ASSIGN_OR_RETURN(ShardLayout layout, LayoutShard(std::move(specs), metadata));
+  // LayoutShard reorders; find each tensor's bytes by name.
+  std::vector<const TensorData*> by_name;
+  for (const TensorData& t : tensors) by_name.push_back(&t);
+  std::sort(by_name.begin(), by_name.end(),
+            [](const TensorData* a, const TensorData* b) { return a->spec.name < b->spec.name; });
+  for (const TensorInfo& info : layout.tensors) {
+    auto it = std::lower_bound(by_name.begin(), by_name.end(), info.name,
+                               [](const TensorData* t, const std::string& n) { return t->spec.name < n; });
+    if ((*it)->bytes.size() != info.bytes()) {
+      return Error("tensor `" + info.name + "`: " + std::string(rules::kSizeMismatch) + " (" +
+                   std::to_string((*it)->bytes.size()) + " bytes given, " +
+                   std::to_string(info.bytes()) + " expected)");
+    }
+  }
+  return WriteShard(path, layout, [&](const TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
+    auto it = std::lower_bound(by_name.begin(), by_name.end(), t.name,
+                               [](const TensorData* d, const std::string& n) { return d->spec.name < n; });
+    std::memcpy(dst.data(), (*it)->bytes.data() + offset, dst.size());
+  });
+}
+
+}  // namespace weightd::format

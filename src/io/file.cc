@@ -1,0 +1,166 @@
+#include "io/file.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
+
+namespace weightd::io {
+namespace {
+
+std::string ErrnoText(int err) { return std::strerror(err); }
+
+StatSignature SignatureOf(const struct stat& st) {
+  StatSignature sig;
+  sig.device = static_cast<uint64_t>(st.st_dev);
+  sig.inode = static_cast<uint64_t>(st.st_ino);
+  sig.size = static_cast<uint64_t>(st.st_size);
+  sig.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
+  sig.ctime_ns = static_cast<int64_t>(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
+  return sig;
+}
+
+class PosixFile final : public RandomAccessFile {
+ public:
+  PosixFile(std::string path, int fd, uint64_t size) : path_(std::move(path)), fd_(fd), size_(size) {}
+  ~PosixFile() override { ::close(fd_); }
+
+  const std::string& path() const override { return path_; }
+  uint64_t size() const override { return size_; }
+
+  Status ReadExactly(uint64_t offset, std::span<std::byte> dst) const override {
+    size_t done = 0;
+    while (done < dst.size()) {
+      if (offset + done > static_cast<uint64_t>(LLONG_MAX)) {
+        return Error(path_ + ": read offset out of range");
+      }
+      ssize_t n = ::pread(fd_, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return Error(path_ + ": read of " + std::to_string(dst.size()) + " bytes at offset " +
+                     std::to_string(offset) + " failed: " + ErrnoText(errno));
+      }
+      if (n == 0) {
+        return Error(path_ + ": unexpected end of file: wanted " + std::to_string(dst.size()) +
+                     " bytes at offset " + std::to_string(offset) + ", file ends after " +
+                     std::to_string(offset + done));
+      }
+      done += static_cast<size_t>(n);
+    }
+    return OkStatus();
+  }
+
+  Result<StatSignature> Stat() const override {
+    struct stat st;
+    if (::fstat(fd_, &st) != 0) return Error(path_ + ": stat failed: " + ErrnoText(errno));
+    return SignatureOf(st);
+  }
+
+ private:
+  const std::string path_;
+  const int fd_;
+  const uint64_t size_;
+};
+
+class Posix final : public FileSystem {
+ public:
+  Result<std::unique_ptr<RandomAccessFile>> Open(const std::string& path) override {
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return Error(path + ": cannot open: " + ErrnoText(errno));
+    struct stat st;
+    if (::fstat(fd, &st) != 0) {
+      int err = errno;
+      ::close(fd);
+      return Error(path + ": stat failed: " + ErrnoText(err));
+    }
+    if (!S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return Error(path + ": not a regular file");
+    }
+    return std::unique_ptr<RandomAccessFile>(
+        new PosixFile(path, fd, static_cast<uint64_t>(st.st_size)));
+  }
+
+  Result<StatSignature> Stat(const std::string& path) override {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) return Error(path + ": stat failed: " + ErrnoText(errno));
+    return SignatureOf(st);
+  }
+
+  Result<bool> IsDirectory(const std::string& path) override {
+    struct stat st;
+    if (::stat(path.c_str(), &st) != 0) return Error(path + ": " + ErrnoText(errno));
+    return S_ISDIR(st.st_mode);
+  }
+
+  Result<bool> Exists(const std::string& path) override {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) == 0) return true;
+    if (errno == ENOENT || errno == ENOTDIR) return false;
+    return Error(path + ": " + ErrnoText(errno));
+  }
+
+  Result<std::vector<DirEntry>> ListDirectory(const std::string& path) override {
+    DIR* dir = ::opendir(path.c_str());
+    if (dir == nullptr) return Error(path + ": cannot list directory: " + ErrnoText(errno));
+    std::vector<DirEntry> entries;
+    while (true) {
+      errno = 0;
+      struct dirent* ent = ::readdir(dir);
+      if (ent == nullptr) break;
+      std::string name = ent->d_name;
+      if (name == "." || name == "..") continue;
+      DirEntry entry{name, EntryType::kOther};
+      unsigned char type = ent->d_type;
+      if (type == DT_UNKNOWN) {
+        struct stat st;
+        if (::lstat(JoinPath(path, name).c_str(), &st) == 0) {
+          type = S_ISREG(st.st_mode) ? DT_REG : S_ISDIR(st.st_mode) ? DT_DIR : S_ISLNK(st.st_mode) ? DT_LNK : DT_UNKNOWN;
+        }
+      }
+      if (type == DT_REG) entry.type = EntryType::kRegular;
+      if (type == DT_DIR) entry.type = EntryType::kDirectory;
+      if (type == DT_LNK) entry.type = EntryType::kSymlink;
+      entries.push_back(std::move(entry));
+    }
+    int err = errno;
+    ::closedir(dir);
+    if (err != 0) return Error(path + ": cannot list directory: " + ErrnoText(err));
+    return entries;
+  }
+
+  Result<std::string> RealPath(const std::string& path) override {
+    char* resolved = ::realpath(path.c_str(), nullptr);
+    if (resolved == nullptr) return Error(path + ": " + ErrnoText(errno));
+    std::string out = resolved;
+    std::free(resolved);
+    return out;
+  }
+};
+
+}  // namespace
+
+FileSystem& PosixFileSystem() {
+  static Posix* fs = new Posix();  // never destroyed: used from static-lifetime threads
+  return *fs;
+}
+
+std::string JoinPath(const std::string& dir, const std::string& name) {
+  if (dir.empty()) return name;
+  if (dir.back() == '/') return dir + name;
+  return dir + "/" + name;
+}
+
+std::string BaseName(const std::string& path) {
+  std::string p = path;
+  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  size_t slash = p.rfind('/');
+  return slash == std::string::npos ? p : p.substr(slash + 1);
+}
+
+}  // namespace weightd::io

@@ -1,0 +1,93 @@
+// The one interface through which weightd touches checkpoint files. The
+// format layer, the fingerprint and the loaders never call open/pread/stat
+// themselves: they go through a FileSystem, so tests and benchmarks can put a
+// different one underneath (a latency-adding FUSE mount is just another path;
+// an in-memory file system is just another subclass).
+//
+// Thread safety: a FileSystem and every RandomAccessFile it opens are safe for
+// concurrent use from many threads; reads are positioned and share no cursor.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "weightd/result.h"
+
+namespace weightd::io {
+
+// What identifies one version of a file without reading it. Two stats that
+// give equal signatures are taken to be the same bytes (the fingerprint's
+// stat shortcut relies on this; see docs/fingerprint.md for what it misses).
+struct StatSignature {
+  uint64_t device = 0;
+  uint64_t inode = 0;
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  int64_t ctime_ns = 0;
+
+  bool operator==(const StatSignature&) const = default;
+};
+
+class RandomAccessFile {
+ public:
+  RandomAccessFile() = default;
+  RandomAccessFile(const RandomAccessFile&) = delete;
+  RandomAccessFile& operator=(const RandomAccessFile&) = delete;
+  virtual ~RandomAccessFile() = default;
+
+  virtual const std::string& path() const = 0;
+
+  // The size when the file was opened.
+  virtual uint64_t size() const = 0;
+
+  // Reads exactly dst.size() bytes starting at `offset`. Reading past the end
+  // is an error that says so (the file is shorter than its header claims, or
+  // it shrank while we read it).
+  virtual Status ReadExactly(uint64_t offset, std::span<std::byte> dst) const = 0;
+
+  // The file's signature now (not at open time).
+  virtual Result<StatSignature> Stat() const = 0;
+};
+
+enum class EntryType { kRegular, kDirectory, kSymlink, kOther };
+
+struct DirEntry {
+  std::string name;
+  EntryType type = EntryType::kOther;
+};
+
+class FileSystem {
+ public:
+  FileSystem() = default;
+  FileSystem(const FileSystem&) = delete;
+  FileSystem& operator=(const FileSystem&) = delete;
+  virtual ~FileSystem() = default;
+
+  virtual Result<std::unique_ptr<RandomAccessFile>> Open(const std::string& path) = 0;
+
+  // Follows symlinks.
+  virtual Result<StatSignature> Stat(const std::string& path) = 0;
+  virtual Result<bool> IsDirectory(const std::string& path) = 0;
+  virtual Result<bool> Exists(const std::string& path) = 0;
+
+  // Entries of a directory, without "." and "..", in no particular order.
+  virtual Result<std::vector<DirEntry>> ListDirectory(const std::string& path) = 0;
+
+  // The absolute path with every symlink resolved.
+  virtual Result<std::string> RealPath(const std::string& path) = 0;
+};
+
+// The host's file system, through POSIX calls.
+FileSystem& PosixFileSystem();
+
+// Joins a directory and a relative name with exactly one '/'.
+std::string JoinPath(const std::string& dir, const std::string& name);
+
+// The last component of a path ("a/b/c.safetensors" -> "c.safetensors").
+std::string BaseName(const std::string& path);
+
+}  // namespace weightd::io
