@@ -206,8 +206,8 @@ std::string FormatDouble(double v) {
   if (std::isnan(v)) return "nan";
   if (std::isinf(v)) return v < 0 ? "-inf" : "inf";
   char buf[64];
-  // Values that came from a float print in float's shortest form, so that a
-  // BF16 0.1 reads "0.10009765625"-free where float can say it shorter.
+  // A value that came from a float prints in float's shortest form, so a
+  // float 0.1 reads "0.1" rather than "0.10000000149011612".
   const float as_float = static_cast<float>(v);
   std::to_chars_result r = static_cast<double>(as_float) == v
                                ? std::to_chars(buf, buf + sizeof buf, as_float)

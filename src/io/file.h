@@ -21,7 +21,8 @@ namespace weightd::io {
 
 // What identifies one version of a file without reading it. Two stats that
 // give equal signatures are taken to be the same bytes (the fingerprint's
-// stat shortcut relies on this; see docs/fingerprint.md for what it misses).
+// stat shortcut relies on this). A rewrite that keeps size, mtime and ctime
+// is invisible to it, which needs privileges to arrange.
 struct StatSignature {
   uint64_t device = 0;
   uint64_t inode = 0;

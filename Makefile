@@ -1,0 +1,52 @@
+# Every target bootstraps itself on a fresh Debian 12 machine: it installs
+# the packages it needs (scripts/bootstrap), configures, builds, then runs.
+#
+#   make demo    the main job on a generated model (release build)
+#   make test    unit, conformance, CLI and fuzz tests under ASan/UBSan (clang)
+#   make bench   benchmarks; writes docs/benchmarks.md
+#   make fuzz    the fuzz targets for longer (FUZZ_SECONDS each)
+#   make format  clang-format the sources
+
+RELEASE := build/release
+ASAN := build/asan
+JOBS ?= $(shell nproc)
+FUZZ_SECONDS ?= 120
+
+.PHONY: all bootstrap release asan demo test bench fuzz format clean
+
+all: release
+
+bootstrap:
+	@scripts/bootstrap
+
+release: bootstrap
+	@test -f $(RELEASE)/build.ninja || cmake -S . -B $(RELEASE) -G Ninja \
+	  -DCMAKE_BUILD_TYPE=RelWithDebInfo -DWEIGHTD_BENCH=ON
+	@cmake --build $(RELEASE) -j $(JOBS)
+
+asan: bootstrap
+	@test -f $(ASAN)/build.ninja || CC=clang CXX=clang++ cmake -S . -B $(ASAN) -G Ninja \
+	  -DCMAKE_BUILD_TYPE=Debug -DWEIGHTD_SANITIZE=ON -DWEIGHTD_FUZZ=ON
+	@cmake --build $(ASAN) -j $(JOBS)
+
+demo: release
+	$(RELEASE)/weightd demo
+
+test: asan
+	cd $(ASAN) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
+	  ctest --output-on-failure -j $(JOBS)
+
+bench: release
+	scripts/bench $(RELEASE)
+
+fuzz: asan
+	mkdir -p $(ASAN)/fuzz/long-header $(ASAN)/fuzz/long-index
+	$(ASAN)/fuzz/header_fuzz -max_total_time=$(FUZZ_SECONDS) -max_len=65536 $(ASAN)/fuzz/long-header \
+	  ../shared/conformance/rules ../shared/conformance/safetensors-samples
+	$(ASAN)/fuzz/index_fuzz -max_total_time=$(FUZZ_SECONDS) -max_len=65536 $(ASAN)/fuzz/long-index fuzz/corpus/index
+
+format:
+	clang-format -i $$(git ls-files '*.cc' '*.h')
+
+clean:
+	rm -rf build

@@ -1,0 +1,154 @@
+#include "format/checkpoint.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "format/rules.h"
+#include "format/writer.h"
+#include "test_util.h"
+
+namespace weightd::format {
+namespace {
+
+using testing::TempDir;
+
+void WriteShardWith(const std::string& path, const std::vector<std::string>& names) {
+  std::vector<TensorData> tensors;
+  for (const auto& n : names) tensors.push_back({{n, DType::kU8, {4}}, std::vector<std::byte>(4)});
+  ASSERT_TRUE(WriteSafetensors(path, tensors).ok());
+}
+
+void WriteIndex(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& map) {
+  std::string json = R"({"metadata":{"total_size":0},"weight_map":{)";
+  for (size_t i = 0; i < map.size(); ++i) {
+    json += (i ? "," : "") + JsonQuote(map[i].first) + ":" + JsonQuote(map[i].second);
+  }
+  testing::WriteFileText(dir + "/" + std::string(kIndexFileName), json + "}}");
+}
+
+void ExpectError(const std::string& path, std::string_view rule, const std::string& also = "") {
+  auto ckpt = OpenCheckpoint(io::PosixFileSystem(), path);
+  ASSERT_FALSE(ckpt.ok()) << "accepted, wanted: " << rule;
+  EXPECT_NE(ckpt.error().message().find(rule), std::string::npos) << ckpt.error().message();
+  if (!also.empty()) {
+    EXPECT_NE(ckpt.error().message().find(also), std::string::npos) << ckpt.error().message();
+  }
+}
+
+TEST(Checkpoint, WithoutIndexEveryShardInNameOrder) {
+  TempDir dir;
+  WriteShardWith(dir.Join("b.safetensors"), {"x"});
+  WriteShardWith(dir.Join("a.safetensors"), {"y"});
+  testing::WriteFileText(dir.Join("README.md"), "not a shard");
+  auto ckpt = OpenCheckpoint(io::PosixFileSystem(), dir.path());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.error().message();
+  EXPECT_FALSE(ckpt->has_index);
+  ASSERT_EQ(ckpt->shards.size(), 2u);
+  EXPECT_EQ(ckpt->shards[0].name, "a.safetensors");
+  EXPECT_EQ(ckpt->tensor_count(), 2u);
+}
+
+TEST(Checkpoint, IndexDecidesWhichShardsBelong) {
+  TempDir dir;
+  WriteShardWith(dir.Join("m-1.safetensors"), {"a", "b"});
+  WriteShardWith(dir.Join("m-2.safetensors"), {"c"});
+  WriteShardWith(dir.Join("stale-copy.safetensors"), {"a"});  // unlisted: ignored
+  WriteIndex(dir.path(), {{"a", "m-1.safetensors"}, {"b", "m-1.safetensors"}, {"c", "m-2.safetensors"}});
+  auto ckpt = OpenCheckpoint(io::PosixFileSystem(), dir.path());
+  ASSERT_TRUE(ckpt.ok()) << ckpt.error().message();
+  EXPECT_TRUE(ckpt->has_index);
+  ASSERT_EQ(ckpt->shards.size(), 2u);
+  EXPECT_EQ(ckpt->shards[1].name, "m-2.safetensors");
+}
+
+TEST(Checkpoint, MissingShardIsAnError) {
+  TempDir dir;
+  WriteShardWith(dir.Join("m-1.safetensors"), {"a"});
+  WriteIndex(dir.path(), {{"a", "m-1.safetensors"}, {"b", "m-2.safetensors"}});
+  ExpectError(dir.path(), rules::kShardMissing, "m-2.safetensors");
+}
+
+TEST(Checkpoint, NamesThatLeaveTheDirectoryAreErrors) {
+  TempDir outside;
+  WriteShardWith(outside.Join("evil.safetensors"), {"a"});
+  for (const std::string& name : {std::string("../") + std::filesystem::path(outside.path()).filename().string() +
+                                      "/evil.safetensors",
+                                  outside.Join("evil.safetensors"), std::string("sub/../../x.safetensors")}) {
+    TempDir dir;
+    WriteIndex(dir.path(), {{"a", name}});
+    ExpectError(dir.path(), rules::kShardNameEscapes, name);
+  }
+}
+
+TEST(Checkpoint, SymlinkPointingOutsideIsAnError) {
+  TempDir outside, dir;
+  WriteShardWith(outside.Join("evil.safetensors"), {"a"});
+  ASSERT_EQ(::symlink(outside.Join("evil.safetensors").c_str(), dir.Join("m.safetensors").c_str()), 0);
+  ExpectError(dir.path(), rules::kShardNameEscapes, "m.safetensors");  // without an index
+  WriteIndex(dir.path(), {{"a", "m.safetensors"}});
+  ExpectError(dir.path(), rules::kShardNameEscapes, "m.safetensors");  // and with one
+}
+
+TEST(Checkpoint, SymlinkInsideAndHubCacheBlobsAreFine) {
+  TempDir dir;
+  WriteShardWith(dir.Join("real.bin"), {"a"});
+  ASSERT_EQ(::symlink("real.bin", dir.Join("m.safetensors").c_str()), 0);
+  EXPECT_TRUE(OpenCheckpoint(io::PosixFileSystem(), dir.path()).ok());
+
+  // models--org--name/snapshots/REV/model.safetensors -> ../../blobs/SHA
+  TempDir hub;
+  const std::string repo = hub.Join("models--org--name");
+  std::filesystem::create_directories(repo + "/blobs");
+  std::filesystem::create_directories(repo + "/snapshots/rev1");
+  WriteShardWith(repo + "/blobs/0123abcd", {"a"});
+  ASSERT_EQ(::symlink("../../blobs/0123abcd", (repo + "/snapshots/rev1/model.safetensors").c_str()), 0);
+  auto ckpt = OpenCheckpoint(io::PosixFileSystem(), repo + "/snapshots/rev1");
+  EXPECT_TRUE(ckpt.ok()) << ckpt.error().message();
+}
+
+TEST(Checkpoint, IndexedTensorMustBeInItsShard) {
+  TempDir dir;
+  WriteShardWith(dir.Join("m-1.safetensors"), {"a"});
+  WriteShardWith(dir.Join("m-2.safetensors"), {"b"});
+  WriteIndex(dir.path(), {{"a", "m-1.safetensors"}, {"b", "m-1.safetensors"}, {"c", "m-2.safetensors"}});
+  ExpectError(dir.path(), rules::kIndexTensorMissing, "`b`");
+}
+
+TEST(Checkpoint, TensorInTwoShardsIsAnError) {
+  TempDir dir;
+  WriteShardWith(dir.Join("a.safetensors"), {"w"});
+  WriteShardWith(dir.Join("b.safetensors"), {"w"});
+  ExpectError(dir.path(), rules::kTensorInTwoShards, "`w`");
+}
+
+TEST(Checkpoint, EmptyDirectoryAndMalformedIndexAreErrors) {
+  TempDir empty;
+  ExpectError(empty.path(), rules::kNoShards);
+  TempDir dir;
+  WriteShardWith(dir.Join("a.safetensors"), {"w"});
+  testing::WriteFileText(dir.Join(std::string(kIndexFileName)), R"({"weight_map":{"w":3}})");
+  ExpectError(dir.path(), rules::kIndexNotJson, "`w`");
+  testing::WriteFileText(dir.Join(std::string(kIndexFileName)), "{");
+  ExpectError(dir.path(), rules::kIndexNotJson);
+}
+
+TEST(Checkpoint, ABadShardIsNamedInTheError) {
+  TempDir dir;
+  WriteShardWith(dir.Join("a.safetensors"), {"w"});
+  testing::WriteFileText(dir.Join("b.safetensors"), "garbage!");
+  ExpectError(dir.path(), "b.safetensors");
+}
+
+TEST(Checkpoint, ASingleFileIsACheckpointOfOneShard) {
+  TempDir dir;
+  WriteShardWith(dir.Join("x.safetensors"), {"w"});
+  auto ckpt = OpenCheckpoint(io::PosixFileSystem(), dir.Join("x.safetensors"));
+  ASSERT_TRUE(ckpt.ok());
+  EXPECT_FALSE(ckpt->is_directory);
+  EXPECT_EQ(ckpt->shards.size(), 1u);
+}
+
+}  // namespace
+}  // namespace weightd::format

@@ -1,0 +1,69 @@
+// The weightd binary as a user runs it: a separate process, real files.
+#include <gtest/gtest.h>
+
+#include "test_util.h"
+
+namespace weightd {
+namespace {
+
+using testing::RunWeightd;
+using testing::TempDir;
+
+std::string ReadText(const std::string& path) {
+  auto bytes = testing::ReadFileBytes(path);
+  return std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size());
+}
+
+TEST(Cli, InspectJsonMatchesTheDocumentedGoldenOutput) {
+  TempDir dir;
+  ASSERT_EQ(RunWeightd({"make-checkpoint", "tiny", "--preset", "tiny", "--seed", "1"}, dir.path()).exit_code, 0);
+  auto r = RunWeightd({"inspect", "tiny", "--json"}, dir.path());
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_EQ(r.out, ReadText(testing::SourceDir() + "/tests/golden/inspect_tiny.json"))
+      << "inspect --json changed: update docs/cli.md and tests/golden/inspect_tiny.json together";
+}
+
+TEST(Cli, InspectOfABrokenFileExitsOneNamingTheRule) {
+  auto r = RunWeightd({"inspect", testing::ConformanceDir() + "/rules/overlapping_offsets.safetensors"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.out, "");
+  EXPECT_EQ(r.err.rfind("weightd: error: inspect: ", 0), 0u) << r.err;
+  EXPECT_NE(r.err.find("offsets must be contiguous and non-overlapping"), std::string::npos) << r.err;
+}
+
+TEST(Cli, UsageErrorsExitTwo) {
+  EXPECT_EQ(RunWeightd({"inspect"}).exit_code, 2);
+  EXPECT_EQ(RunWeightd({"frobnicate"}).exit_code, 2);
+  TempDir dir;
+  auto r = RunWeightd({"make-checkpoint", dir.Join("x"), "--preset", "llama", "--size", "lots"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("weightd: error: "), std::string::npos);
+  EXPECT_EQ(RunWeightd({"inspect", "--help"}).exit_code, 0);
+}
+
+TEST(Cli, ValuesPrintsTheReferenceSamplesNumbers) {
+  const std::string overall = testing::ConformanceDir() + "/safetensors-samples/overall.safetensors";
+  auto e = RunWeightd({"inspect", overall, "--values", "e"});
+  EXPECT_EQ(e.exit_code, 0) << e.err;
+  EXPECT_EQ(e.out, "-3 -2 -1 0 1 2\n");
+  auto i = RunWeightd({"inspect", overall, "--values", "I", "--json"});
+  EXPECT_EQ(i.out,
+            "{\"name\":\"I\",\"shard\":\"overall.safetensors\",\"dtype\":\"U32\",\"shape\":[6],"
+            "\"elements\":6,\"values\":[4294967293,4294967294,4294967295,0,1,2]}\n");
+  auto missing = RunWeightd({"inspect", overall, "--values", "nope"});
+  EXPECT_EQ(missing.exit_code, 1);
+  EXPECT_NE(missing.err.find("no tensor named `nope`"), std::string::npos);
+}
+
+TEST(Cli, MakeCheckpointReportsWhatItWrote) {
+  TempDir dir;
+  auto r = RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "many-tensors", "--tensors", "300", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.out.find("\"tensors\": 300"), std::string::npos) << r.out;
+  auto again = RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "tiny"});
+  EXPECT_EQ(again.exit_code, 1);
+  EXPECT_NE(again.err.find("already exists"), std::string::npos);
+}
+
+}  // namespace
+}  // namespace weightd

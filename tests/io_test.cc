@@ -1,0 +1,143 @@
+#include <gtest/gtest.h>
+
+#include <numeric>
+
+#include "io/file.h"
+#include "io/read_many.h"
+#include "test_util.h"
+
+namespace weightd::io {
+namespace {
+
+using testing::TempDir;
+
+std::vector<std::byte> Pattern(size_t n) {
+  std::vector<std::byte> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<std::byte>((i * 131 + i / 251) & 0xff);
+  return v;
+}
+
+TEST(PosixFile, ReadPastEndNamesTheFileAndSaysSo) {
+  TempDir dir;
+  testing::WriteFileBytes(dir.Join("f"), Pattern(100));
+  auto file = PosixFileSystem().Open(dir.Join("f"));
+  ASSERT_TRUE(file.ok()) << file.error().message();
+  EXPECT_EQ((*file)->size(), 100u);
+  std::vector<std::byte> buf(20);
+  EXPECT_TRUE((*file)->ReadExactly(80, buf).ok());
+  Status past = (*file)->ReadExactly(90, buf);
+  ASSERT_FALSE(past.ok());
+  EXPECT_NE(past.error().message().find("unexpected end of file"), std::string::npos);
+  EXPECT_NE(past.error().message().find(dir.Join("f")), std::string::npos);
+}
+
+TEST(PosixFile, OpeningADirectoryOrMissingFileFails) {
+  TempDir dir;
+  EXPECT_FALSE(PosixFileSystem().Open(dir.path()).ok());
+  EXPECT_FALSE(PosixFileSystem().Open(dir.Join("nope")).ok());
+}
+
+TEST(PosixFile, StatSignatureChangesWhenTheFileIsReplaced) {
+  TempDir dir;
+  testing::WriteFileBytes(dir.Join("f"), Pattern(10));
+  auto before = PosixFileSystem().Stat(dir.Join("f"));
+  ASSERT_TRUE(before.ok());
+  EXPECT_EQ(before->size, 10u);
+  auto again = PosixFileSystem().Stat(dir.Join("f"));
+  EXPECT_EQ(*before, *again);
+  testing::WriteFileBytes(dir.Join("g"), Pattern(10));
+  ASSERT_EQ(::rename(dir.Join("g").c_str(), dir.Join("f").c_str()), 0);
+  auto after = PosixFileSystem().Stat(dir.Join("f"));
+  ASSERT_TRUE(after.ok());
+  EXPECT_NE(before->inode, after->inode);
+  EXPECT_FALSE(*before == *after);
+}
+
+class ReadManyTest : public ::testing::TestWithParam<int> {};
+
+TEST_P(ReadManyTest, FillsEveryBufferWhateverTheConcurrency) {
+  TempDir dir;
+  const auto data = Pattern(1 << 16);
+  testing::WriteFileBytes(dir.Join("f"), data);
+  auto file = PosixFileSystem().Open(dir.Join("f"));
+  ASSERT_TRUE(file.ok());
+  std::vector<std::vector<std::byte>> bufs;
+  std::vector<ReadRequest> reqs;
+  for (uint64_t off = 0; off + 300 <= data.size(); off += 517) bufs.emplace_back(300);
+  uint64_t off = 0;
+  for (auto& b : bufs) {
+    reqs.push_back({file->get(), off, b});
+    off += 517;
+  }
+  ReadStats stats;
+  ASSERT_TRUE(ReadMany(reqs, {.max_inflight = GetParam()}, &stats).ok());
+  EXPECT_EQ(stats.reads, reqs.size());
+  EXPECT_EQ(stats.bytes, reqs.size() * 300);
+  for (size_t i = 0; i < bufs.size(); ++i) {
+    ASSERT_TRUE(std::equal(bufs[i].begin(), bufs[i].end(), data.begin() + static_cast<long>(i * 517)))
+        << "request " << i;
+  }
+}
+
+TEST_P(ReadManyTest, ReportsAFailedRead) {
+  TempDir dir;
+  testing::WriteFileBytes(dir.Join("f"), Pattern(1000));
+  auto file = PosixFileSystem().Open(dir.Join("f"));
+  ASSERT_TRUE(file.ok());
+  std::vector<std::byte> a(100), b(100);
+  std::vector<ReadRequest> reqs = {{file->get(), 0, a}, {file->get(), 950, b}};
+  Status s = ReadMany(reqs, {.max_inflight = GetParam()});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message().find("offset 950"), std::string::npos);
+}
+
+INSTANTIATE_TEST_SUITE_P(Inflight, ReadManyTest, ::testing::Values(1, 2, 8, 64));
+
+TEST(StreamFile, DeliversEveryChunkInFileOrder) {
+  TempDir dir;
+  const auto data = Pattern(1'000'003);
+  testing::WriteFileBytes(dir.Join("f"), data);
+  auto file = PosixFileSystem().Open(dir.Join("f"));
+  ASSERT_TRUE(file.ok());
+  for (int inflight : {1, 3, 8}) {
+    std::vector<std::byte> seen;
+    ReadStats stats;
+    Status s = StreamFile(**file, {.chunk_bytes = 65'537, .max_inflight = inflight},
+                          [&](uint64_t offset, std::span<const std::byte> chunk) {
+                            EXPECT_EQ(offset, seen.size());
+                            seen.insert(seen.end(), chunk.begin(), chunk.end());
+                            return OkStatus();
+                          },
+                          &stats);
+    ASSERT_TRUE(s.ok()) << s.error().message();
+    EXPECT_EQ(seen, data) << "inflight " << inflight;
+    EXPECT_EQ(stats.bytes, data.size());
+    EXPECT_EQ(stats.reads, (data.size() + 65'536) / 65'537);
+  }
+}
+
+TEST(StreamFile, StopsAtTheConsumersError) {
+  TempDir dir;
+  testing::WriteFileBytes(dir.Join("f"), Pattern(100'000));
+  auto file = PosixFileSystem().Open(dir.Join("f"));
+  ASSERT_TRUE(file.ok());
+  int calls = 0;
+  Status s = StreamFile(**file, {.chunk_bytes = 4096, .max_inflight = 4},
+                        [&](uint64_t offset, std::span<const std::byte>) {
+                          ++calls;
+                          return offset >= 8192 ? Status(Error("enough")) : OkStatus();
+                        });
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.error().message(), "enough");
+  EXPECT_EQ(calls, 3);
+}
+
+TEST(Paths, JoinAndBaseName) {
+  EXPECT_EQ(JoinPath("a", "b"), "a/b");
+  EXPECT_EQ(JoinPath("a/", "b"), "a/b");
+  EXPECT_EQ(BaseName("/x/y/model.safetensors"), "model.safetensors");
+  EXPECT_EQ(BaseName("dir/"), "dir");
+}
+
+}  // namespace
+}  // namespace weightd::io

@@ -1,0 +1,149 @@
+#include "format/safetensors.h"
+
+#include <gtest/gtest.h>
+
+#include <cstring>
+
+#include "format/rules.h"
+
+namespace weightd::format {
+namespace {
+
+// A whole file: the length prefix, `json`, then `data_bytes` zero bytes.
+std::vector<std::byte> File(const std::string& json, size_t data_bytes = 0) {
+  std::vector<std::byte> f(8 + json.size() + data_bytes, std::byte{0});
+  uint64_t n = json.size();
+  for (int i = 0; i < 8; ++i) f[static_cast<size_t>(i)] = static_cast<std::byte>((n >> (8 * i)) & 0xff);
+  std::memcpy(f.data() + 8, json.data(), json.size());
+  return f;
+}
+
+Result<ShardHeader> Parse(const std::vector<std::byte>& file) {
+  auto n = DecodeHeaderLength("f.safetensors", file, file.size());
+  if (!n.ok()) return n.error();
+  return ParseHeader("f.safetensors", std::span(file).subspan(8, *n), file.size());
+}
+
+// Asserts that parsing fails and that the message names the file, the rule
+// and (when given) the tensor.
+void ExpectRule(const std::vector<std::byte>& file, std::string_view rule,
+                const std::string& tensor = "") {
+  auto h = Parse(file);
+  ASSERT_FALSE(h.ok()) << "accepted, wanted: " << rule;
+  const std::string& msg = h.error().message();
+  EXPECT_NE(msg.find("f.safetensors"), std::string::npos) << msg;
+  EXPECT_NE(msg.find(rule), std::string::npos) << msg;
+  if (!tensor.empty()) {
+    EXPECT_NE(msg.find("tensor `" + tensor + "`"), std::string::npos) << msg;
+  }
+}
+
+TEST(Header, ParsesTensorsSortedByNameWithMetadata) {
+  auto h = Parse(File(
+      R"({"b":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+      R"("__metadata__":{"format":"pt","z":"1"},"a":{"dtype":"U8","shape":[3,1],"data_offsets":[8,11]}})",
+      11));
+  ASSERT_TRUE(h.ok()) << h.error().message();
+  ASSERT_EQ(h->tensors.size(), 2u);
+  EXPECT_EQ(h->tensors[0].name, "a");
+  EXPECT_EQ(h->tensors[0].elements, 3u);
+  EXPECT_EQ(h->tensors[0].begin, 8u);
+  EXPECT_EQ(h->tensors[1].dtype, DType::kF32);
+  EXPECT_EQ(h->data_bytes, 11u);
+  ASSERT_EQ(h->metadata.size(), 2u);
+  EXPECT_EQ(h->metadata[0], (std::pair<std::string, std::string>("format", "pt")));
+  EXPECT_NE(h->Find("b"), nullptr);
+  EXPECT_EQ(h->Find("c"), nullptr);
+}
+
+TEST(Header, UnknownFieldsAreIgnoredAsByTheReference) {
+  auto h = Parse(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"extra":[[1]]}})", 1));
+  EXPECT_TRUE(h.ok());
+}
+
+TEST(Header, NullMetadataIsNoMetadata) {
+  EXPECT_TRUE(Parse(File(R"({"__metadata__":null})")).ok());
+}
+
+TEST(Header, RulesOfTheEntries) {
+  ExpectRule(File(R"({"a":1})"), rules::kEntryNotObject, "a");
+  ExpectRule(File(R"({"a":{"shape":[1],"data_offsets":[0,1]}})", 1), rules::kMissingField, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}})", 1),
+             rules::kDuplicateField, "a");
+  ExpectRule(File(R"({"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]}})", 1), rules::kUnknownDType, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}})", 1), rules::kBadShape, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1.0],"data_offsets":[0,1]}})", 1), rules::kBadShape, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1,2]}})", 1), rules::kBadOffsets, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,-1]}})", 1), rules::kBadOffsets, "a");
+  ExpectRule(File(R"({"__metadata__":{"a":1}})"), rules::kMetadataNotStringMap);
+  ExpectRule(File(R"({"__metadata__":[]})"), rules::kMetadataNotStringMap);
+  ExpectRule(File(R"([])"), rules::kHeaderNotObject);
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}} x)", 1), rules::kHeaderNotJson);
+}
+
+TEST(Header, DuplicateNamesAreAnError) {
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
+                  R"("a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
+                  2),
+             rules::kDuplicateName, "a");
+}
+
+TEST(Header, GapsAndOverlapsAreAnError) {
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", 2), rules::kOffsetsContiguous, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
+                  R"("b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
+                  2),
+             rules::kOffsetsContiguous, "b");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[3,2]}})", 2), rules::kOffsetsContiguous, "a");
+}
+
+TEST(Header, SubByteTensorsMustEndOnAByte) {
+  ExpectRule(File(R"({"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}})", 2), rules::kSubByteBoundary, "a");
+  ExpectRule(File(R"({"a":{"dtype":"F6_E3M2","shape":[2],"data_offsets":[0,2]}})", 2),
+             rules::kSubByteBoundary, "a");
+  EXPECT_TRUE(Parse(File(R"({"a":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}})", 2)).ok());
+  EXPECT_TRUE(Parse(File(R"({"a":{"dtype":"F6_E2M3","shape":[2,2],"data_offsets":[0,3]}})", 3)).ok());
+}
+
+TEST(Header, LengthPrefixRules) {
+  std::vector<std::byte> seven(7);
+  ExpectRule(seven, rules::kFileTooShort);
+  // A length just under the limit on a short file is refused before any
+  // allocation of that size.
+  auto near_limit = File("{}");
+  const uint64_t n = kMaxHeaderBytes - 1;
+  for (int i = 0; i < 8; ++i) near_limit[static_cast<size_t>(i)] = static_cast<std::byte>((n >> (8 * i)) & 0xff);
+  ExpectRule(near_limit, rules::kHeaderPastEof);
+  auto over = File("{}");
+  over[4] = std::byte{1};
+  ExpectRule(over, rules::kHeaderTooLarge);
+}
+
+TEST(Header, DeepNestingIsRejectedQuickly) {
+  std::string deep = R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":)";
+  deep += std::string(100'000, '[') + std::string(100'000, ']') + "}}";
+  ExpectRule(File(deep, 1), rules::kHeaderNotJson);
+}
+
+TEST(Header, MillionsOfEntriesOnTheSameBytesCostLinearTime) {
+  // 300,000 empty tensors all at offset 0, then one real one: legal, and
+  // parsed in one pass plus a sort.
+  std::string json = "{";
+  for (int i = 0; i < 300'000; ++i) {
+    json += "\"t" + std::to_string(i) + R"(":{"dtype":"U8","shape":[0],"data_offsets":[0,0]},)";
+  }
+  json += R"("last":{"dtype":"U8","shape":[4],"data_offsets":[0,4]}})";
+  auto h = Parse(File(json, 4));
+  ASSERT_TRUE(h.ok()) << h.error().message();
+  EXPECT_EQ(h->tensors.size(), 300'001u);
+  // The same entries overlapping a non-empty tensor are refused.
+  std::string bad = "{";
+  for (int i = 0; i < 300'000; ++i) {
+    bad += "\"t" + std::to_string(i) + R"(":{"dtype":"U8","shape":[4],"data_offsets":[0,4]},)";
+  }
+  bad.back() = '}';
+  ExpectRule(File(bad, 4), rules::kOffsetsContiguous);
+}
+
+}  // namespace
+}  // namespace weightd::format
