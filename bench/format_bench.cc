@@ -83,8 +83,8 @@ HeaderRow MeasureHeaders(const std::string& name, const format::Checkpoint& ckpt
     parses.push_back(TimeIt([&] {
       for (size_t i = 0; i < ckpt.shards.size(); ++i) {
         const auto& s = ckpt.shards[i];
-        auto h = format::ParseHeader(s.path, std::span(headers[i]).subspan(format::kHeaderLengthBytes),
-                                     s.file_size);
+        auto h = format::ParseHeader(
+            s.path, std::span(headers[i]).subspan(format::kHeaderLengthBytes), s.file_size);
         if (!h.ok()) Die(h.error().message());
       }
     }));
@@ -125,7 +125,8 @@ int main(int argc, char** argv) {
   }
   cat += " > /dev/null";
   io::ReadStats stats;
-  if (!io::ReadFilesFully(io::PosixFileSystem(), paths, {}, &stats).ok()) Die("warm-up read failed");
+  if (!io::ReadFilesFully(io::PosixFileSystem(), paths, {}, &stats).ok())
+    Die("warm-up read failed");
   std::vector<double> ours, theirs;
   for (int r = 0; r < repeats; ++r) {
     ours.push_back(TimeIt([&] {
@@ -141,27 +142,32 @@ int main(int argc, char** argv) {
   struct utsname u;
   ::uname(&u);
   std::printf("# Benchmarks\n\n");
-  std::printf("Written by `make bench` (bench/format_bench.cc). Every figure is a ratio to a\n"
-              "reference measured in the same run on the same files; absolute times are shown\n"
-              "only to make the ratios checkable. Medians of %d repeats. Machine: %s %s, %ld cores.\n\n",
-              repeats, u.sysname, u.machine, ::sysconf(_SC_NPROCESSORS_ONLN));
+  std::printf(
+      "Written by `make bench` (bench/format_bench.cc). Every figure is a ratio to a\n"
+      "reference measured in the same run on the same files; absolute times are shown\n"
+      "only to make the ratios checkable. Medians of %d repeats. Machine: %s %s, %ld cores.\n\n",
+      repeats, u.sysname, u.machine, ::sysconf(_SC_NPROCESSORS_ONLN));
   std::printf("## Header parse and validate (format layer)\n\n");
   std::printf("Reference: reading the same header bytes (`pread`, page cache warm).\n\n");
-  std::printf("| checkpoint | shards | tensors | header bytes | read | parse+validate | tensors/s | parse / read |\n");
+  std::printf(
+      "| checkpoint | shards | tensors | header bytes | read | parse+validate | tensors/s | parse "
+      "/ read |\n");
   std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
   for (const auto& r : rows) {
-    std::printf("| %s | %llu | %llu | %llu | %.2f ms | %.2f ms | %.2f M | %.1fx |\n", r.name.c_str(),
-                static_cast<unsigned long long>(r.shards), static_cast<unsigned long long>(r.tensors),
+    std::printf("| %s | %llu | %llu | %llu | %.2f ms | %.2f ms | %.2f M | %.1fx |\n",
+                r.name.c_str(), static_cast<unsigned long long>(r.shards),
+                static_cast<unsigned long long>(r.tensors),
                 static_cast<unsigned long long>(r.header_bytes), r.read_s * 1e3, r.parse_s * 1e3,
                 static_cast<double>(r.tensors) / r.parse_s / 1e6, r.parse_s / r.read_s);
   }
   std::printf("\n## Full sequential read (io layer)\n\n");
-  std::printf("A llama checkpoint of %.2f GB in %zu shards, page cache warm. Reference: `cat` of\n"
-              "the same files to /dev/null.\n\n",
-              gb, paths.size());
+  std::printf(
+      "A llama checkpoint of %.2f GB in %zu shards, page cache warm. Reference: `cat` of\n"
+      "the same files to /dev/null.\n\n",
+      gb, paths.size());
   std::printf("| reader | time | GB/s | throughput vs cat |\n| --- | ---: | ---: | ---: |\n");
   std::printf("| cat | %.3f s | %.2f | 1.00x |\n", cat_s, gb / cat_s);
-  std::printf("| weightd io (StreamFile, 8 MiB chunks, 4 in flight) | %.3f s | %.2f | %.2fx |\n", ours_s,
-              gb / ours_s, cat_s / ours_s);
+  std::printf("| weightd io (StreamFile, 256 KiB chunks, 2 in flight) | %.3f s | %.2f | %.2fx |\n",
+              ours_s, gb / ours_s, cat_s / ours_s);
   return 0;
 }

@@ -20,7 +20,8 @@ void WriteShardWith(const std::string& path, const std::vector<std::string>& nam
   ASSERT_TRUE(WriteSafetensors(path, tensors).ok());
 }
 
-void WriteIndex(const std::string& dir, const std::vector<std::pair<std::string, std::string>>& map) {
+void WriteIndex(const std::string& dir,
+                const std::vector<std::pair<std::string, std::string>>& map) {
   std::string json = R"({"metadata":{"total_size":0},"weight_map":{)";
   for (size_t i = 0; i < map.size(); ++i) {
     json += (i ? "," : "") + JsonQuote(map[i].first) + ":" + JsonQuote(map[i].second);
@@ -55,7 +56,8 @@ TEST(Checkpoint, IndexDecidesWhichShardsBelong) {
   WriteShardWith(dir.Join("m-1.safetensors"), {"a", "b"});
   WriteShardWith(dir.Join("m-2.safetensors"), {"c"});
   WriteShardWith(dir.Join("stale-copy.safetensors"), {"a"});  // unlisted: ignored
-  WriteIndex(dir.path(), {{"a", "m-1.safetensors"}, {"b", "m-1.safetensors"}, {"c", "m-2.safetensors"}});
+  WriteIndex(dir.path(),
+             {{"a", "m-1.safetensors"}, {"b", "m-1.safetensors"}, {"c", "m-2.safetensors"}});
   auto ckpt = OpenCheckpoint(io::PosixFileSystem(), dir.path());
   ASSERT_TRUE(ckpt.ok()) << ckpt.error().message();
   EXPECT_TRUE(ckpt->has_index);
@@ -73,9 +75,10 @@ TEST(Checkpoint, MissingShardIsAnError) {
 TEST(Checkpoint, NamesThatLeaveTheDirectoryAreErrors) {
   TempDir outside;
   WriteShardWith(outside.Join("evil.safetensors"), {"a"});
-  for (const std::string& name : {std::string("../") + std::filesystem::path(outside.path()).filename().string() +
-                                      "/evil.safetensors",
-                                  outside.Join("evil.safetensors"), std::string("sub/../../x.safetensors")}) {
+  for (const std::string& name :
+       {std::string("../") + std::filesystem::path(outside.path()).filename().string() +
+            "/evil.safetensors",
+        outside.Join("evil.safetensors"), std::string("sub/../../x.safetensors")}) {
     TempDir dir;
     WriteIndex(dir.path(), {{"a", name}});
     ExpectError(dir.path(), rules::kShardNameEscapes, name);
@@ -85,7 +88,8 @@ TEST(Checkpoint, NamesThatLeaveTheDirectoryAreErrors) {
 TEST(Checkpoint, SymlinkPointingOutsideIsAnError) {
   TempDir outside, dir;
   WriteShardWith(outside.Join("evil.safetensors"), {"a"});
-  ASSERT_EQ(::symlink(outside.Join("evil.safetensors").c_str(), dir.Join("m.safetensors").c_str()), 0);
+  ASSERT_EQ(::symlink(outside.Join("evil.safetensors").c_str(), dir.Join("m.safetensors").c_str()),
+            0);
   ExpectError(dir.path(), rules::kShardNameEscapes, "m.safetensors");  // without an index
   WriteIndex(dir.path(), {{"a", "m.safetensors"}});
   ExpectError(dir.path(), rules::kShardNameEscapes, "m.safetensors");  // and with one
@@ -103,7 +107,8 @@ TEST(Checkpoint, SymlinkInsideAndHubCacheBlobsAreFine) {
   std::filesystem::create_directories(repo + "/blobs");
   std::filesystem::create_directories(repo + "/snapshots/rev1");
   WriteShardWith(repo + "/blobs/0123abcd", {"a"});
-  ASSERT_EQ(::symlink("../../blobs/0123abcd", (repo + "/snapshots/rev1/model.safetensors").c_str()), 0);
+  ASSERT_EQ(::symlink("../../blobs/0123abcd", (repo + "/snapshots/rev1/model.safetensors").c_str()),
+            0);
   auto ckpt = OpenCheckpoint(io::PosixFileSystem(), repo + "/snapshots/rev1");
   EXPECT_TRUE(ckpt.ok()) << ckpt.error().message();
 }
@@ -112,7 +117,8 @@ TEST(Checkpoint, IndexedTensorMustBeInItsShard) {
   TempDir dir;
   WriteShardWith(dir.Join("m-1.safetensors"), {"a"});
   WriteShardWith(dir.Join("m-2.safetensors"), {"b"});
-  WriteIndex(dir.path(), {{"a", "m-1.safetensors"}, {"b", "m-1.safetensors"}, {"c", "m-2.safetensors"}});
+  WriteIndex(dir.path(),
+             {{"a", "m-1.safetensors"}, {"b", "m-1.safetensors"}, {"c", "m-2.safetensors"}});
   ExpectError(dir.path(), rules::kIndexTensorMissing, "`b`");
 }
 

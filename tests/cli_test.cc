@@ -16,7 +16,9 @@ std::string ReadText(const std::string& path) {
 
 TEST(Cli, InspectJsonMatchesTheDocumentedGoldenOutput) {
   TempDir dir;
-  ASSERT_EQ(RunWeightd({"make-checkpoint", "tiny", "--preset", "tiny", "--seed", "1"}, dir.path()).exit_code, 0);
+  ASSERT_EQ(RunWeightd({"make-checkpoint", "tiny", "--preset", "tiny", "--seed", "1"}, dir.path())
+                .exit_code,
+            0);
   auto r = RunWeightd({"inspect", "tiny", "--json"}, dir.path());
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_EQ(r.out, ReadText(testing::SourceDir() + "/tests/golden/inspect_tiny.json"))
@@ -24,11 +26,13 @@ TEST(Cli, InspectJsonMatchesTheDocumentedGoldenOutput) {
 }
 
 TEST(Cli, InspectOfABrokenFileExitsOneNamingTheRule) {
-  auto r = RunWeightd({"inspect", testing::ConformanceDir() + "/rules/overlapping_offsets.safetensors"});
+  auto r =
+      RunWeightd({"inspect", testing::ConformanceDir() + "/rules/overlapping_offsets.safetensors"});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_EQ(r.out, "");
   EXPECT_EQ(r.err.rfind("weightd: error: inspect: ", 0), 0u) << r.err;
-  EXPECT_NE(r.err.find("offsets must be contiguous and non-overlapping"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("offsets must be contiguous and non-overlapping"), std::string::npos)
+      << r.err;
 }
 
 TEST(Cli, UsageErrorsExitTwo) {
@@ -42,7 +46,8 @@ TEST(Cli, UsageErrorsExitTwo) {
 }
 
 TEST(Cli, ValuesPrintsTheReferenceSamplesNumbers) {
-  const std::string overall = testing::ConformanceDir() + "/safetensors-samples/overall.safetensors";
+  const std::string overall =
+      testing::ConformanceDir() + "/safetensors-samples/overall.safetensors";
   auto e = RunWeightd({"inspect", overall, "--values", "e"});
   EXPECT_EQ(e.exit_code, 0) << e.err;
   EXPECT_EQ(e.out, "-3 -2 -1 0 1 2\n");
@@ -57,12 +62,38 @@ TEST(Cli, ValuesPrintsTheReferenceSamplesNumbers) {
 
 TEST(Cli, MakeCheckpointReportsWhatItWrote) {
   TempDir dir;
-  auto r = RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "many-tensors", "--tensors", "300", "--json"});
+  auto r = RunWeightd(
+      {"make-checkpoint", dir.Join("m"), "--preset", "many-tensors", "--tensors", "300", "--json"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
   EXPECT_NE(r.out.find("\"tensors\": 300"), std::string::npos) << r.out;
   auto again = RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "tiny"});
   EXPECT_EQ(again.exit_code, 1);
   EXPECT_NE(again.err.find("already exists"), std::string::npos);
+}
+
+TEST(Cli, NamesFromFilesCannotCorruptTheOutput) {
+  TempDir dir;
+  // A tensor name holding a terminal escape, in a file whose name is not UTF-8.
+  const std::string path = dir.Join("x\xff.safetensors");
+  const std::string json = R"({"a\u001b[31m":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}})";
+  std::string file(8, '\0');
+  file[0] = static_cast<char>(json.size());
+  testing::WriteFileText(path, file + json + "z");
+  auto text = RunWeightd({"inspect", path});
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_EQ(text.out.find('\x1b'), std::string::npos);
+  EXPECT_NE(text.out.find("a\\x1b[31m"), std::string::npos) << text.out;
+  auto json_out = RunWeightd({"inspect", path, "--json"});
+  EXPECT_EQ(json_out.exit_code, 0) << json_out.err;
+  EXPECT_NE(json_out.out.find("\"a\\u001b[31m\""), std::string::npos) << json_out.out;
+}
+
+TEST(Cli, OutOfRangeGeneratorOptionsAreUsageErrors) {
+  TempDir dir;
+  for (const char* flag : {"--layers", "--experts", "--tensors", "--shards"}) {
+    auto r = RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "k3-layout", flag, "-1"});
+    EXPECT_EQ(r.exit_code, 2) << flag << ": " << r.err;
+  }
 }
 
 }  // namespace

@@ -26,7 +26,8 @@ std::vector<std::string> DecodeAll(const std::string& path, const std::string& t
   std::vector<std::byte> bytes(t->bytes());
   EXPECT_TRUE((*file)->ReadExactly(shard.header.data_offset() + t->begin, bytes).ok());
   std::vector<std::string> out;
-  for (uint64_t i = 0; i < t->elements; ++i) out.push_back(FormatElement(DecodeElement(t->dtype, bytes, i)));
+  for (uint64_t i = 0; i < t->elements; ++i)
+    out.push_back(FormatElement(DecodeElement(t->dtype, bytes, i)));
   EXPECT_EQ(shard.header.metadata.size(), 1u);
   if (!shard.header.metadata.empty()) {
     EXPECT_EQ(shard.header.metadata[0], (std::pair<std::string, std::string>("test", "a")));
@@ -41,7 +42,12 @@ TEST(Conformance, ReferenceSamplesDecodeToTheirListedValues) {
       {"B", {"253", "254", "255", "0", "1", "2"}},
       {"H", {"65533", "65534", "65535", "0", "1", "2"}},
       {"I", {"4294967293", "4294967294", "4294967295", "0", "1", "2"}},
-      {"b", small}, {"h", small}, {"i", small}, {"e", small}, {"f", small}, {"d", small},
+      {"b", small},
+      {"h", small},
+      {"i", small},
+      {"e", small},
+      {"f", small},
+      {"d", small},
   };
   for (const auto& [name, values] : expected) {
     EXPECT_EQ(DecodeAll(dir + name + ".safetensors", name), values) << name;

@@ -74,7 +74,8 @@ TEST_P(ReadManyTest, FillsEveryBufferWhateverTheConcurrency) {
   EXPECT_EQ(stats.reads, reqs.size());
   EXPECT_EQ(stats.bytes, reqs.size() * 300);
   for (size_t i = 0; i < bufs.size(); ++i) {
-    ASSERT_TRUE(std::equal(bufs[i].begin(), bufs[i].end(), data.begin() + static_cast<long>(i * 517)))
+    ASSERT_TRUE(
+        std::equal(bufs[i].begin(), bufs[i].end(), data.begin() + static_cast<long>(i * 517)))
         << "request " << i;
   }
 }
@@ -102,13 +103,14 @@ TEST(StreamFile, DeliversEveryChunkInFileOrder) {
   for (int inflight : {1, 3, 8}) {
     std::vector<std::byte> seen;
     ReadStats stats;
-    Status s = StreamFile(**file, {.chunk_bytes = 65'537, .max_inflight = inflight},
-                          [&](uint64_t offset, std::span<const std::byte> chunk) {
-                            EXPECT_EQ(offset, seen.size());
-                            seen.insert(seen.end(), chunk.begin(), chunk.end());
-                            return OkStatus();
-                          },
-                          &stats);
+    Status s = StreamFile(
+        **file, {.chunk_bytes = 65'537, .max_inflight = inflight},
+        [&](uint64_t offset, std::span<const std::byte> chunk) {
+          EXPECT_EQ(offset, seen.size());
+          seen.insert(seen.end(), chunk.begin(), chunk.end());
+          return OkStatus();
+        },
+        &stats);
     ASSERT_TRUE(s.ok()) << s.error().message();
     EXPECT_EQ(seen, data) << "inflight " << inflight;
     EXPECT_EQ(stats.bytes, data.size());

@@ -13,7 +13,8 @@ namespace {
 std::vector<std::byte> File(const std::string& json, size_t data_bytes = 0) {
   std::vector<std::byte> f(8 + json.size() + data_bytes, std::byte{0});
   uint64_t n = json.size();
-  for (int i = 0; i < 8; ++i) f[static_cast<size_t>(i)] = static_cast<std::byte>((n >> (8 * i)) & 0xff);
+  for (int i = 0; i < 8; ++i)
+    f[static_cast<size_t>(i)] = static_cast<std::byte>((n >> (8 * i)) & 0xff);
   std::memcpy(f.data() + 8, json.data(), json.size());
   return f;
 }
@@ -70,15 +71,21 @@ TEST(Header, RulesOfTheEntries) {
   ExpectRule(File(R"({"a":{"shape":[1],"data_offsets":[0,1]}})", 1), rules::kMissingField, "a");
   ExpectRule(File(R"({"a":{"dtype":"U8","dtype":"U8","shape":[1],"data_offsets":[0,1]}})", 1),
              rules::kDuplicateField, "a");
-  ExpectRule(File(R"({"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]}})", 1), rules::kUnknownDType, "a");
-  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}})", 1), rules::kBadShape, "a");
-  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1.0],"data_offsets":[0,1]}})", 1), rules::kBadShape, "a");
-  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1,2]}})", 1), rules::kBadOffsets, "a");
-  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,-1]}})", 1), rules::kBadOffsets, "a");
+  ExpectRule(File(R"({"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]}})", 1),
+             rules::kUnknownDType, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[-1],"data_offsets":[0,1]}})", 1), rules::kBadShape,
+             "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1.0],"data_offsets":[0,1]}})", 1),
+             rules::kBadShape, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1,2]}})", 1),
+             rules::kBadOffsets, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,-1]}})", 1),
+             rules::kBadOffsets, "a");
   ExpectRule(File(R"({"__metadata__":{"a":1}})"), rules::kMetadataNotStringMap);
   ExpectRule(File(R"({"__metadata__":[]})"), rules::kMetadataNotStringMap);
   ExpectRule(File(R"([])"), rules::kHeaderNotObject);
-  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}} x)", 1), rules::kHeaderNotJson);
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]}} x)", 1),
+             rules::kHeaderNotJson);
 }
 
 TEST(Header, DuplicateNamesAreAnError) {
@@ -89,20 +96,24 @@ TEST(Header, DuplicateNamesAreAnError) {
 }
 
 TEST(Header, GapsAndOverlapsAreAnError) {
-  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", 2), rules::kOffsetsContiguous, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})", 2),
+             rules::kOffsetsContiguous, "a");
   ExpectRule(File(R"({"a":{"dtype":"U8","shape":[2],"data_offsets":[0,2]},)"
                   R"("b":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
                   2),
              rules::kOffsetsContiguous, "b");
-  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[3,2]}})", 2), rules::kOffsetsContiguous, "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[3,2]}})", 2),
+             rules::kOffsetsContiguous, "a");
 }
 
 TEST(Header, SubByteTensorsMustEndOnAByte) {
-  ExpectRule(File(R"({"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}})", 2), rules::kSubByteBoundary, "a");
+  ExpectRule(File(R"({"a":{"dtype":"F4","shape":[3],"data_offsets":[0,2]}})", 2),
+             rules::kSubByteBoundary, "a");
   ExpectRule(File(R"({"a":{"dtype":"F6_E3M2","shape":[2],"data_offsets":[0,2]}})", 2),
              rules::kSubByteBoundary, "a");
   EXPECT_TRUE(Parse(File(R"({"a":{"dtype":"F4","shape":[4],"data_offsets":[0,2]}})", 2)).ok());
-  EXPECT_TRUE(Parse(File(R"({"a":{"dtype":"F6_E2M3","shape":[2,2],"data_offsets":[0,3]}})", 3)).ok());
+  EXPECT_TRUE(
+      Parse(File(R"({"a":{"dtype":"F6_E2M3","shape":[2,2],"data_offsets":[0,3]}})", 3)).ok());
 }
 
 TEST(Header, LengthPrefixRules) {
@@ -112,7 +123,8 @@ TEST(Header, LengthPrefixRules) {
   // allocation of that size.
   auto near_limit = File("{}");
   const uint64_t n = kMaxHeaderBytes - 1;
-  for (int i = 0; i < 8; ++i) near_limit[static_cast<size_t>(i)] = static_cast<std::byte>((n >> (8 * i)) & 0xff);
+  for (int i = 0; i < 8; ++i)
+    near_limit[static_cast<size_t>(i)] = static_cast<std::byte>((n >> (8 * i)) & 0xff);
   ExpectRule(near_limit, rules::kHeaderPastEof);
   auto over = File("{}");
   over[4] = std::byte{1};

@@ -54,7 +54,8 @@ TEST(Synthetic, FinetuneKeepsTheLayoutAndChangesEveryTensor) {
     EXPECT_EQ(bt[i].shape, tt[i].shape);
     EXPECT_EQ(bt[i].begin, tt[i].begin);
     // Within the first 8 bytes: what a sampled fingerprint reads first.
-    EXPECT_NE(TensorBytes(base.shards[0], bt[i], 8), TensorBytes(tuned.shards[0], tt[i], 8)) << bt[i].name;
+    EXPECT_NE(TensorBytes(base.shards[0], bt[i], 8), TensorBytes(tuned.shards[0], tt[i], 8))
+        << bt[i].name;
   }
   EXPECT_EQ(base.shards[0].header.header_bytes, tuned.shards[0].header.header_bytes);
 }
@@ -66,13 +67,15 @@ TEST(Synthetic, FloatValuesAreFinite) {
     if (!IsFloatingPoint(t.dtype)) continue;
     auto bytes = TensorBytes(c.shards[0], t);
     for (uint64_t i = 0; i < t.elements; ++i) {
-      EXPECT_TRUE(std::isfinite(std::get<double>(DecodeElement(t.dtype, bytes, i)))) << t.name << "[" << i << "]";
+      EXPECT_TRUE(std::isfinite(std::get<double>(DecodeElement(t.dtype, bytes, i))))
+          << t.name << "[" << i << "]";
     }
   }
 }
 
 TEST(Synthetic, FillDoesNotDependOnHowTheTensorIsCut) {
-  TensorInfo t{.name = "w", .dtype = DType::kBF16, .shape = {100}, .elements = 100, .begin = 0, .end = 200};
+  TensorInfo t{
+      .name = "w", .dtype = DType::kBF16, .shape = {100}, .elements = 100, .begin = 0, .end = 200};
   std::vector<std::byte> whole(200), pieces(200);
   FillSyntheticTensor(5, false, t, 0, whole);
   for (size_t off = 0; off < 200;) {
@@ -89,8 +92,9 @@ TEST(Synthetic, LlamaIsShardedWithAnIndexAndNearItsSize) {
   EXPECT_TRUE(c.has_index);
   EXPECT_EQ(c.shards.size(), 4u);
   EXPECT_NEAR(static_cast<double>(c.data_bytes()), 64.0 * (1 << 20), 0.25 * 64 * (1 << 20));
-  for (const char* name : {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
-                           "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"}) {
+  for (const char* name :
+       {"model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.mlp.down_proj.weight", "model.norm.weight", "lm_head.weight"}) {
     bool found = false;
     for (const Shard& s : c.shards) found |= s.header.Find(name) != nullptr;
     EXPECT_TRUE(found) << name;
@@ -120,7 +124,8 @@ TEST(Synthetic, K3LayoutIsSparseAndFullSizeIsAboutSeventyThousandTensors) {
   EXPECT_GT(full->data_bytes / 50, 10ull << 30);  // tens of GB per shard
 
   TempDir dir;
-  Checkpoint c = Make(dir.Join("k3"), {.preset = "k3-layout", .layers = 1, .experts = 4, .shards = 3});
+  Checkpoint c =
+      Make(dir.Join("k3"), {.preset = "k3-layout", .layers = 1, .experts = 4, .shards = 3});
   ASSERT_EQ(c.shards.size(), 3u);
   uint64_t allocated = 0;
   for (const Shard& s : c.shards) {

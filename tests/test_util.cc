@@ -33,11 +33,14 @@ std::vector<std::byte> ReadFileBytes(const std::string& path) {
 
 void WriteFileBytes(const std::string& path, const std::vector<std::byte>& bytes) {
   std::ofstream out(path, std::ios::binary | std::ios::trunc);
-  out.write(reinterpret_cast<const char*>(bytes.data()), static_cast<std::streamsize>(bytes.size()));
+  out.write(reinterpret_cast<const char*>(bytes.data()),
+            static_cast<std::streamsize>(bytes.size()));
   if (!out) throw std::runtime_error("cannot write " + path);
 }
 
-void WriteFileText(const std::string& path, const std::string& text) { WriteFileBytes(path, Bytes(text)); }
+void WriteFileText(const std::string& path, const std::string& text) {
+  WriteFileBytes(path, Bytes(text));
+}
 
 std::vector<std::byte> Bytes(const std::string& text) {
   std::vector<std::byte> out(text.size());

@@ -1,7 +1,6 @@
 #include "format/writer.h"
 
 #include <gtest/gtest.h>
-
 #include <sys/stat.h>
 
 #include <random>
@@ -99,7 +98,8 @@ TEST(Writer, SameTensorsInAnyOrderGiveTheSameBytes) {
   for (int i = 0; i < 20; ++i) {
     const auto dtype = static_cast<DType>(rng() % kDTypeCount);
     std::vector<uint64_t> shape = {8, 1 + rng() % 5};
-    tensors.push_back({{"w" + std::to_string(i), dtype, shape}, RandomBytes(rng, BytesOf(dtype, shape))});
+    tensors.push_back(
+        {{"w" + std::to_string(i), dtype, shape}, RandomBytes(rng, BytesOf(dtype, shape))});
   }
   ASSERT_TRUE(WriteSafetensors(dir.Join("a"), tensors, {{"a", "1"}, {"b", "2"}}).ok());
   std::shuffle(tensors.begin(), tensors.end(), rng);
@@ -108,13 +108,18 @@ TEST(Writer, SameTensorsInAnyOrderGiveTheSameBytes) {
 }
 
 TEST(Writer, ReferenceLayoutWidestDTypeFirstMetadataFirst) {
-  auto layout = LayoutShard({{"b", DType::kU8, {3}}, {"a", DType::kF64, {1}}, {"c", DType::kF64, {1}}},
-                            {{"format", "pt"}});
+  auto layout =
+      LayoutShard({{"b", DType::kU8, {3}}, {"a", DType::kF64, {1}}, {"c", DType::kF64, {1}}},
+                  {{"format", "pt"}});
   ASSERT_TRUE(layout.ok());
   EXPECT_EQ(layout->tensors[0].name, "a");
   EXPECT_EQ(layout->tensors[1].name, "c");
   EXPECT_EQ(layout->tensors[2].name, "b");
-  EXPECT_EQ(layout->header_json.rfind(R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]})", 0), 0u)
+  EXPECT_EQ(
+      layout->header_json.rfind(
+          R"({"__metadata__":{"format":"pt"},"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]})",
+          0),
+      0u)
       << layout->header_json;
   EXPECT_EQ(layout->header_json.size() % 8, 0u);
 }

@@ -32,7 +32,7 @@ class Error {
 template <typename T>
 class [[nodiscard]] Result {
  public:
-  Result(T value) : state_(std::move(value)) {}   // NOLINT: implicit by design
+  Result(T value) : state_(std::move(value)) {}      // NOLINT: implicit by design
   Result(Error error) : state_(std::move(error)) {}  // NOLINT: implicit by design
 
   bool ok() const { return state_.index() == 0; }
@@ -97,12 +97,12 @@ inline Status OkStatus() { return Status(); }
 
 // Returns the error of a Status- or Result-valued expression from the
 // enclosing function.
-#define WEIGHTD_RETURN_IF_ERROR(expr)               \
-  do {                                              \
-    auto weightd_status_ = (expr);                  \
-    if (!weightd_status_.ok()) {                    \
-      return weightd_status_.error();               \
-    }                                               \
+#define WEIGHTD_RETURN_IF_ERROR(expr) \
+  do {                                \
+    auto weightd_status_ = (expr);    \
+    if (!weightd_status_.ok()) {      \
+      return weightd_status_.error(); \
+    }                                 \
   } while (false)
 
 // `WEIGHTD_ASSIGN_OR_RETURN(auto x, Compute());` declares x with the value, or

@@ -1,10 +1,9 @@
 // `weightd inspect PATH [--json] [--values NAME [--limit N]]`
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-
 #include <cmath>
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 
 #include "cli/output.h"
 #include "format/checkpoint.h"
@@ -69,20 +68,24 @@ void PrintJson(const Checkpoint& ckpt) {
   out["total_tensors"] = ckpt.tensor_count();
   out["total_bytes"] = ckpt.data_bytes();
   out["file_bytes"] = ckpt.file_bytes();
-  std::cout << out.dump(2) << "\n";
+  std::cout << DumpJson(out, 2) << "\n";
 }
 
 void PrintText(const Checkpoint& ckpt) {
-  std::cout << ckpt.path << ": " << (ckpt.is_directory ? "checkpoint" : "safetensors file") << ", "
-            << ckpt.shards.size() << (ckpt.shards.size() == 1 ? " shard" : " shards")
+  std::cout << Printable(ckpt.path) << ": "
+            << (ckpt.is_directory ? "checkpoint" : "safetensors file") << ", " << ckpt.shards.size()
+            << (ckpt.shards.size() == 1 ? " shard" : " shards")
             << (ckpt.has_index ? " (from model.safetensors.index.json)" : "") << "\n";
   for (const Shard& s : ckpt.shards) {
-    std::cout << "\n" << s.name << ": " << s.header.tensors.size() << " tensors, "
+    std::cout << "\n"
+              << Printable(s.name) << ": " << s.header.tensors.size() << " tensors, "
               << FormatBytes(s.file_size) << ", header " << s.header.header_bytes << " bytes\n";
-    for (const auto& [k, v] : s.header.metadata) std::cout << "  metadata " << k << " = " << v << "\n";
+    for (const auto& [k, v] : s.header.metadata)
+      std::cout << "  metadata " << Printable(k) << " = " << Printable(v) << "\n";
     for (const TensorInfo& t : s.header.tensors) {
-      std::cout << "  " << t.name << "  " << format::DTypeName(t.dtype) << " " << ShapeText(t.shape)
-                << "  offset " << s.header.data_offset() + t.begin << "  " << t.bytes() << " bytes\n";
+      std::cout << "  " << Printable(t.name) << "  " << format::DTypeName(t.dtype) << " "
+                << ShapeText(t.shape) << "  offset " << s.header.data_offset() + t.begin << "  "
+                << t.bytes() << " bytes\n";
     }
   }
   std::cout << "\ntotal: " << ckpt.tensor_count() << " tensors, " << FormatBytes(ckpt.data_bytes())
@@ -111,16 +114,17 @@ int PrintValues(const Checkpoint& ckpt, const InspectOptions& o) {
       break;
     }
   }
-  if (tensor == nullptr) return ReportError("inspect", ckpt.path + ": no tensor named `" + o.values + "`");
+  if (tensor == nullptr)
+    return ReportError("inspect", ckpt.path + ": no tensor named `" + o.values + "`");
 
   auto file = io::PosixFileSystem().Open(shard->path);
   if (!file.ok()) return ReportError("inspect", file.error().message());
 
   const uint64_t count = o.limit ? std::min(o.limit, tensor->elements) : tensor->elements;
   if (o.json) {
-    std::cout << "{\"name\":" << nlohmann::json(tensor->name).dump() << ",\"shard\":"
-              << nlohmann::json(shard->name).dump() << ",\"dtype\":\""
-              << format::DTypeName(tensor->dtype) << "\",\"shape\":" << ShapeJson(tensor->shape).dump()
+    std::cout << "{\"name\":" << DumpJson(tensor->name) << ",\"shard\":" << DumpJson(shard->name)
+              << ",\"dtype\":\"" << format::DTypeName(tensor->dtype)
+              << "\",\"shape\":" << ShapeJson(tensor->shape).dump()
               << ",\"elements\":" << tensor->elements << ",\"values\":[";
   }
   // Read in pieces of whole elements (24 bytes hold a whole number of
@@ -135,7 +139,8 @@ int PrintValues(const Checkpoint& ckpt, const InspectOptions& o) {
     const uint64_t byte_begin = first * bits / 8;
     const uint64_t byte_len = (n * bits + 7) / 8;
     buf.resize(static_cast<size_t>(byte_len));
-    Status read = (*file)->ReadExactly(shard->header.data_offset() + tensor->begin + byte_begin, buf);
+    Status read =
+        (*file)->ReadExactly(shard->header.data_offset() + tensor->begin + byte_begin, buf);
     if (!read.ok()) {
       if (o.json) std::cout << "]}\n";
       return ReportError("inspect", read.error().message());
@@ -146,7 +151,8 @@ int PrintValues(const Checkpoint& ckpt, const InspectOptions& o) {
       if (o.json) {
         std::cout << (index ? "," : "") << JsonElement(v);
       } else {
-        std::cout << format::FormatElement(v) << ((index + 1) % 16 == 0 || index + 1 == count ? "\n" : " ");
+        std::cout << format::FormatElement(v)
+                  << ((index + 1) % 16 == 0 || index + 1 == count ? "\n" : " ");
       }
     }
   }
@@ -174,7 +180,8 @@ Command AddInspectCommand(CLI::App& root) {
       "inspect",
       "List the tensors of a safetensors file or checkpoint directory and validate it.\n"
       "Exit 0 when every shard is valid, 1 with the broken rule otherwise.");
-  app->add_option("PATH", options->path, "a .safetensors file or a checkpoint directory")->required();
+  app->add_option("PATH", options->path, "a .safetensors file or a checkpoint directory")
+      ->required();
   app->add_flag("--json", options->json, "print JSON (documented in docs/cli.md)");
   app->add_option("--values", options->values, "print the elements of tensor NAME as numbers");
   app->add_option("--limit", options->limit, "with --values: print at most N elements");

@@ -1,6 +1,5 @@
 // The weightd command: one binary, one subcommand per job (see docs/cli.md).
 #include <CLI/CLI.hpp>
-
 #include <iostream>
 #include <vector>
 
@@ -33,7 +32,14 @@ int main(int argc, char** argv) {
     return ReportError("usage", std::string(e.what()) + " (see weightd --help)", kExitUsage);
   }
   for (const Command& command : commands) {
-    if (command.app->parsed()) return command.run();
+    if (!command.app->parsed()) continue;
+    try {
+      return command.run();
+    } catch (const std::exception& e) {
+      // Commands report their errors as values; this is the last line of
+      // defence against a library throwing (allocation failure and the like).
+      return ReportError(command.app->get_name(), e.what());
+    }
   }
   return ReportError("usage", "no command given (see weightd --help)", kExitUsage);
 }

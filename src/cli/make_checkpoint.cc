@@ -1,9 +1,8 @@
 // `weightd make-checkpoint OUT --preset NAME [--seed N] [...]`
 #include <CLI/CLI.hpp>
-#include <nlohmann/json.hpp>
-
 #include <iostream>
 #include <memory>
+#include <nlohmann/json.hpp>
 
 #include "cli/output.h"
 #include "format/synthetic.h"
@@ -22,7 +21,8 @@ struct MakeOptions {
 int RunMake(MakeOptions o) {
   if (!o.size.empty()) {
     auto size = ParseSize(o.size);
-    if (!size || *size == 0) return ReportError("make-checkpoint", "--size " + o.size + ": not a size", kExitUsage);
+    if (!size || *size == 0)
+      return ReportError("make-checkpoint", "--size " + o.size + ": not a size", kExitUsage);
     o.synthetic.size_bytes = *size;
   }
   o.synthetic.finetune = o.variant == "finetune";
@@ -43,7 +43,7 @@ int RunMake(MakeOptions o) {
                           {"bytes", plan->data_bytes},
                           {"sparse", plan->sparse},
                           {"seconds", seconds}};
-    std::cout << out.dump(2) << "\n";
+    std::cout << DumpJson(out, 2) << "\n";
   } else {
     std::cout << "wrote " << o.out << ": " << o.synthetic.preset
               << (o.synthetic.finetune ? " (finetune variant)" : "") << ", " << plan->tensor_count
@@ -71,11 +71,16 @@ Command AddMakeCheckpointCommand(CLI::App& root) {
   app->add_option("--variant", o->variant, "base | finetune: same layout, different values")
       ->check(CLI::IsMember({"base", "finetune"}));
   app->add_option("--size", o->size, "llama: approximate size, e.g. 512M, 2G (default 512M)");
-  app->add_option("--layers", o->synthetic.layers, "llama, k3-layout: number of layers");
-  app->add_option("--hidden", o->synthetic.hidden, "llama: hidden size");
-  app->add_option("--experts", o->synthetic.experts, "k3-layout: experts per layer (default 384)");
-  app->add_option("--tensors", o->synthetic.tensors, "many-tensors: how many (default 70000)");
-  app->add_option("--shards", o->synthetic.shards, "number of shard files (default per preset)");
+  app->add_option("--layers", o->synthetic.layers, "llama, k3-layout: number of layers")
+      ->check(CLI::Range(1, 10000));
+  app->add_option("--hidden", o->synthetic.hidden, "llama: hidden size")
+      ->check(CLI::Range(8, 65536));
+  app->add_option("--experts", o->synthetic.experts, "k3-layout: experts per layer (default 384)")
+      ->check(CLI::Range(1, 4096));
+  app->add_option("--tensors", o->synthetic.tensors, "many-tensors: how many (default 70000)")
+      ->check(CLI::Range(uint64_t{1}, uint64_t{10'000'000}));
+  app->add_option("--shards", o->synthetic.shards, "number of shard files (default per preset)")
+      ->check(CLI::Range(1, 100000));
   app->add_flag("--json", o->json, "print what was written as JSON");
   return {app, [o] { return RunMake(*o); }};
 }

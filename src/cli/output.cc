@@ -6,7 +6,7 @@
 namespace weightd::cli {
 
 int ReportError(std::string_view what, std::string_view why, int code) {
-  std::cerr << "weightd: error: " << what << ": " << why << std::endl;
+  std::cerr << "weightd: error: " << what << ": " << Printable(why) << std::endl;
   return code;
 }
 
@@ -24,12 +24,27 @@ std::optional<uint64_t> ParseSize(std::string_view text) {
   int shift = 0;
   if (!suffix.empty()) {
     switch (suffix[0]) {
-      case 'K': case 'k': shift = 10; break;
-      case 'M': case 'm': shift = 20; break;
-      case 'G': case 'g': shift = 30; break;
-      case 'T': case 't': shift = 40; break;
-      case 'B': case 'b': break;
-      default: return std::nullopt;
+      case 'K':
+      case 'k':
+        shift = 10;
+        break;
+      case 'M':
+      case 'm':
+        shift = 20;
+        break;
+      case 'G':
+      case 'g':
+        shift = 30;
+        break;
+      case 'T':
+      case 't':
+        shift = 40;
+        break;
+      case 'B':
+      case 'b':
+        break;
+      default:
+        return std::nullopt;
     }
     if (shift != 0) suffix.remove_prefix(1);
     if (!(suffix.empty() || suffix == "B" || suffix == "iB" || suffix == "b")) return std::nullopt;
@@ -53,6 +68,25 @@ std::string FormatBytes(uint64_t bytes) {
     std::snprintf(buf, sizeof buf, "%.2f %s", v, kUnits[unit]);
   }
   return buf;
+}
+
+std::string DumpJson(const nlohmann::json& value, int indent) {
+  return value.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string Printable(std::string_view text) {
+  std::string out;
+  for (char c : text) {
+    const auto u = static_cast<unsigned char>(c);
+    if (u < 0x20 || u == 0x7f) {
+      char buf[8];
+      std::snprintf(buf, sizeof buf, "\\x%02x", u);
+      out += buf;
+    } else {
+      out += c;
+    }
+  }
+  return out;
 }
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -29,6 +30,14 @@ std::optional<uint64_t> ParseSize(std::string_view text);
 
 // 1288490188 -> "1.20 GiB".
 std::string FormatBytes(uint64_t bytes);
+
+// JSON text; names from files need not be UTF-8, so invalid bytes become
+// U+FFFD instead of an exception.
+std::string DumpJson(const nlohmann::json& value, int indent = -1);
+
+// Text for a terminal: control characters in names from files (an escape
+// sequence in a tensor name) are shown as \xNN instead of being obeyed.
+std::string Printable(std::string_view text);
 
 double SecondsSince(std::chrono::steady_clock::time_point start);
 

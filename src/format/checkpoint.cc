@@ -33,7 +33,8 @@ std::string Parent(const std::string& path) {
 // The name as written must not climb out: no absolute paths, no "..", no
 // empty or NUL-bearing names.
 bool NameStaysInside(std::string_view name) {
-  if (name.empty() || name.front() == '/' || name.find('\0') != std::string_view::npos) return false;
+  if (name.empty() || name.front() == '/' || name.find('\0') != std::string_view::npos)
+    return false;
   size_t start = 0;
   while (start <= name.size()) {
     size_t end = name.find('/', start);
@@ -51,8 +52,8 @@ bool IsUnder(const std::string& path, const std::string& dir) {
 
 // Checks that `name` in `dir` resolves inside `real_dir` (or into the hub
 // cache's blobs folder, see checkpoint.h) and exists.
-Status CheckShardPath(io::FileSystem& fs, const std::string& label, const std::string& real_dir,
-                      const std::string& name) {
+Result<std::string> CheckShardPath(io::FileSystem& fs, const std::string& label,
+                                   const std::string& real_dir, const std::string& name) {
   if (!NameStaysInside(name)) {
     return Error(label + ": shard `" + name + "`: " + std::string(rules::kShardNameEscapes));
   }
@@ -67,10 +68,11 @@ Status CheckShardPath(io::FileSystem& fs, const std::string& label, const std::s
     return Error(label + ": shard `" + name + "`: " + std::string(rules::kShardMissing) + " (" +
                  real.error().message() + ")");
   }
-  if (IsUnder(*real, real_dir)) return OkStatus();
+  if (IsUnder(*real, real_dir)) return *real;
   const std::string snapshots = Parent(real_dir);
-  if (io::BaseName(snapshots) == "snapshots" && IsUnder(*real, io::JoinPath(Parent(snapshots), "blobs"))) {
-    return OkStatus();
+  if (io::BaseName(snapshots) == "snapshots" &&
+      IsUnder(*real, io::JoinPath(Parent(snapshots), "blobs"))) {
+    return *real;
   }
   return Error(label + ": shard `" + name + "`: " + std::string(rules::kShardNameEscapes) +
                " (it resolves to " + *real + ")");
@@ -79,8 +81,8 @@ Status CheckShardPath(io::FileSystem& fs, const std::string& label, const std::s
 Result<std::string> ReadWholeFile(io::FileSystem& fs, const std::string& path, uint64_t limit) {
   WEIGHTD_ASSIGN_OR_RETURN(auto file, fs.Open(path));
   if (file->size() > limit) {
-    return Error(path + ": file of " + std::to_string(file->size()) + " bytes is over the limit of " +
-                 std::to_string(limit));
+    return Error(path + ": file of " + std::to_string(file->size()) +
+                 " bytes is over the limit of " + std::to_string(limit));
   }
   std::string text(static_cast<size_t>(file->size()), '\0');
   WEIGHTD_RETURN_IF_ERROR(
@@ -116,7 +118,7 @@ uint64_t Checkpoint::file_bytes() const {
 }
 
 Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_view label,
-                                                                     std::string_view json) {
+                                                                    std::string_view json) {
   auto fail = [&](const std::string& detail) {
     return Error(std::string(label) + ": " + std::string(rules::kIndexNotJson) +
                  (detail.empty() ? "" : " (" + detail + ")"));
@@ -154,7 +156,7 @@ Result<Listing> List(io::FileSystem& fs, const std::string& path) {
   Listing listing;
   WEIGHTD_ASSIGN_OR_RETURN(bool is_dir, fs.IsDirectory(path));
   if (!is_dir) {
-    listing.shards.push_back({io::BaseName(path), path});
+    listing.shards.push_back({io::BaseName(path), path, path});
     return listing;
   }
 
@@ -171,7 +173,8 @@ Result<Listing> List(io::FileSystem& fs, const std::string& path) {
     WEIGHTD_ASSIGN_OR_RETURN(auto entries, fs.ListDirectory(path));
     for (const io::DirEntry& e : entries) {
       if (!EndsWith(e.name, kShardSuffix)) continue;
-      if (e.type == io::EntryType::kRegular || e.type == io::EntryType::kSymlink) names.push_back(e.name);
+      if (e.type == io::EntryType::kRegular || e.type == io::EntryType::kSymlink)
+        names.push_back(e.name);
     }
   }
   std::sort(names.begin(), names.end());
@@ -179,8 +182,8 @@ Result<Listing> List(io::FileSystem& fs, const std::string& path) {
   if (names.empty()) return Error(path + ": " + std::string(rules::kNoShards));
 
   for (const std::string& name : names) {
-    WEIGHTD_RETURN_IF_ERROR(CheckShardPath(fs, path, real_dir, name));
-    listing.shards.push_back({name, io::JoinPath(path, name)});
+    WEIGHTD_ASSIGN_OR_RETURN(std::string resolved, CheckShardPath(fs, path, real_dir, name));
+    listing.shards.push_back({name, io::JoinPath(path, name), std::move(resolved)});
   }
   return listing;
 }
@@ -211,7 +214,7 @@ Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path) {
       Shard& shard = ckpt.shards[i];
       shard.name = refs[i].name;
       shard.path = refs[i].path;
-      auto file = fs.Open(shard.path);
+      auto file = fs.Open(refs[i].resolved);
       if (!file.ok()) {
         errors[i] = file.error();
         continue;
@@ -237,9 +240,10 @@ Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path) {
   std::sort(all.begin(), all.end());
   for (size_t i = 1; i < all.size(); ++i) {
     if (all[i].first == all[i - 1].first) {
-      return Error(path + ": tensor `" + std::string(all[i].first) + "`: " +
-                   std::string(rules::kTensorInTwoShards) + " (" + ckpt.shards[all[i - 1].second].name +
-                   " and " + ckpt.shards[all[i].second].name + ")");
+      return Error(path + ": tensor `" + std::string(all[i].first) +
+                   "`: " + std::string(rules::kTensorInTwoShards) + " (" +
+                   ckpt.shards[all[i - 1].second].name + " and " + ckpt.shards[all[i].second].name +
+                   ")");
     }
   }
 
@@ -249,8 +253,8 @@ Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path) {
       auto it = std::lower_bound(ckpt.shards.begin(), ckpt.shards.end(), shard_name,
                                  [](const Shard& s, const std::string& n) { return s.name < n; });
       if (it == ckpt.shards.end() || it->name != shard_name || it->header.Find(tensor) == nullptr) {
-        return Error(index_path + ": tensor `" + tensor + "`: " + std::string(rules::kIndexTensorMissing) +
-                     " (" + shard_name + ")");
+        return Error(index_path + ": tensor `" + tensor +
+                     "`: " + std::string(rules::kIndexTensorMissing) + " (" + shard_name + ")");
       }
     }
   }

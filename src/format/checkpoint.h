@@ -26,7 +26,10 @@ inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json
 
 struct ShardRef {
   std::string name;  // relative to the checkpoint directory, as the index spells it
-  std::string path;  // directory joined with name
+  std::string path;  // directory joined with name, for messages
+  // With every symlink resolved, as checked against escapes: what to open,
+  // so a symlink swapped in after the check is not followed.
+  std::string resolved;
 };
 
 struct Shard {
@@ -37,7 +40,7 @@ struct Shard {
 };
 
 struct Checkpoint {
-  std::string path;        // what the caller gave
+  std::string path;  // what the caller gave
   bool is_directory = false;
   bool has_index = false;
   std::vector<Shard> shards;  // by name
@@ -54,7 +57,7 @@ Result<std::vector<ShardRef>> ListShards(io::FileSystem& fs, const std::string& 
 
 // Parses an index's weight_map: tensor name -> shard name, sorted by tensor.
 Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_view label,
-                                                                     std::string_view json);
+                                                                    std::string_view json);
 
 // Lists the shards and reads and validates every header (many at once).
 // With an index, also checks that each tensor it maps is in the shard it

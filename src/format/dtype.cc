@@ -57,23 +57,32 @@ struct Minifloat {
   int exponent_bits;
   int mantissa_bits;
   int bias;
-  bool ieee_specials;     // all-ones exponent is inf (mantissa 0) or NaN
-  bool fn_nan;            // only all-ones exponent and mantissa is NaN (E4M3 "fn")
-  bool nan_is_negzero;    // FNUZ: 0x80 is the one NaN, there is no -0
+  bool ieee_specials;   // all-ones exponent is inf (mantissa 0) or NaN
+  bool fn_nan;          // only all-ones exponent and mantissa is NaN (E4M3 "fn")
+  bool nan_is_negzero;  // FNUZ: 0x80 is the one NaN, there is no -0
   bool has_sign;
 };
 
 Minifloat MinifloatOf(DType dtype) {
   switch (dtype) {
-    case DType::kF4: return {2, 1, 1, false, false, false, true};
-    case DType::kF6_E2M3: return {2, 3, 1, false, false, false, true};
-    case DType::kF6_E3M2: return {3, 2, 3, false, false, false, true};
-    case DType::kF8_E5M2: return {5, 2, 15, true, false, false, true};
-    case DType::kF8_E4M3: return {4, 3, 7, false, true, false, true};
-    case DType::kF8_E4M3FNUZ: return {4, 3, 8, false, false, true, true};
-    case DType::kF8_E5M2FNUZ: return {5, 2, 16, false, false, true, true};
-    case DType::kF8_E8M0: return {8, 0, 127, false, false, false, false};
-    default: return {0, 0, 0, false, false, false, false};
+    case DType::kF4:
+      return {2, 1, 1, false, false, false, true};
+    case DType::kF6_E2M3:
+      return {2, 3, 1, false, false, false, true};
+    case DType::kF6_E3M2:
+      return {3, 2, 3, false, false, false, true};
+    case DType::kF8_E5M2:
+      return {5, 2, 15, true, false, false, true};
+    case DType::kF8_E4M3:
+      return {4, 3, 7, false, true, false, true};
+    case DType::kF8_E4M3FNUZ:
+      return {4, 3, 8, false, false, true, true};
+    case DType::kF8_E5M2FNUZ:
+      return {5, 2, 16, false, false, true, true};
+    case DType::kF8_E8M0:
+      return {8, 0, 127, false, false, false, false};
+    default:
+      return {0, 0, 0, false, false, false, false};
   }
 }
 
@@ -148,7 +157,8 @@ double DecodeMinifloat(DType dtype, uint32_t bits) {
   if (f.nan_is_negzero && sign == 1 && exponent == 0 && mantissa == 0) return nan;
   if (f.ieee_specials && exponent == exponent_max) {
     if (mantissa != 0) return nan;
-    return sign ? -std::numeric_limits<double>::infinity() : std::numeric_limits<double>::infinity();
+    return sign ? -std::numeric_limits<double>::infinity()
+                : std::numeric_limits<double>::infinity();
   }
   if (f.fn_nan && exponent == exponent_max && mantissa == (1u << f.mantissa_bits) - 1) return nan;
 
@@ -164,20 +174,34 @@ double DecodeMinifloat(DType dtype, uint32_t bits) {
 
 ElementValue DecodeElement(DType dtype, std::span<const std::byte> data, uint64_t index) {
   switch (dtype) {
-    case DType::kBool: return static_cast<uint64_t>(LoadLE<uint8_t>(data, index));
-    case DType::kU8: return static_cast<uint64_t>(LoadLE<uint8_t>(data, index));
-    case DType::kI8: return static_cast<int64_t>(LoadLE<int8_t>(data, index));
-    case DType::kU16: return static_cast<uint64_t>(LoadLE<uint16_t>(data, index));
-    case DType::kI16: return static_cast<int64_t>(LoadLE<int16_t>(data, index));
-    case DType::kU32: return static_cast<uint64_t>(LoadLE<uint32_t>(data, index));
-    case DType::kI32: return static_cast<int64_t>(LoadLE<int32_t>(data, index));
-    case DType::kU64: return LoadLE<uint64_t>(data, index);
-    case DType::kI64: return LoadLE<int64_t>(data, index);
-    case DType::kF16: return static_cast<double>(DecodeF16(LoadLE<uint16_t>(data, index)));
-    case DType::kBF16: return static_cast<double>(DecodeBF16(LoadLE<uint16_t>(data, index)));
-    case DType::kF32: return static_cast<double>(LoadLE<float>(data, index));
-    case DType::kF64: return LoadLE<double>(data, index);
-    case DType::kC64: return Complex{LoadLE<float>(data, 2 * index), LoadLE<float>(data, 2 * index + 1)};
+    case DType::kBool:
+      return static_cast<uint64_t>(LoadLE<uint8_t>(data, index));
+    case DType::kU8:
+      return static_cast<uint64_t>(LoadLE<uint8_t>(data, index));
+    case DType::kI8:
+      return static_cast<int64_t>(LoadLE<int8_t>(data, index));
+    case DType::kU16:
+      return static_cast<uint64_t>(LoadLE<uint16_t>(data, index));
+    case DType::kI16:
+      return static_cast<int64_t>(LoadLE<int16_t>(data, index));
+    case DType::kU32:
+      return static_cast<uint64_t>(LoadLE<uint32_t>(data, index));
+    case DType::kI32:
+      return static_cast<int64_t>(LoadLE<int32_t>(data, index));
+    case DType::kU64:
+      return LoadLE<uint64_t>(data, index);
+    case DType::kI64:
+      return LoadLE<int64_t>(data, index);
+    case DType::kF16:
+      return static_cast<double>(DecodeF16(LoadLE<uint16_t>(data, index)));
+    case DType::kBF16:
+      return static_cast<double>(DecodeBF16(LoadLE<uint16_t>(data, index)));
+    case DType::kF32:
+      return static_cast<double>(LoadLE<float>(data, index));
+    case DType::kF64:
+      return LoadLE<double>(data, index);
+    case DType::kC64:
+      return Complex{LoadLE<float>(data, 2 * index), LoadLE<float>(data, 2 * index + 1)};
     case DType::kF8_E5M2:
     case DType::kF8_E4M3:
     case DType::kF8_E8M0:

@@ -33,7 +33,8 @@ inline constexpr std::string_view kOffsetsContiguous =
     "offsets must be contiguous and non-overlapping";
 inline constexpr std::string_view kElementCountOverflow = "element count overflows";
 inline constexpr std::string_view kByteCountOverflow = "byte count overflows";
-inline constexpr std::string_view kSubByteBoundary = "a sub-byte tensor must end on a byte boundary";
+inline constexpr std::string_view kSubByteBoundary =
+    "a sub-byte tensor must end on a byte boundary";
 inline constexpr std::string_view kSizeMismatch = "END-BEGIN must equal elements times dtype size";
 inline constexpr std::string_view kDataRegionEnd = "data region must end at end of file";
 

@@ -46,10 +46,10 @@ Result<TensorInfo> ParseTensorEntry(std::string_view label, std::string_view nam
   bool have_dtype = false, have_shape = false, have_offsets = false;
   for (auto field : entry) {
     const std::string_view key = field.key;
-    bool* seen = key == "dtype" ? &have_dtype
-                 : key == "shape" ? &have_shape
+    bool* seen = key == "dtype"          ? &have_dtype
+                 : key == "shape"        ? &have_shape
                  : key == "data_offsets" ? &have_offsets
-                                          : nullptr;
+                                         : nullptr;
     if (seen == nullptr) continue;  // unknown fields are ignored, as by the reference
     if (*seen) return TensorError(label, name, rules::kDuplicateField, std::string(key));
     *seen = true;
@@ -121,7 +121,8 @@ Result<uint64_t> ValidateLayout(std::string_view label, std::vector<TensorInfo>&
   std::vector<uint32_t> order(tensors.size());
   std::iota(order.begin(), order.end(), 0u);
   std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
-    return std::pair(tensors[a].begin, tensors[a].end) < std::pair(tensors[b].begin, tensors[b].end);
+    return std::pair(tensors[a].begin, tensors[a].end) <
+           std::pair(tensors[b].begin, tensors[b].end);
   });
   uint64_t expected_begin = 0;
   for (uint32_t i : order) {
@@ -134,7 +135,8 @@ Result<uint64_t> ValidateLayout(std::string_view label, std::vector<TensorInfo>&
     uint64_t elements = 1;
     for (uint64_t d : t.shape) {
       if (__builtin_mul_overflow(elements, d, &elements)) {
-        return TensorError(label, t.name, rules::kElementCountOverflow, "shape " + ShapeText(t.shape));
+        return TensorError(label, t.name, rules::kElementCountOverflow,
+                           "shape " + ShapeText(t.shape));
       }
     }
     uint64_t bits;
@@ -143,8 +145,9 @@ Result<uint64_t> ValidateLayout(std::string_view label, std::vector<TensorInfo>&
                          "shape " + ShapeText(t.shape) + " of " + std::string(DTypeName(t.dtype)));
     }
     if (bits % 8 != 0) {
-      return TensorError(label, t.name, rules::kSubByteBoundary,
-                         std::to_string(elements) + " elements of " + std::string(DTypeName(t.dtype)));
+      return TensorError(
+          label, t.name, rules::kSubByteBoundary,
+          std::to_string(elements) + " elements of " + std::string(DTypeName(t.dtype)));
     }
     if (bits / 8 != t.end - t.begin) {
       return TensorError(label, t.name, rules::kSizeMismatch,
@@ -219,9 +222,9 @@ const TensorInfo* ShardHeader::Find(std::string_view name) const {
 Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std::byte> prefix,
                                     uint64_t file_size) {
   if (file_size < kHeaderLengthBytes || prefix.size() < kHeaderLengthBytes) {
-    return FileError(label, rules::kFileTooShort,
-                     "file has " + std::to_string(std::min<uint64_t>(file_size, prefix.size())) +
-                         " bytes");
+    return FileError(
+        label, rules::kFileTooShort,
+        "file has " + std::to_string(std::min<uint64_t>(file_size, prefix.size())) + " bytes");
   }
   uint64_t n = 0;
   for (int i = 7; i >= 0; --i) n = (n << 8) | static_cast<uint64_t>(prefix[static_cast<size_t>(i)]);

@@ -139,7 +139,7 @@ struct LlamaShape {
 LlamaShape LlamaShapeFor(const SyntheticOptions& o) {
   const uint64_t size = o.size_bytes ? o.size_bytes : 512ull << 20;
   LlamaShape s{};
-  s.hidden = o.hidden ? static_cast<uint64_t>(o.hidden)
+  s.hidden = o.hidden                 ? static_cast<uint64_t>(o.hidden)
              : size <= (256ull << 20) ? 512
              : size <= (4ull << 30)   ? 2048
              : size <= (32ull << 30)  ? 4096
@@ -186,8 +186,8 @@ std::vector<TensorSpec> ManyTensors(uint64_t count) {
   t.reserve(count);
   for (uint64_t i = 0; i < count; ++i) {
     const uint64_t layer = i / (kExperts * 3), expert = (i / 3) % kExperts;
-    t.push_back({"model.layers." + std::to_string(layer) + ".mlp.experts." + std::to_string(expert) +
-                     "." + kProj[i % 3] + ".weight",
+    t.push_back({"model.layers." + std::to_string(layer) + ".mlp.experts." +
+                     std::to_string(expert) + "." + kProj[i % 3] + ".weight",
                  DType::kBF16,
                  {1 + (i * 7) % 16, 64}});
   }
@@ -246,8 +246,9 @@ Status WriteIndex(const std::string& path, const SyntheticPlan& plan) {
     for (const auto& t : shard.tensors) map.emplace_back(t.name, shard.name);
   }
   std::sort(map.begin(), map.end());
-  std::string json = "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(plan.data_bytes) +
-                     "\n  },\n  \"weight_map\": {";
+  std::string json =
+      "{\n  \"metadata\": {\n    \"total_size\": " + std::to_string(plan.data_bytes) +
+      "\n  },\n  \"weight_map\": {";
   for (size_t i = 0; i < map.size(); ++i) {
     json += (i ? ",\n    " : "\n    ") + JsonQuote(map[i].first) + ": " + JsonQuote(map[i].second);
   }
@@ -293,7 +294,8 @@ Result<SyntheticPlan> PlanSyntheticCheckpoint(const SyntheticOptions& o) {
                         shards_or(50));
     plan.sparse = true;
   } else {
-    return Error("unknown preset `" + o.preset + "` (presets: tiny, llama, many-tensors, k3-layout)");
+    return Error("unknown preset `" + o.preset +
+                 "` (presets: tiny, llama, many-tensors, k3-layout)");
   }
   plan.with_index = plan.shards.size() > 1;
   for (const auto& s : plan.shards) {

@@ -44,7 +44,7 @@ struct PlannedShard {
 
 struct SyntheticPlan {
   std::vector<PlannedShard> shards;
-  bool sparse = false;   // k3-layout
+  bool sparse = false;  // k3-layout
   bool with_index = false;
   uint64_t data_bytes = 0;
   uint64_t tensor_count = 0;

@@ -38,7 +38,10 @@ class TempFile {
   int fd() const { return fd_; }
   const std::string& final_path() const { return final_path_; }
 
+  // Makes the file durable, then visible under its name: after a crash the
+  // name holds the whole file or nothing.
   Status Commit() {
+    if (::fsync(fd_) != 0) return Error(final_path_ + ": fsync failed: " + ErrnoText());
     if (::close(fd_) != 0) {
       fd_ = -1;
       return Error(final_path_ + ": write failed: " + ErrnoText());
@@ -116,7 +119,8 @@ Result<ShardLayout> LayoutShard(std::vector<TensorSpec> tensors,
     json += "\"__metadata__\":{";
     for (size_t i = 0; i < sorted.size(); ++i) {
       if (i > 0 && sorted[i].first == sorted[i - 1].first) {
-        return Error("metadata key `" + sorted[i].first + "`: " + std::string(rules::kDuplicateName));
+        return Error("metadata key `" + sorted[i].first +
+                     "`: " + std::string(rules::kDuplicateName));
       }
       json += (i ? "," : "") + JsonQuote(sorted[i].first) + ":" + JsonQuote(sorted[i].second);
     }
@@ -179,7 +183,8 @@ Status WriteShard(const std::string& path, const ShardLayout& layout, const Tens
 
   std::string head(kHeaderLengthBytes, '\0');
   uint64_t n = layout.header_json.size();
-  for (size_t i = 0; i < kHeaderLengthBytes; ++i) head[i] = static_cast<char>((n >> (8 * i)) & 0xff);
+  for (size_t i = 0; i < kHeaderLengthBytes; ++i)
+    head[i] = static_cast<char>((n >> (8 * i)) & 0xff);
   head += layout.header_json;
   WEIGHTD_RETURN_IF_ERROR(
       WriteAllAt(out.fd(), reinterpret_cast<const std::byte*>(head.data()), head.size(), 0, path));
@@ -206,7 +211,8 @@ Status WriteShard(const std::string& path, const ShardLayout& layout, const Tens
   uint64_t written = 0;
   for (const TensorInfo& t : layout.tensors) {
     for (uint64_t done = 0; done < t.bytes();) {
-      const size_t len = static_cast<size_t>(std::min<uint64_t>(kWriteBufferBytes - used, t.bytes() - done));
+      const size_t len =
+          static_cast<size_t>(std::min<uint64_t>(kWriteBufferBytes - used, t.bytes() - done));
       fill(t, done, std::span(buf.get() + used, len));
       used += len;
       done += len;
@@ -232,19 +238,22 @@ Status WriteSafetensors(const std::string& path, const std::vector<TensorData>& 
   std::sort(by_name.begin(), by_name.end(),
             [](const TensorData* a, const TensorData* b) { return a->spec.name < b->spec.name; });
   for (const TensorInfo& info : layout.tensors) {
-    auto it = std::lower_bound(by_name.begin(), by_name.end(), info.name,
-                               [](const TensorData* t, const std::string& n) { return t->spec.name < n; });
+    auto it = std::lower_bound(
+        by_name.begin(), by_name.end(), info.name,
+        [](const TensorData* t, const std::string& n) { return t->spec.name < n; });
     if ((*it)->bytes.size() != info.bytes()) {
       return Error("tensor `" + info.name + "`: " + std::string(rules::kSizeMismatch) + " (" +
                    std::to_string((*it)->bytes.size()) + " bytes given, " +
                    std::to_string(info.bytes()) + " expected)");
     }
   }
-  return WriteShard(path, layout, [&](const TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
-    auto it = std::lower_bound(by_name.begin(), by_name.end(), t.name,
-                               [](const TensorData* d, const std::string& n) { return d->spec.name < n; });
-    std::memcpy(dst.data(), (*it)->bytes.data() + offset, dst.size());
-  });
+  return WriteShard(
+      path, layout, [&](const TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
+        auto it = std::lower_bound(
+            by_name.begin(), by_name.end(), t.name,
+            [](const TensorData* d, const std::string& n) { return d->spec.name < n; });
+        std::memcpy(dst.data(), (*it)->bytes.data() + offset, dst.size());
+      });
 }
 
 }  // namespace weightd::format

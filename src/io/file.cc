@@ -27,7 +27,8 @@ StatSignature SignatureOf(const struct stat& st) {
 
 class PosixFile final : public RandomAccessFile {
  public:
-  PosixFile(std::string path, int fd, uint64_t size) : path_(std::move(path)), fd_(fd), size_(size) {}
+  PosixFile(std::string path, int fd, uint64_t size)
+      : path_(std::move(path)), fd_(fd), size_(size) {}
   ~PosixFile() override { ::close(fd_); }
 
   const std::string& path() const override { return path_; }
@@ -39,7 +40,8 @@ class PosixFile final : public RandomAccessFile {
       if (offset + done > static_cast<uint64_t>(LLONG_MAX)) {
         return Error(path_ + ": read offset out of range");
       }
-      ssize_t n = ::pread(fd_, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
+      ssize_t n =
+          ::pread(fd_, dst.data() + done, dst.size() - done, static_cast<off_t>(offset + done));
       if (n < 0) {
         if (errno == EINTR) continue;
         return Error(path_ + ": read of " + std::to_string(dst.size()) + " bytes at offset " +
@@ -120,7 +122,10 @@ class Posix final : public FileSystem {
       if (type == DT_UNKNOWN) {
         struct stat st;
         if (::lstat(JoinPath(path, name).c_str(), &st) == 0) {
-          type = S_ISREG(st.st_mode) ? DT_REG : S_ISDIR(st.st_mode) ? DT_DIR : S_ISLNK(st.st_mode) ? DT_LNK : DT_UNKNOWN;
+          type = S_ISREG(st.st_mode)   ? DT_REG
+                 : S_ISDIR(st.st_mode) ? DT_DIR
+                 : S_ISLNK(st.st_mode) ? DT_LNK
+                                       : DT_UNKNOWN;
         }
       }
       if (type == DT_REG) entry.type = EntryType::kRegular;

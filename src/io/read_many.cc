@@ -40,10 +40,11 @@ class FirstError {
 }  // namespace
 
 void RunTeam(int workers, const std::function<void(int)>& body) {
-  std::vector<std::thread> threads;
+  // jthreads join when the vector goes, so a throw here or in body(0)
+  // cannot leave a joinable thread behind (which would terminate).
+  std::vector<std::jthread> threads;
   for (int w = 1; w < workers; ++w) threads.emplace_back(body, w);
   body(0);
-  for (auto& t : threads) t.join();
 }
 
 Status ReadMany(std::span<const ReadRequest> requests, const ReadOptions& options,
@@ -80,11 +81,12 @@ Status ReadMany(std::span<const ReadRequest> requests, const ReadOptions& option
 Status StreamFile(const RandomAccessFile& file, const StreamOptions& options,
                   const std::function<Status(uint64_t, std::span<const std::byte>)>& consume,
                   ReadStats* stats) {
-  const uint64_t chunk = std::max<uint64_t>(options.chunk_bytes, 4096);
   const uint64_t size = file.size();
-  const uint64_t chunks = (size + chunk - 1) / chunk;
+  const uint64_t chunk = std::max<uint64_t>(std::min(options.chunk_bytes, size), 4096);
+  const uint64_t chunks = size / chunk + (size % chunk != 0);
   if (chunks == 0) return OkStatus();
-  const int workers = static_cast<int>(std::min<uint64_t>(std::max(options.max_inflight, 1), chunks));
+  const int workers =
+      static_cast<int>(std::min<uint64_t>(std::max(options.max_inflight, 1), chunks));
 
   // Worker w reads chunks w, w + workers, ... into its own buffer, then waits
   // for its turn so that `consume` sees the chunks in file order, one at a

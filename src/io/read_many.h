@@ -43,9 +43,13 @@ Status ReadMany(std::span<const ReadRequest> requests, const ReadOptions& option
 // Reads the whole file front to back in `chunk_bytes` pieces, up to
 // `max_inflight` chunks at once, and hands each chunk to `consume` in file
 // order. A consume error stops the read and is returned.
+//
+// The defaults come from the page-cache-warm case (docs/benchmarks.md):
+// there a read is a memory copy, and chunks that fit in L2 with two copies
+// at once beat both `cat` and larger chunks; more readers than cores lose.
 struct StreamOptions {
-  uint64_t chunk_bytes = 8 << 20;
-  int max_inflight = 4;
+  uint64_t chunk_bytes = 256 << 10;
+  int max_inflight = 2;
 };
 Status StreamFile(const RandomAccessFile& file, const StreamOptions& options,
                   const std::function<Status(uint64_t offset, std::span<const std::byte>)>& consume,
