@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <numeric>
 
 #include "format/rules.h"
@@ -15,6 +16,13 @@ namespace {
 // levels; a valid header needs 3. Bounding the depth bounds the parser's
 // stack and memory for hostile input.
 constexpr size_t kMaxJsonDepth = 128;
+
+// simdjson's DOM needs about ten times the header's size while it parses.
+// Headers from many shards are parsed at once; large ones (a real 70,000
+// tensor shard's is about 8 MB, a hostile one up to 100 MB) take turns, so a
+// directory of crafted shards cannot multiply that peak by the thread count.
+constexpr size_t kLargeHeaderBytes = 4 << 20;
+std::mutex large_header_turn;
 
 std::string Quote(std::string_view name) { return "tensor `" + std::string(name) + "`"; }
 
@@ -166,6 +174,8 @@ Result<ShardHeader> ParsePadded(std::string_view label, const simdjson::padded_s
   if (!simdjson::validate_utf8(json.data(), json.size())) {
     return FileError(label, rules::kHeaderNotUtf8);
   }
+  std::unique_lock<std::mutex> turn(large_header_turn, std::defer_lock);
+  if (json.size() >= kLargeHeaderBytes) turn.lock();
   simdjson::dom::parser parser;
   if (parser.allocate(std::max<size_t>(json.size(), 64), kMaxJsonDepth) != simdjson::SUCCESS) {
     return FileError(label, rules::kHeaderNotJson, "cannot allocate the parser");
