@@ -50,12 +50,7 @@ class RemoveOnExit {
   RemoveOnExit(const RemoveOnExit&) = delete;
   RemoveOnExit& operator=(const RemoveOnExit&) = delete;
   ~RemoveOnExit() {
-    if (keep_) return;
-    auto entries = io::PosixFileSystem().ListDirectory(dir_);
-    if (entries.ok()) {
-      for (const auto& e : *entries) ::unlink(io::JoinPath(dir_, e.name).c_str());
-    }
-    ::rmdir(dir_.c_str());
+    if (!keep_) io::RemoveFlatDirectory(dir_);
   }
 
  private:

@@ -23,18 +23,6 @@ struct InspectOptions {
   uint64_t limit = 0;
 };
 
-nlohmann::json ShapeJson(const std::vector<uint64_t>& shape) {
-  nlohmann::json a = nlohmann::json::array();
-  for (uint64_t d : shape) a.push_back(d);
-  return a;
-}
-
-std::string ShapeText(const std::vector<uint64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 nlohmann::json MetadataJson(const Shard& shard) {
   nlohmann::json m = nlohmann::json::object();
   for (const auto& [k, v] : shard.header.metadata) m[k] = v;
@@ -59,7 +47,7 @@ void PrintJson(const Checkpoint& ckpt) {
       out["tensors"].push_back({{"name", t.name},
                                 {"shard", s.name},
                                 {"dtype", std::string(format::DTypeName(t.dtype))},
-                                {"shape", ShapeJson(t.shape)},
+                                {"shape", t.shape},
                                 {"data_offsets", {t.begin, t.end}},
                                 {"offset", s.header.data_offset() + t.begin},
                                 {"bytes", t.bytes()}});
@@ -73,24 +61,24 @@ void PrintJson(const Checkpoint& ckpt) {
 
 void PrintText(const Checkpoint& ckpt) {
   std::cout << Printable(ckpt.path) << ": "
-            << (ckpt.is_directory ? "checkpoint" : "safetensors file") << ", " << ckpt.shards.size()
-            << (ckpt.shards.size() == 1 ? " shard" : " shards")
+            << (ckpt.is_directory ? "checkpoint" : "safetensors file") << ", "
+            << Count(ckpt.shards.size(), "shard")
             << (ckpt.has_index ? " (from model.safetensors.index.json)" : "") << "\n";
   for (const Shard& s : ckpt.shards) {
     std::cout << "\n"
-              << Printable(s.name) << ": " << s.header.tensors.size() << " tensors, "
+              << Printable(s.name) << ": " << Count(s.header.tensors.size(), "tensor") << ", "
               << FormatBytes(s.file_size) << ", header " << s.header.header_bytes << " bytes\n";
     for (const auto& [k, v] : s.header.metadata)
       std::cout << "  metadata " << Printable(k) << " = " << Printable(v) << "\n";
     for (const TensorInfo& t : s.header.tensors) {
       std::cout << "  " << Printable(t.name) << "  " << format::DTypeName(t.dtype) << " "
-                << ShapeText(t.shape) << "  offset " << s.header.data_offset() + t.begin << "  "
-                << t.bytes() << " bytes\n";
+                << format::ShapeString(t.shape) << "  offset " << s.header.data_offset() + t.begin
+                << "  " << t.bytes() << " bytes\n";
     }
   }
-  std::cout << "\ntotal: " << ckpt.tensor_count() << " tensors, " << FormatBytes(ckpt.data_bytes())
-            << " of tensor data in " << ckpt.shards.size()
-            << (ckpt.shards.size() == 1 ? " shard" : " shards") << "\n";
+  std::cout << "\ntotal: " << Count(ckpt.tensor_count(), "tensor") << ", "
+            << FormatBytes(ckpt.data_bytes()) << " of tensor data in "
+            << Count(ckpt.shards.size(), "shard") << "\n";
 }
 
 // Values as JSON: numbers, except non-finite floats (strings "nan", "inf",
@@ -124,8 +112,8 @@ int PrintValues(const Checkpoint& ckpt, const InspectOptions& o) {
   if (o.json) {
     std::cout << "{\"name\":" << DumpJson(tensor->name) << ",\"shard\":" << DumpJson(shard->name)
               << ",\"dtype\":\"" << format::DTypeName(tensor->dtype)
-              << "\",\"shape\":" << ShapeJson(tensor->shape).dump()
-              << ",\"elements\":" << tensor->elements << ",\"values\":[";
+              << "\",\"shape\":" << DumpJson(tensor->shape) << ",\"elements\":" << tensor->elements
+              << ",\"values\":[";
   }
   // Read in pieces of whole elements (24 bytes hold a whole number of
   // elements of every width, 6-bit ones included) so a large tensor never

@@ -46,9 +46,9 @@ int RunMake(MakeOptions o) {
     std::cout << DumpJson(out, 2) << "\n";
   } else {
     std::cout << "wrote " << o.out << ": " << o.synthetic.preset
-              << (o.synthetic.finetune ? " (finetune variant)" : "") << ", " << plan->tensor_count
-              << " tensors, " << FormatBytes(plan->data_bytes) << (plan->sparse ? " (sparse)" : "")
-              << " in " << plan->shards.size() << (plan->shards.size() == 1 ? " shard" : " shards")
+              << (o.synthetic.finetune ? " (finetune variant)" : "") << ", "
+              << Count(plan->tensor_count, "tensor") << ", " << FormatBytes(plan->data_bytes)
+              << (plan->sparse ? " (sparse)" : "") << " in " << Count(plan->shards.size(), "shard")
               << ", " << seconds << " s\n";
   }
   return kExitOk;

@@ -53,6 +53,10 @@ std::optional<uint64_t> ParseSize(std::string_view text) {
   return value << shift;
 }
 
+std::string Count(uint64_t n, std::string_view noun) {
+  return std::to_string(n) + " " + std::string(noun) + (n == 1 ? "" : "s");
+}
+
 std::string FormatBytes(uint64_t bytes) {
   static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
   double v = static_cast<double>(bytes);

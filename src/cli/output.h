@@ -28,6 +28,9 @@ int ReportError(std::string_view what, std::string_view why, int code = kExitFai
 // text is not a size or overflows.
 std::optional<uint64_t> ParseSize(std::string_view text);
 
+// Count(1, "shard") -> "1 shard", Count(3, "shard") -> "3 shards".
+std::string Count(uint64_t n, std::string_view noun);
+
 // 1288490188 -> "1.20 GiB".
 std::string FormatBytes(uint64_t bytes);
 

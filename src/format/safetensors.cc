@@ -37,12 +37,6 @@ Error TensorError(std::string_view label, std::string_view name, std::string_vie
   return FileError(label, Quote(name) + ": " + std::string(rule), detail);
 }
 
-std::string ShapeText(const std::vector<uint64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
-  return s + "]";
-}
-
 Result<TensorInfo> ParseTensorEntry(std::string_view label, std::string_view name,
                                     simdjson::dom::element value) {
   simdjson::dom::object entry;
@@ -144,13 +138,14 @@ Result<uint64_t> ValidateLayout(std::string_view label, std::vector<TensorInfo>&
     for (uint64_t d : t.shape) {
       if (__builtin_mul_overflow(elements, d, &elements)) {
         return TensorError(label, t.name, rules::kElementCountOverflow,
-                           "shape " + ShapeText(t.shape));
+                           "shape " + ShapeString(t.shape));
       }
     }
     uint64_t bits;
     if (__builtin_mul_overflow(elements, uint64_t{DTypeBits(t.dtype)}, &bits)) {
-      return TensorError(label, t.name, rules::kByteCountOverflow,
-                         "shape " + ShapeText(t.shape) + " of " + std::string(DTypeName(t.dtype)));
+      return TensorError(
+          label, t.name, rules::kByteCountOverflow,
+          "shape " + ShapeString(t.shape) + " of " + std::string(DTypeName(t.dtype)));
     }
     if (bits % 8 != 0) {
       return TensorError(
@@ -159,9 +154,9 @@ Result<uint64_t> ValidateLayout(std::string_view label, std::vector<TensorInfo>&
     }
     if (bits / 8 != t.end - t.begin) {
       return TensorError(label, t.name, rules::kSizeMismatch,
-                         "shape " + ShapeText(t.shape) + " of " + std::string(DTypeName(t.dtype)) +
-                             " is " + std::to_string(bits / 8) + " bytes, data_offsets span " +
-                             std::to_string(t.end - t.begin));
+                         "shape " + ShapeString(t.shape) + " of " +
+                             std::string(DTypeName(t.dtype)) + " is " + std::to_string(bits / 8) +
+                             " bytes, data_offsets span " + std::to_string(t.end - t.begin));
     }
     t.elements = elements;
     expected_begin = t.end;
@@ -221,6 +216,12 @@ Result<ShardHeader> ParsePadded(std::string_view label, const simdjson::padded_s
 }
 
 }  // namespace
+
+std::string ShapeString(const std::vector<uint64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
 
 const TensorInfo* ShardHeader::Find(std::string_view name) const {
   auto it = std::lower_bound(tensors.begin(), tensors.end(), name,

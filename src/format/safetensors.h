@@ -59,6 +59,9 @@ struct ShardHeader {
   const TensorInfo* Find(std::string_view name) const;
 };
 
+// "[2, 3]": a shape as errors and listings print it.
+std::string ShapeString(const std::vector<uint64_t>& shape);
+
 // Checks the 8-byte prefix against the file's size and returns N.
 // `label` names the file in errors.
 Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std::byte> prefix,

@@ -232,14 +232,6 @@ Status MakeDirectory(const std::string& path) {
   return OkStatus();
 }
 
-void RemoveTree(const std::string& dir) {
-  auto entries = io::PosixFileSystem().ListDirectory(dir);
-  if (entries.ok()) {
-    for (const auto& e : *entries) ::unlink(io::JoinPath(dir, e.name).c_str());
-  }
-  ::rmdir(dir.c_str());
-}
-
 Status WriteIndex(const std::string& path, const SyntheticPlan& plan) {
   std::vector<std::pair<std::string_view, std::string_view>> map;
   for (const auto& shard : plan.shards) {
@@ -364,7 +356,7 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
     }
   }
   if (!status.ok()) {
-    RemoveTree(staging);
+    io::RemoveFlatDirectory(staging);
     return status.error();
   }
   return plan;

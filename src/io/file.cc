@@ -155,6 +155,14 @@ FileSystem& PosixFileSystem() {
   return *fs;
 }
 
+void RemoveFlatDirectory(const std::string& dir) {
+  auto entries = PosixFileSystem().ListDirectory(dir);
+  if (entries.ok()) {
+    for (const auto& e : *entries) ::unlink(JoinPath(dir, e.name).c_str());
+  }
+  ::rmdir(dir.c_str());
+}
+
 std::string JoinPath(const std::string& dir, const std::string& name) {
   if (dir.empty()) return name;
   if (dir.back() == '/') return dir + name;

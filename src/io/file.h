@@ -85,6 +85,10 @@ class FileSystem {
 // The host's file system, through POSIX calls.
 FileSystem& PosixFileSystem();
 
+// Removes the files directly inside `dir`, then `dir` itself; best effort
+// (for cleaning up a folder weightd created, never a user's tree).
+void RemoveFlatDirectory(const std::string& dir);
+
 // Joins a directory and a relative name with exactly one '/'.
 std::string JoinPath(const std::string& dir, const std::string& name);
 
