@@ -96,5 +96,26 @@ TEST(Cli, OutOfRangeGeneratorOptionsAreUsageErrors) {
   }
 }
 
+TEST(Cli, FingerprintPrintsTheDocumentedKeysAndUsesTheStatCache) {
+  TempDir dir, cache;
+  ::setenv("WEIGHTD_CACHE_DIR", cache.path().c_str(), 1);
+  ASSERT_EQ(RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "tiny"}).exit_code, 0);
+  auto cold = RunWeightd({"fingerprint", dir.Join("m"), "--json"});
+  ASSERT_EQ(cold.exit_code, 0) << cold.err;
+  for (const char* key :
+       {"\"digest\": \"xxh3-128:", "\"mode\": \"sampled\"", "\"shards\":", "\"tensors\": 10",
+        "\"reads\":", "\"bytes_read\":", "\"seconds\":", "\"cache_hits\": 0"}) {
+    EXPECT_NE(cold.out.find(key), std::string::npos) << key << " in " << cold.out;
+  }
+  auto warm = RunWeightd({"fingerprint", dir.Join("m"), "--json"});
+  EXPECT_NE(warm.out.find("\"cache_hits\": 1"), std::string::npos) << warm.out;
+  auto plain = RunWeightd({"fingerprint", dir.Join("m"), "--no-cache"});
+  EXPECT_EQ(plain.out.substr(0, 9), "xxh3-128:");
+  auto none = RunWeightd({"fingerprint", cache.Join("nothing-here")});
+  EXPECT_EQ(none.exit_code, 1);
+  EXPECT_NE(none.err.find("cannot fingerprint"), std::string::npos) << none.err;
+  ::unsetenv("WEIGHTD_CACHE_DIR");
+}
+
 }  // namespace
 }  // namespace weightd

@@ -17,6 +17,7 @@ int main(int argc, char** argv) {
   std::vector<Command> commands = {
       AddInspectCommand(app),
       AddMakeCheckpointCommand(app),
+      AddFingerprintCommand(app),
       AddDemoCommand(app),
   };
 

@@ -53,5 +53,6 @@ struct Command {
 Command AddInspectCommand(CLI::App& root);
 Command AddMakeCheckpointCommand(CLI::App& root);
 Command AddDemoCommand(CLI::App& root);
+Command AddFingerprintCommand(CLI::App& root);
 
 }  // namespace weightd::cli

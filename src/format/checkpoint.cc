@@ -16,6 +16,7 @@ namespace {
 // few MB. Anything far beyond is not an index we should trust with memory.
 constexpr uint64_t kMaxIndexBytes = 256ull << 20;
 constexpr int kMaxParallelHeaderReads = 16;
+constexpr size_t kMaxParallelPathChecks = 128;
 
 constexpr std::string_view kShardSuffix = ".safetensors";
 
@@ -90,13 +91,6 @@ Result<std::string> ReadWholeFile(io::FileSystem& fs, const std::string& path, u
   return text;
 }
 
-using WeightMap = std::vector<std::pair<std::string, std::string>>;
-
-struct Listing {
-  std::vector<ShardRef> shards;
-  std::optional<WeightMap> weight_map;  // when there is an index
-};
-
 }  // namespace
 
 uint64_t Checkpoint::tensor_count() const {
@@ -150,11 +144,10 @@ Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_
   return entries;
 }
 
-namespace {
-
-Result<Listing> List(io::FileSystem& fs, const std::string& path) {
-  Listing listing;
+Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path) {
+  ShardListing listing;
   WEIGHTD_ASSIGN_OR_RETURN(bool is_dir, fs.IsDirectory(path));
+  listing.round_trips = 1;
   if (!is_dir) {
     listing.shards.push_back({io::BaseName(path), path, path});
     return listing;
@@ -163,12 +156,14 @@ Result<Listing> List(io::FileSystem& fs, const std::string& path) {
   WEIGHTD_ASSIGN_OR_RETURN(std::string real_dir, fs.RealPath(path));
   const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
   WEIGHTD_ASSIGN_OR_RETURN(bool has_index, fs.Exists(index_path));
+  listing.round_trips += 1;
 
   std::vector<std::string> names;
   if (has_index) {
     WEIGHTD_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(fs, index_path, kMaxIndexBytes));
     WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map, ParseIndex(index_path, text));
     for (const auto& [tensor, shard] : *listing.weight_map) names.push_back(shard);
+    listing.round_trips += 2;  // open, read
   } else {
     WEIGHTD_ASSIGN_OR_RETURN(auto entries, fs.ListDirectory(path));
     for (const io::DirEntry& e : entries) {
@@ -176,30 +171,39 @@ Result<Listing> List(io::FileSystem& fs, const std::string& path) {
       if (e.type == io::EntryType::kRegular || e.type == io::EntryType::kSymlink)
         names.push_back(e.name);
     }
+    listing.round_trips += 2;  // opendir, readdir
   }
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
   if (names.empty()) return Error(path + ": " + std::string(rules::kNoShards));
 
-  for (const std::string& name : names) {
-    WEIGHTD_ASSIGN_OR_RETURN(std::string resolved, CheckShardPath(fs, path, real_dir, name));
-    listing.shards.push_back({name, io::JoinPath(path, name), std::move(resolved)});
+  // Each check is a lookup or two; on a network file system they must not
+  // queue behind each other.
+  listing.shards.resize(names.size());
+  std::vector<std::optional<Error>> errors(names.size());
+  std::atomic<size_t> next{0};
+  io::RunTeam(static_cast<int>(std::min<size_t>(names.size(), kMaxParallelPathChecks)), [&](int) {
+    for (size_t i; (i = next.fetch_add(1)) < names.size();) {
+      auto resolved = CheckShardPath(fs, path, real_dir, names[i]);
+      if (!resolved.ok()) {
+        errors[i] = resolved.error();
+        continue;
+      }
+      listing.shards[i] = {names[i], io::JoinPath(path, names[i]), std::move(resolved).value()};
+    }
+  });
+  for (auto& e : errors) {
+    if (e) return *e;
   }
+  listing.round_trips += 2 * ((names.size() + kMaxParallelPathChecks - 1) / kMaxParallelPathChecks);
   return listing;
-}
-
-}  // namespace
-
-Result<std::vector<ShardRef>> ListShards(io::FileSystem& fs, const std::string& path) {
-  WEIGHTD_ASSIGN_OR_RETURN(Listing listing, List(fs, path));
-  return std::move(listing.shards);
 }
 
 Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path) {
   Checkpoint ckpt;
   ckpt.path = path;
   WEIGHTD_ASSIGN_OR_RETURN(ckpt.is_directory, fs.IsDirectory(path));
-  WEIGHTD_ASSIGN_OR_RETURN(Listing listing, List(fs, path));
+  WEIGHTD_ASSIGN_OR_RETURN(ShardListing listing, ListShards(fs, path));
   const std::vector<ShardRef>& refs = listing.shards;
   ckpt.has_index = listing.weight_map.has_value();
 

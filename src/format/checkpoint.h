@@ -14,7 +14,9 @@
 // Thread safety: pure functions over the FileSystem given; safe from any thread.
 #pragma once
 
+#include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "format/safetensors.h"
@@ -50,10 +52,21 @@ struct Checkpoint {
   uint64_t file_bytes() const;
 };
 
+struct ShardListing {
+  std::vector<ShardRef> shards;  // by name
+  // The index's weight_map (tensor -> shard name, by tensor), when there is one.
+  std::optional<std::vector<std::pair<std::string, std::string>>> weight_map;
+  // File-system operations one after another that the listing cost (stat,
+  // index lookup/open/read or directory read, shard lookups): what it costs
+  // in round trips on a latency-bound file system.
+  uint64_t round_trips = 0;
+};
+
 // The shards of a checkpoint, without reading their headers: from the index
 // when there is one (checked for escapes and missing files), else every
-// *.safetensors file. A path to a single file gives that file.
-Result<std::vector<ShardRef>> ListShards(io::FileSystem& fs, const std::string& path);
+// *.safetensors file. A path to a single file gives that file. The shards'
+// paths are checked many at once.
+Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path);
 
 // Parses an index's weight_map: tensor name -> shard name, sorted by tensor.
 Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_view label,

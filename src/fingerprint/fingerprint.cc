@@ -1,0 +1,388 @@
+#include "fingerprint/fingerprint.h"
+
+#include <openssl/evp.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <memory>
+#include <optional>
+
+#include "format/checkpoint.h"
+#include "format/safetensors.h"
+#include "io/read_many.h"
+
+namespace weightd::fingerprint {
+namespace {
+
+// Full hashing reads big sequential chunks; a few shards at once keep a
+// network file system busy without thrashing a local disk.
+constexpr int kFullParallelShards = 4;
+constexpr uint64_t kFullChunkBytes = 4 << 20;
+
+std::string Hex(const unsigned char* bytes, size_t n) {
+  static const char* kHex = "0123456789abcdef";
+  std::string out;
+  out.reserve(2 * n);
+  for (size_t i = 0; i < n; ++i) {
+    out += kHex[bytes[i] >> 4];
+    out += kHex[bytes[i] & 0xf];
+  }
+  return out;
+}
+
+std::string TagXxh3(const XXH128_hash_t& h) {
+  XXH128_canonical_t canonical;
+  XXH128_canonicalFromHash(&canonical, h);
+  return "xxh3-128:" + Hex(canonical.digest, sizeof canonical.digest);
+}
+
+class Xxh3 {
+ public:
+  Xxh3() : state_(XXH3_createState()) { XXH3_128bits_reset(state_); }
+  Xxh3(const Xxh3&) = delete;
+  Xxh3& operator=(const Xxh3&) = delete;
+  ~Xxh3() { XXH3_freeState(state_); }
+  void Update(const void* data, size_t n) { XXH3_128bits_update(state_, data, n); }
+  void U64(uint64_t v) { Update(&v, sizeof v); }  // little-endian host (see dtype.cc)
+  std::string Tagged() const { return TagXxh3(XXH3_128bits_digest(state_)); }
+
+ private:
+  XXH3_state_t* state_;
+};
+
+class Sha256 {
+ public:
+  Sha256() : ctx_(EVP_MD_CTX_new()) { EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr); }
+  Sha256(const Sha256&) = delete;
+  Sha256& operator=(const Sha256&) = delete;
+  ~Sha256() { EVP_MD_CTX_free(ctx_); }
+  void Update(const void* data, size_t n) { EVP_DigestUpdate(ctx_, data, n); }
+  void U64(uint64_t v) { Update(&v, sizeof v); }
+  std::string Tagged() {
+    unsigned char out[EVP_MAX_MD_SIZE];
+    unsigned int len = 0;
+    EVP_DigestFinal_ex(ctx_, out, &len);
+    return "sha256:" + Hex(out, len);
+  }
+
+ private:
+  EVP_MD_CTX* ctx_;
+};
+
+// The checkpoint digest: every shard's name and digest, in name order.
+template <typename Hash>
+std::string CombineShards(const std::vector<ShardFingerprint>& shards) {
+  Hash h;
+  for (const auto& s : shards) {
+    h.U64(s.name.size());
+    h.Update(s.name.data(), s.name.size());
+    h.U64(s.digest.size());
+    h.Update(s.digest.data(), s.digest.size());
+  }
+  return h.Tagged();
+}
+
+Error CannotFingerprint(const std::string& path, const Error& why) {
+  return Error("cannot fingerprint " + path + ": " + why.message());
+}
+
+// One shard's progress through the sampled plan.
+struct ShardWork {
+  format::ShardRef ref;
+  std::unique_ptr<io::RandomAccessFile> file;
+  io::StatSignature signature;
+  std::string head;          // bytes [0, head.size()) of the file
+  uint64_t header_end = 0;   // 8 + N
+  format::ShardHeader header;
+  std::vector<std::string> samples;  // per tensor, in name order
+  uint64_t round_trips = 0;
+  std::optional<Error> error;
+  ShardFingerprint result;
+};
+
+struct PendingSample {
+  size_t shard;
+  size_t tensor;
+  uint64_t offset;
+  uint64_t length;
+};
+
+struct MergedRead {
+  size_t shard;
+  uint64_t offset;
+  std::string buffer;
+  std::vector<PendingSample> samples;
+};
+
+// Stage 1 for one shard: stat shortcut, or open, speculative first read,
+// header, and the samples that first read already holds.
+void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::ReadStats& stats,
+                     std::vector<PendingSample>& pending, size_t shard_index) {
+  w.result.name = w.ref.name;
+  const std::string kind(ModeName(o.mode));
+  if (o.cache != nullptr) {
+    auto sig = fs.Stat(w.ref.resolved);
+    ++w.round_trips;
+    if (!sig.ok()) {
+      w.error = sig.error();
+      return;
+    }
+    if (auto digest = o.cache->Lookup(kind, *sig)) {
+      w.result.digest = *digest;
+      w.result.file_bytes = sig->size;
+      w.result.cached = true;
+      return;
+    }
+  }
+  auto file = fs.Open(w.ref.resolved);
+  w.round_trips += 2;  // lookup + open
+  if (!file.ok()) {
+    w.error = file.error();
+    return;
+  }
+  w.file = std::move(file).value();
+  auto sig = w.file->Stat();
+  if (!sig.ok()) {
+    w.error = sig.error();
+    return;
+  }
+  w.signature = *sig;
+  const uint64_t size = w.file->size();
+  w.result.file_bytes = size;
+
+  w.head.resize(static_cast<size_t>(std::min(size, std::max<uint64_t>(o.speculative_bytes, 8))));
+  auto read_into = [&](uint64_t from) {
+    ++stats.reads;
+    stats.bytes += w.head.size() - from;
+    ++w.round_trips;
+    return w.file->ReadExactly(
+        from, std::span(reinterpret_cast<std::byte*>(w.head.data()) + from, w.head.size() - from));
+  };
+  if (Status s = read_into(0); !s.ok()) {
+    w.error = s.error();
+    return;
+  }
+  auto n = format::DecodeHeaderLength(w.ref.path,
+                                      std::as_bytes(std::span(w.head.data(), w.head.size())), size);
+  if (!n.ok()) {
+    w.error = n.error();
+    return;
+  }
+  w.header_end = format::kHeaderLengthBytes + *n;
+  if (w.header_end > w.head.size()) {
+    // The header outgrew the speculative read: fetch exactly the rest.
+    const uint64_t had = w.head.size();
+    w.head.resize(static_cast<size_t>(w.header_end));
+    if (Status s = read_into(had); !s.ok()) {
+      w.error = s.error();
+      return;
+    }
+  }
+  auto header = format::ParseHeader(
+      w.ref.path,
+      std::as_bytes(std::span(w.head.data() + format::kHeaderLengthBytes, static_cast<size_t>(*n))),
+      size);
+  if (!header.ok()) {
+    w.error = header.error();
+    return;
+  }
+  w.header = std::move(header).value();
+  w.result.tensors = w.header.tensors.size();
+  w.samples.resize(w.header.tensors.size());
+  for (size_t t = 0; t < w.header.tensors.size(); ++t) {
+    const format::TensorInfo& info = w.header.tensors[t];
+    const uint64_t offset = w.header.data_offset() + info.begin;
+    const uint64_t length = std::min(o.sample_bytes, info.bytes());
+    if (offset + length <= w.head.size()) {
+      w.samples[t].assign(w.head, static_cast<size_t>(offset), static_cast<size_t>(length));
+    } else {
+      pending.push_back({shard_index, t, offset, length});
+    }
+  }
+}
+
+// Groups one shard's pending samples (sorted by offset) into reads.
+std::vector<MergedRead> PlanReads(std::vector<PendingSample> pending, const Options& o) {
+  std::sort(pending.begin(), pending.end(), [](const PendingSample& a, const PendingSample& b) {
+    return std::tie(a.shard, a.offset) < std::tie(b.shard, b.offset);
+  });
+  std::vector<MergedRead> reads;
+  uint64_t end = 0;
+  for (const PendingSample& p : pending) {
+    const bool merge = o.coalesce && !reads.empty() && reads.back().shard == p.shard &&
+                       p.offset >= end && p.offset - end <= o.max_gap_bytes &&
+                       p.offset + p.length - reads.back().offset <= o.max_merged_bytes;
+    if (!merge) reads.push_back({p.shard, p.offset, {}, {}});
+    reads.back().samples.push_back(p);
+    end = p.offset + p.length;
+  }
+  for (MergedRead& r : reads) {
+    const PendingSample& last = r.samples.back();
+    r.buffer.resize(static_cast<size_t>(last.offset + last.length - r.offset));
+  }
+  return reads;
+}
+
+std::string ShardDigest(const ShardWork& w) {
+  Xxh3 h;
+  h.U64(w.result.file_bytes);
+  h.Update(w.head.data(), static_cast<size_t>(w.header_end));
+  for (const std::string& sample : w.samples) h.Update(sample.data(), sample.size());
+  return h.Tagged();
+}
+
+Result<Fingerprint> Sampled(io::FileSystem& fs, std::vector<format::ShardRef> refs,
+                            const Options& o, uint64_t listing_round_trips) {
+  std::vector<ShardWork> work(refs.size());
+  for (size_t i = 0; i < refs.size(); ++i) work[i].ref = std::move(refs[i]);
+
+  // Stage 1: every shard at once.
+  std::vector<std::vector<PendingSample>> pending(work.size());
+  std::vector<io::ReadStats> head_stats(work.size());
+  std::atomic<size_t> next{0};
+  io::RunTeam(static_cast<int>(std::min<size_t>(work.size(), std::max(o.max_inflight, 1))), [&](int) {
+    for (size_t i; (i = next.fetch_add(1)) < work.size();) {
+      OpenAndReadHead(fs, o, work[i], head_stats[i], pending[i], i);
+    }
+  });
+  Fingerprint fp;
+  uint64_t slowest_shard = 0;
+  std::vector<PendingSample> all_pending;
+  for (size_t i = 0; i < work.size(); ++i) {
+    if (work[i].error) return *work[i].error;
+    fp.reads += head_stats[i].reads;
+    fp.bytes_read += head_stats[i].bytes;
+    slowest_shard = std::max(slowest_shard, work[i].round_trips);
+    all_pending.insert(all_pending.end(), pending[i].begin(), pending[i].end());
+  }
+
+  // Stage 2: the remaining samples, many in flight.
+  std::vector<MergedRead> reads = PlanReads(std::move(all_pending), o);
+  std::vector<io::ReadRequest> requests;
+  requests.reserve(reads.size());
+  for (MergedRead& r : reads) {
+    requests.push_back({work[r.shard].file.get(), r.offset,
+                        std::as_writable_bytes(std::span(r.buffer.data(), r.buffer.size()))});
+  }
+  io::ReadStats sample_stats;
+  WEIGHTD_RETURN_IF_ERROR(io::ReadMany(requests, {.max_inflight = o.max_inflight}, &sample_stats));
+  fp.reads += sample_stats.reads;
+  fp.bytes_read += sample_stats.bytes;
+  const uint64_t waves = (reads.size() + o.max_inflight - 1) / std::max(o.max_inflight, 1);
+  for (const MergedRead& r : reads) {
+    for (const PendingSample& p : r.samples) {
+      work[p.shard].samples[p.tensor].assign(r.buffer, static_cast<size_t>(p.offset - r.offset),
+                                             static_cast<size_t>(p.length));
+    }
+  }
+
+  // Stage 3: digests, in name order whatever the read order was.
+  for (ShardWork& w : work) {
+    if (!w.result.cached) {
+      auto after = w.file->Stat();
+      if (!after.ok()) return after.error();
+      if (!(*after == w.signature)) {
+        return Error(w.ref.path + ": changed while being fingerprinted; try again");
+      }
+      w.result.digest = ShardDigest(w);
+      if (o.cache != nullptr) o.cache->Insert(std::string(ModeName(o.mode)), w.signature, w.result.digest);
+    } else {
+      ++fp.cache_hits;
+    }
+    fp.tensors += w.result.tensors;
+    fp.shards.push_back(std::move(w.result));
+  }
+  fp.digest = CombineShards<Xxh3>(fp.shards);
+  fp.round_trips = listing_round_trips + slowest_shard + waves;
+  return fp;
+}
+
+Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>& refs,
+                         const Options& o, uint64_t listing_round_trips) {
+  std::vector<ShardFingerprint> shards(refs.size());
+  std::vector<std::optional<Error>> errors(refs.size());
+  std::vector<io::ReadStats> stats(refs.size());
+  std::atomic<size_t> next{0};
+  const std::string kind(ModeName(o.mode));
+  io::RunTeam(static_cast<int>(std::min<size_t>(refs.size(), kFullParallelShards)), [&](int) {
+    for (size_t i; (i = next.fetch_add(1)) < refs.size();) {
+      ShardFingerprint& s = shards[i];
+      s.name = refs[i].name;
+      auto fail = [&](const Error& e) { errors[i] = e; };
+      if (o.cache != nullptr) {
+        auto sig = fs.Stat(refs[i].resolved);
+        if (!sig.ok()) {
+          fail(sig.error());
+          continue;
+        }
+        if (auto digest = o.cache->Lookup(kind, *sig)) {
+          s.digest = *digest;
+          s.file_bytes = sig->size;
+          s.cached = true;
+          continue;
+        }
+      }
+      auto file = fs.Open(refs[i].resolved);
+      if (!file.ok()) {
+        fail(file.error());
+        continue;
+      }
+      auto before = (*file)->Stat();
+      if (!before.ok()) {
+        fail(before.error());
+        continue;
+      }
+      s.file_bytes = (*file)->size();
+      Sha256 sha;
+      Status read = io::StreamFile(
+          **file, {.chunk_bytes = kFullChunkBytes, .max_inflight = 2},
+          [&](uint64_t, std::span<const std::byte> chunk) {
+            sha.Update(chunk.data(), chunk.size());
+            return OkStatus();
+          },
+          &stats[i]);
+      auto after = (*file)->Stat();
+      if (!read.ok()) {
+        fail(read.error());
+      } else if (!after.ok() || !(*after == *before)) {
+        fail(Error(refs[i].path + ": changed while being fingerprinted; try again"));
+      } else {
+        s.digest = sha.Tagged();
+        if (o.cache != nullptr) o.cache->Insert(kind, *before, s.digest);
+      }
+    }
+  });
+  Fingerprint fp;
+  fp.mode = Mode::kFull;
+  for (size_t i = 0; i < refs.size(); ++i) {
+    if (errors[i]) return *errors[i];
+    fp.reads += stats[i].reads;
+    fp.bytes_read += stats[i].bytes;
+    fp.cache_hits += shards[i].cached ? 1 : 0;
+  }
+  fp.shards = std::move(shards);
+  fp.digest = CombineShards<Sha256>(fp.shards);
+  fp.round_trips = listing_round_trips + 3 + fp.reads;  // reads within a shard are in order
+  return fp;
+}
+
+}  // namespace
+
+std::string_view ModeName(Mode mode) { return mode == Mode::kFull ? "full" : "sampled"; }
+
+Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string& path,
+                                          const Options& options) {
+  const auto start = std::chrono::steady_clock::now();
+  auto listing = format::ListShards(fs, path);
+  if (!listing.ok()) return CannotFingerprint(path, listing.error());
+  auto fp = options.mode == Mode::kFull ? Full(fs, listing->shards, options, listing->round_trips)
+                                        : Sampled(fs, listing->shards, options, listing->round_trips);
+  if (!fp.ok()) return CannotFingerprint(path, fp.error());
+  fp->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  return fp;
+}
+
+}  // namespace weightd::fingerprint

@@ -1,0 +1,85 @@
+// The checkpoint's content key: what an engine computes at every start to
+// prove that the checkpoint on disk is the one a cache holds.
+//
+// sampled (default): per shard, a digest of its size, its raw header (length
+// prefix and JSON) and the first 1 KiB (or less) of every tensor's data,
+// tensors in name order; then one XXH3-128 over every shard's name and
+// digest, shards in name order (only those an index names, when there is
+// one). Paths are not part of it: a byte-identical copy elsewhere gives the
+// same digest; a renamed shard does not.
+//
+// full: SHA-256 of every byte of each shard (the value model hubs publish per
+// file), then SHA-256 over every shard's name and hash.
+//
+// The I/O is planned for network file systems, where every operation costs
+// a round trip: all shards are opened at once; each shard's first read takes
+// the header and the first tensors' samples together; the remaining samples
+// go out many at a time, with neighbours merged into one read when the gap
+// between them costs less than a round trip. The digest never depends on
+// that schedule. With a StatCache, a shard whose stat signature is known
+// costs one stat and no read.
+//
+// Thread safety: FingerprintCheckpoint may run concurrently with itself.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "fingerprint/stat_cache.h"
+#include "io/file.h"
+#include "weightd/result.h"
+
+namespace weightd::fingerprint {
+
+enum class Mode { kSampled, kFull };
+
+std::string_view ModeName(Mode mode);
+
+struct Options {
+  Mode mode = Mode::kSampled;
+  // Reads outstanding at once. Sized for network storage, where only many in
+  // flight hide the round trips; on a local disk fewer would do.
+  int max_inflight = 256;
+  // Merge neighbouring samples into one read when the gap between them is at
+  // most `max_gap_bytes` (what one round trip's worth of bandwidth reads:
+  // 1 ms at 256 MB/s); never build a read over `max_merged_bytes`.
+  bool coalesce = true;
+  uint64_t max_gap_bytes = 256 << 10;
+  uint64_t max_merged_bytes = 4 << 20;
+  // The first read of each shard: prefix, header and the first samples.
+  uint64_t speculative_bytes = 256 << 10;
+  uint64_t sample_bytes = 1024;
+  // Stat shortcut; nullptr turns it off. Not owned.
+  StatCache* cache = nullptr;
+};
+
+struct ShardFingerprint {
+  std::string name;
+  std::string digest;  // tagged: "xxh3-128:..." or "sha256:..."
+  uint64_t file_bytes = 0;
+  uint64_t tensors = 0;  // 0 when the digest came from the stat cache
+  bool cached = false;
+};
+
+struct Fingerprint {
+  std::string digest;  // tagged
+  Mode mode = Mode::kSampled;
+  std::vector<ShardFingerprint> shards;  // by name
+  uint64_t tensors = 0;                  // in the shards that were read
+  uint64_t reads = 0;
+  uint64_t bytes_read = 0;
+  uint64_t cache_hits = 0;
+  // Operations one after another on the slowest path: lookups and opens,
+  // header and sample read waves. What a latency-bound file system charges.
+  uint64_t round_trips = 0;
+  double seconds = 0;
+};
+
+// Errors start with "cannot fingerprint" and name the reason; a checkpoint
+// without safetensors shards is one (a cache must treat it as uncacheable,
+// never key it by path).
+Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string& path,
+                                          const Options& options);
+
+}  // namespace weightd::fingerprint

@@ -1,0 +1,303 @@
+#include "fingerprint/fingerprint.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <openssl/sha.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <filesystem>
+
+#include "format/checkpoint.h"
+#include "format/synthetic.h"
+#include "test_util.h"
+
+namespace weightd::fingerprint {
+namespace {
+
+using testing::TempDir;
+namespace fs = std::filesystem;
+
+std::string Make(const TempDir& dir, const std::string& name, format::SyntheticOptions o) {
+  const std::string path = dir.Join(name);
+  auto plan = format::WriteSyntheticCheckpoint(path, o);
+  EXPECT_TRUE(plan.ok()) << (plan.ok() ? "" : plan.error().message());
+  return path;
+}
+
+Fingerprint Fp(const std::string& path, Options o = {}) {
+  auto fp = FingerprintCheckpoint(io::PosixFileSystem(), path, o);
+  EXPECT_TRUE(fp.ok()) << (fp.ok() ? "" : fp.error().message());
+  return fp.ok() ? std::move(fp).value() : Fingerprint{};
+}
+
+std::string Digest(const std::string& path, Options o = {}) { return Fp(path, o).digest; }
+
+void FlipByte(const std::string& path, uint64_t offset) {
+  int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  unsigned char b;
+  ASSERT_EQ(::pread(fd, &b, 1, static_cast<off_t>(offset)), 1);
+  b ^= 0x5a;
+  ASSERT_EQ(::pwrite(fd, &b, 1, static_cast<off_t>(offset)), 1);
+  ::close(fd);
+}
+
+TEST(Sampled, DigestIsTaggedXxh3) {
+  TempDir dir;
+  const std::string d = Digest(Make(dir, "m", {.preset = "tiny"}));
+  EXPECT_EQ(d.rfind("xxh3-128:", 0), 0u);
+  EXPECT_EQ(d.size(), 9u + 32);
+}
+
+TEST(Sampled, ByteIdenticalCopyInAnotherDirHasTheSameDigest) {
+  TempDir dir;
+  const std::string a = Make(dir, "a", {.preset = "llama", .size_bytes = 4 << 20});
+  fs::copy(a, dir.Join("elsewhere"), fs::copy_options::recursive);
+  EXPECT_EQ(Digest(a), Digest(dir.Join("elsewhere")));
+}
+
+TEST(Sampled, AChangeInAnyTensorsFirstKiBChangesTheDigest) {
+  TempDir dir;
+  const std::string m = Make(dir, "m", {.preset = "llama", .size_bytes = 4 << 20});
+  auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), m);
+  ASSERT_TRUE(ckpt.ok());
+  std::string previous = Digest(m);
+  int i = 0;
+  for (const auto& shard : ckpt->shards) {
+    for (const auto& t : shard.header.tensors) {
+      const uint64_t within = static_cast<uint64_t>(i++ * 37) % std::min<uint64_t>(1024, t.bytes());
+      FlipByte(shard.path, shard.header.data_offset() + t.begin + within);
+      const std::string now = Digest(m);
+      EXPECT_NE(now, previous) << t.name << " byte " << within;
+      previous = now;
+    }
+  }
+}
+
+TEST(Sampled, BytesPastTheFirstKiBAreNotSampled) {
+  TempDir dir;
+  const std::string m = Make(dir, "m", {.preset = "llama", .size_bytes = 4 << 20});
+  auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), m);
+  ASSERT_TRUE(ckpt.ok());
+  const std::string before = Digest(m);
+  const auto& shard = ckpt->shards[0];
+  const auto& t = shard.header.tensors[0];
+  ASSERT_GT(t.bytes(), 2048u);
+  FlipByte(shard.path, shard.header.data_offset() + t.begin + 2000);
+  EXPECT_EQ(Digest(m), before);  // what `full` is for
+}
+
+TEST(Sampled, FinetuneOfTheSameLayoutDiffers) {
+  TempDir dir;
+  EXPECT_NE(Digest(Make(dir, "base", {.preset = "llama", .size_bytes = 4 << 20})),
+            Digest(Make(dir, "tuned", {.preset = "llama", .finetune = true, .size_bytes = 4 << 20})));
+}
+
+TEST(Sampled, RenamingOrSwappingShardsChangesTheDigest) {
+  TempDir dir;
+  const std::string m = Make(dir, "m", {.preset = "many-tensors", .tensors = 40, .shards = 2});
+  fs::remove(dir.Join("m/model.safetensors.index.json"));  // let the names alone decide
+  const std::string original = Digest(m);
+  fs::rename(dir.Join("m/model-00002-of-00002.safetensors"), dir.Join("m/model-00003-of-00002.safetensors"));
+  const std::string renamed = Digest(m);
+  EXPECT_NE(renamed, original);
+  // Same names, contents swapped.
+  fs::rename(dir.Join("m/model-00003-of-00002.safetensors"), dir.Join("m/tmp"));
+  fs::rename(dir.Join("m/model-00001-of-00002.safetensors"), dir.Join("m/model-00002-of-00002.safetensors"));
+  fs::rename(dir.Join("m/tmp"), dir.Join("m/model-00001-of-00002.safetensors"));
+  EXPECT_NE(Digest(m), original);
+  EXPECT_NE(Digest(m), renamed);
+}
+
+TEST(Sampled, ShardsTheIndexDoesNotNameAreLeftOut) {
+  TempDir dir;
+  const std::string m = Make(dir, "m", {.preset = "llama", .size_bytes = 4 << 20});
+  const std::string before = Digest(m);
+  fs::copy(dir.Join("m/model-00001-of-00004.safetensors"), dir.Join("m/stale.safetensors"));
+  EXPECT_EQ(Digest(m), before);
+}
+
+TEST(Sampled, DigestDoesNotDependOnScheduling) {
+  TempDir dir;
+  // Small tensors (coalescible samples) and large ones (separate reads).
+  for (const std::string& m : {Make(dir, "many", {.preset = "many-tensors", .tensors = 3000, .shards = 3}),
+                               Make(dir, "llama", {.preset = "llama", .size_bytes = 8 << 20})}) {
+    const Fingerprint reference = Fp(m, {.max_inflight = 1, .coalesce = false});
+    for (int inflight : {1, 8, 512}) {
+      for (bool coalesce : {false, true}) {
+        for (uint64_t speculative : {uint64_t{8}, uint64_t{4096}, uint64_t{1} << 20}) {
+          Fingerprint fp = Fp(m, {.max_inflight = inflight, .coalesce = coalesce, .speculative_bytes = speculative});
+          EXPECT_EQ(fp.digest, reference.digest)
+              << m << " inflight " << inflight << " coalesce " << coalesce << " speculative " << speculative;
+          EXPECT_EQ(fp.tensors, reference.tensors);
+        }
+      }
+    }
+  }
+}
+
+TEST(Sampled, CoalescingMergesNeighbouringSamples) {
+  TempDir dir;
+  const std::string m = Make(dir, "many", {.preset = "many-tensors", .tensors = 3000, .shards = 3});
+  const Options tiny_first_read{.speculative_bytes = 8};
+  Options apart = tiny_first_read, merged = tiny_first_read;
+  apart.coalesce = false;
+  const Fingerprint a = Fp(m, apart), b = Fp(m, merged);
+  // Without merging: per shard a first read, a header read, one per tensor.
+  EXPECT_EQ(a.reads, 3u * 2 + 3000);
+  EXPECT_LT(b.reads, a.reads / 10);
+}
+
+TEST(Sampled, WithoutShardsThereIsNoFingerprint) {
+  TempDir dir;
+  auto fp = FingerprintCheckpoint(io::PosixFileSystem(), dir.path(), {});
+  ASSERT_FALSE(fp.ok());
+  EXPECT_EQ(fp.error().message().rfind("cannot fingerprint " + dir.path(), 0), 0u) << fp.error().message();
+}
+
+TEST(Full, EachShardIsTheSha256OfItsBytes) {
+  TempDir dir;
+  const std::string m = Make(dir, "m", {.preset = "llama", .size_bytes = 6 << 20});
+  Fingerprint fp = Fp(m, {.mode = Mode::kFull});
+  ASSERT_EQ(fp.shards.size(), 4u);
+  for (const auto& s : fp.shards) {
+    auto bytes = testing::ReadFileBytes(dir.Join("m/" + s.name));
+    unsigned char out[SHA256_DIGEST_LENGTH];
+    SHA256(reinterpret_cast<const unsigned char*>(bytes.data()), bytes.size(), out);
+    char hex[2 * SHA256_DIGEST_LENGTH + 1];
+    for (int i = 0; i < SHA256_DIGEST_LENGTH; ++i) std::snprintf(hex + 2 * i, 3, "%02x", out[i]);
+    EXPECT_EQ(s.digest, std::string("sha256:") + hex) << s.name;
+  }
+  EXPECT_EQ(fp.digest.rfind("sha256:", 0), 0u);
+  EXPECT_EQ(fp.bytes_read, fs::file_size(dir.Join("m/model-00001-of-00004.safetensors")) +
+                               fs::file_size(dir.Join("m/model-00002-of-00004.safetensors")) +
+                               fs::file_size(dir.Join("m/model-00003-of-00004.safetensors")) +
+                               fs::file_size(dir.Join("m/model-00004-of-00004.safetensors")));
+}
+
+// --- The stat shortcut ---------------------------------------------------
+
+struct Cached {
+  TempDir cache_dir;
+  Fingerprint Fp(const std::string& path, Mode mode = Mode::kSampled) {
+    auto cache = StatCache::Load(cache_dir.path());
+    auto fp = fingerprint::Fp(path, {.mode = mode, .cache = cache.get()});
+    EXPECT_TRUE(cache->Save().ok());
+    return fp;
+  }
+};
+
+TEST(StatCache, AnUnchangedShardCostsNoRead) {
+  TempDir dir;
+  Cached c;
+  const std::string m = Make(dir, "m", {.preset = "llama", .size_bytes = 4 << 20});
+  for (Mode mode : {Mode::kSampled, Mode::kFull}) {
+    const Fingerprint cold = c.Fp(m, mode);
+    const Fingerprint warm = c.Fp(m, mode);
+    EXPECT_EQ(cold.cache_hits, 0u);
+    EXPECT_GT(cold.reads, 0u);
+    EXPECT_EQ(warm.cache_hits, 4u);
+    EXPECT_EQ(warm.reads, 0u);
+    EXPECT_EQ(warm.digest, cold.digest);
+  }
+}
+
+TEST(StatCache, TouchRewriteAndReplaceAreSeen) {
+  TempDir dir;
+  Cached c;
+  const std::string m = Make(dir, "m", {.preset = "llama", .size_bytes = 4 << 20});
+  const std::string shard = dir.Join("m/model-00002-of-00004.safetensors");
+  const std::string original = c.Fp(m).digest;
+
+  // Touch: new mtime, same bytes: re-read, same digest.
+  struct timespec times[2] = {{0, UTIME_OMIT}, {12345, 0}};
+  ASSERT_EQ(::utimensat(AT_FDCWD, shard.c_str(), times, 0), 0);
+  Fingerprint touched = c.Fp(m);
+  EXPECT_EQ(touched.cache_hits, 3u);
+  EXPECT_EQ(touched.digest, original);
+
+  // Rewrite in place, same size, mtime put back: ctime still moves.
+  auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), m);
+  const auto& h = ckpt->shards[1].header;
+  FlipByte(shard, h.data_offset() + h.tensors[0].begin);
+  ASSERT_EQ(::utimensat(AT_FDCWD, shard.c_str(), times, 0), 0);
+  Fingerprint rewritten = c.Fp(m);
+  EXPECT_EQ(rewritten.cache_hits, 3u);
+  EXPECT_NE(rewritten.digest, original);
+
+  // Replace by rename (a new inode), restoring the original bytes.
+  FlipByte(shard, h.data_offset() + h.tensors[0].begin);
+  fs::copy(shard, shard + ".new");
+  fs::rename(shard + ".new", shard);
+  Fingerprint replaced = c.Fp(m);
+  EXPECT_EQ(replaced.cache_hits, 3u);
+  EXPECT_EQ(replaced.digest, original);
+}
+
+TEST(StatCache, ACorruptCacheFileIsIgnoredAndReplaced) {
+  TempDir dir;
+  Cached c;
+  const std::string m = Make(dir, "m", {.preset = "tiny"});
+  const std::string original = c.Fp(m).digest;
+  const std::string file = c.cache_dir.Join("fingerprint-stat.cache");
+  auto bytes = testing::ReadFileBytes(file);
+  bytes[bytes.size() / 2] ^= std::byte{1};
+  testing::WriteFileBytes(file, bytes);
+  auto cache = StatCache::Load(c.cache_dir.path());
+  EXPECT_NE(cache->warning().find("checksum"), std::string::npos) << cache->warning();
+  EXPECT_EQ(cache->size(), 0u);
+  Fingerprint again = c.Fp(m);
+  EXPECT_EQ(again.cache_hits, 0u);
+  EXPECT_EQ(again.digest, original);
+  EXPECT_EQ(StatCache::Load(c.cache_dir.path())->warning(), "");
+  testing::WriteFileText(file, "garbage");
+  EXPECT_NE(StatCache::Load(c.cache_dir.path())->warning(), "");
+}
+
+TEST(StatCache, AFileOwnedByAnotherUserIsIgnored) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to chown";
+  TempDir dir;
+  Cached c;
+  c.Fp(Make(dir, "m", {.preset = "tiny"}));
+  ASSERT_EQ(::chown(c.cache_dir.Join("fingerprint-stat.cache").c_str(), 4242, 4242), 0);
+  auto cache = StatCache::Load(c.cache_dir.path());
+  EXPECT_NE(cache->warning().find("another user"), std::string::npos) << cache->warning();
+  EXPECT_EQ(cache->size(), 0u);
+}
+
+TEST(StatCache, ConcurrentWritersLoseNothingAndCorruptNothing) {
+  TempDir cache_dir;
+  constexpr int kWriters = 8, kEach = 200;
+  std::vector<pid_t> children;
+  for (int w = 0; w < kWriters; ++w) {
+    pid_t pid = ::fork();
+    ASSERT_GE(pid, 0);
+    if (pid == 0) {
+      for (int i = 0; i < kEach; i += 50) {
+        auto cache = StatCache::Load(cache_dir.path());
+        for (int j = i; j < i + 50; ++j) {
+          io::StatSignature sig{.device = 1, .inode = static_cast<uint64_t>(w * kEach + j), .size = 2};
+          cache->Insert("sampled", sig, "xxh3-128:" + std::to_string(w * kEach + j));
+        }
+        if (!cache->Save().ok()) ::_exit(1);
+      }
+      ::_exit(0);
+    }
+    children.push_back(pid);
+  }
+  for (pid_t pid : children) {
+    int status = 0;
+    ::waitpid(pid, &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0);
+  }
+  auto cache = StatCache::Load(cache_dir.path());
+  EXPECT_EQ(cache->warning(), "");
+  EXPECT_EQ(cache->size(), static_cast<size_t>(kWriters * kEach));
+  EXPECT_EQ(cache->Lookup("sampled", {.device = 1, .inode = 7, .size = 2}), "xxh3-128:7");
+  EXPECT_EQ(cache->Lookup("full", {.device = 1, .inode = 7, .size = 2}), std::nullopt);
+}
+
+}  // namespace
+}  // namespace weightd::fingerprint
