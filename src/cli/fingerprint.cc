@@ -1,11 +1,11 @@
 // `weightd fingerprint PATH [--mode sampled|full] [--json] [--no-cache] [--max-inflight N]`
-#include <CLI/CLI.hpp>
+#include "fingerprint/fingerprint.h"
 
+#include <CLI/CLI.hpp>
 #include <iostream>
 #include <memory>
 
 #include "cli/output.h"
-#include "fingerprint/fingerprint.h"
 
 namespace weightd::cli {
 namespace {
@@ -16,7 +16,7 @@ struct FingerprintCommandOptions {
   bool json = false;
   bool no_cache = false;
   bool no_coalesce = false;
-  int max_inflight = 256;
+  int max_inflight = 512;
 };
 
 int RunFingerprint(const FingerprintCommandOptions& o) {
@@ -63,10 +63,11 @@ int RunFingerprint(const FingerprintCommandOptions& o) {
   } else {
     std::cout << fp->digest << "\n";
     std::cerr << Count(fp->shards.size(), "shard") << ", " << Count(fp->tensors, "tensor")
-              << " read, " << Count(fp->reads, "read") << ", " << FormatBytes(fp->bytes_read) << ", "
-              << fp->cache_hits << " from the stat cache, " << fp->seconds << " s\n";
+              << " read, " << Count(fp->reads, "read") << ", " << FormatBytes(fp->bytes_read)
+              << ", " << fp->cache_hits << " from the stat cache, " << fp->seconds << " s\n";
     if (fp->mode == fingerprint::Mode::kFull) {
-      for (const auto& s : fp->shards) std::cerr << "  " << s.digest << "  " << Printable(s.name) << "\n";
+      for (const auto& s : fp->shards)
+        std::cerr << "  " << s.digest << "  " << Printable(s.name) << "\n";
     }
   }
   return kExitOk;
@@ -84,9 +85,11 @@ Command AddFingerprintCommand(CLI::App& root) {
       "in $WEIGHTD_CACHE_DIR (else $XDG_CACHE_HOME/weightd, else ~/.cache/weightd).");
   app->add_option("PATH", o->path, "a checkpoint directory or .safetensors file")->required();
   app->add_option("--mode", o->mode, "sampled | full")->check(CLI::IsMember({"sampled", "full"}));
-  app->add_flag("--json", o->json, "print JSON: digest, mode, shards, tensors, reads, bytes_read, seconds, cache_hits");
+  app->add_flag(
+      "--json", o->json,
+      "print JSON: digest, mode, shards, tensors, reads, bytes_read, seconds, cache_hits");
   app->add_flag("--no-cache", o->no_cache, "neither use nor update the stat cache");
-  app->add_option("--max-inflight", o->max_inflight, "reads outstanding at once (default 256)")
+  app->add_option("--max-inflight", o->max_inflight, "reads outstanding at once (default 512)")
       ->check(CLI::Range(1, 4096));
   app->add_flag("--no-coalesce", o->no_coalesce, "one read per sample, never merged");
   return {app, [o] { return RunFingerprint(*o); }};

@@ -94,8 +94,8 @@ struct ShardWork {
   format::ShardRef ref;
   std::unique_ptr<io::RandomAccessFile> file;
   io::StatSignature signature;
-  std::string head;          // bytes [0, head.size()) of the file
-  uint64_t header_end = 0;   // 8 + N
+  std::string head;         // bytes [0, head.size()) of the file
+  uint64_t header_end = 0;  // 8 + N
   format::ShardHeader header;
   std::vector<std::string> samples;  // per tensor, in name order
   uint64_t round_trips = 0;
@@ -235,7 +235,7 @@ std::string ShardDigest(const ShardWork& w) {
 }
 
 Result<Fingerprint> Sampled(io::FileSystem& fs, std::vector<format::ShardRef> refs,
-                            const Options& o, uint64_t listing_round_trips) {
+                            const Options& o) {
   std::vector<ShardWork> work(refs.size());
   for (size_t i = 0; i < refs.size(); ++i) work[i].ref = std::move(refs[i]);
 
@@ -243,11 +243,12 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, std::vector<format::ShardRef> re
   std::vector<std::vector<PendingSample>> pending(work.size());
   std::vector<io::ReadStats> head_stats(work.size());
   std::atomic<size_t> next{0};
-  io::RunTeam(static_cast<int>(std::min<size_t>(work.size(), std::max(o.max_inflight, 1))), [&](int) {
-    for (size_t i; (i = next.fetch_add(1)) < work.size();) {
-      OpenAndReadHead(fs, o, work[i], head_stats[i], pending[i], i);
-    }
-  });
+  io::RunTeam(static_cast<int>(std::min<size_t>(work.size(), std::max(o.max_inflight, 1))),
+              [&](int) {
+                for (size_t i; (i = next.fetch_add(1)) < work.size();) {
+                  OpenAndReadHead(fs, o, work[i], head_stats[i], pending[i], i);
+                }
+              });
   Fingerprint fp;
   uint64_t slowest_shard = 0;
   std::vector<PendingSample> all_pending;
@@ -288,7 +289,8 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, std::vector<format::ShardRef> re
         return Error(w.ref.path + ": changed while being fingerprinted; try again");
       }
       w.result.digest = ShardDigest(w);
-      if (o.cache != nullptr) o.cache->Insert(std::string(ModeName(o.mode)), w.signature, w.result.digest);
+      if (o.cache != nullptr)
+        o.cache->Insert(std::string(ModeName(o.mode)), w.signature, w.result.digest);
     } else {
       ++fp.cache_hits;
     }
@@ -296,12 +298,12 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, std::vector<format::ShardRef> re
     fp.shards.push_back(std::move(w.result));
   }
   fp.digest = CombineShards<Xxh3>(fp.shards);
-  fp.round_trips = listing_round_trips + slowest_shard + waves;
+  fp.round_trips = slowest_shard + waves;
   return fp;
 }
 
 Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>& refs,
-                         const Options& o, uint64_t listing_round_trips) {
+                         const Options& o) {
   std::vector<ShardFingerprint> shards(refs.size());
   std::vector<std::optional<Error>> errors(refs.size());
   std::vector<io::ReadStats> stats(refs.size());
@@ -365,7 +367,8 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
   }
   fp.shards = std::move(shards);
   fp.digest = CombineShards<Sha256>(fp.shards);
-  fp.round_trips = listing_round_trips + 3 + fp.reads;  // reads within a shard are in order
+  // Shards go kFullParallelShards at a time; within one, reads are ordered.
+  fp.round_trips = 3 + (fp.reads + kFullParallelShards - 1) / kFullParallelShards;
   return fp;
 }
 
@@ -378,9 +381,12 @@ Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string&
   const auto start = std::chrono::steady_clock::now();
   auto listing = format::ListShards(fs, path);
   if (!listing.ok()) return CannotFingerprint(path, listing.error());
-  auto fp = options.mode == Mode::kFull ? Full(fs, listing->shards, options, listing->round_trips)
-                                        : Sampled(fs, listing->shards, options, listing->round_trips);
+  auto fp = options.mode == Mode::kFull ? Full(fs, listing->shards, options)
+                                        : Sampled(fs, listing->shards, options);
   if (!fp.ok()) return CannotFingerprint(path, fp.error());
+  fp->reads += listing->reads;
+  fp->bytes_read += listing->bytes_read;
+  fp->round_trips += listing->round_trips;
   fp->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return fp;
 }

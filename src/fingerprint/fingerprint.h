@@ -40,13 +40,15 @@ struct Options {
   Mode mode = Mode::kSampled;
   // Reads outstanding at once. Sized for network storage, where only many in
   // flight hide the round trips; on a local disk fewer would do.
-  int max_inflight = 256;
+  int max_inflight = 512;
   // Merge neighbouring samples into one read when the gap between them is at
   // most `max_gap_bytes` (what one round trip's worth of bandwidth reads:
   // 1 ms at 256 MB/s); never build a read over `max_merged_bytes`.
   bool coalesce = true;
   uint64_t max_gap_bytes = 256 << 10;
-  uint64_t max_merged_bytes = 4 << 20;
+  // 1 MiB: what one FUSE request (and a typical NFS rsize) carries; larger
+  // reads are split into several operations anyway.
+  uint64_t max_merged_bytes = 1 << 20;
   // The first read of each shard: prefix, header and the first samples.
   uint64_t speculative_bytes = 256 << 10;
   uint64_t sample_bytes = 1024;

@@ -130,7 +130,8 @@ std::optional<std::map<StatCache::Key, std::string>> StatCache::ReadFile(const s
   std::memcpy(&stored_sum, data.data() + data.size() - 8, 8);
   std::string_view body(data.data(), data.size() - 8);
   if (XXH3_64bits(body.data(), body.size()) != stored_sum) return corrupt("checksum mismatch");
-  if (std::memcmp(body.data(), kMagic, sizeof kMagic) != 0) return corrupt("not a weightd cache file");
+  if (std::memcmp(body.data(), kMagic, sizeof kMagic) != 0)
+    return corrupt("not a weightd cache file");
   Reader r(body.substr(sizeof kMagic));
   uint32_t version, count;
   if (!r.U32(&version) || version != kVersion) return corrupt("unknown version");
@@ -183,7 +184,8 @@ Status StatCache::Save() {
 
   const std::string path = dir_ + "/" + kFileName;
   std::string ignored;
-  std::map<Key, std::string> merged = ReadFile(path, &ignored).value_or(std::map<Key, std::string>{});
+  std::map<Key, std::string> merged =
+      ReadFile(path, &ignored).value_or(std::map<Key, std::string>{});
   for (auto& [k, v] : added_) merged[k] = v;
   // Keep the file bounded: drop the oldest-looking entries (smallest keys)
   // beyond the limit; a dropped entry only costs one more read later.

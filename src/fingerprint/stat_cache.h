@@ -60,7 +60,8 @@ class StatCache {
   using Key = std::tuple<std::string, uint64_t, uint64_t, uint64_t, int64_t, int64_t>;
   static Key MakeKey(const std::string& kind, const io::StatSignature& sig);
   // Reads and verifies the file; nullopt with `why` set when untrustworthy.
-  static std::optional<std::map<Key, std::string>> ReadFile(const std::string& path, std::string* why);
+  static std::optional<std::map<Key, std::string>> ReadFile(const std::string& path,
+                                                            std::string* why);
 
   const std::string dir_;
   mutable std::mutex mu_;

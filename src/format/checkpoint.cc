@@ -164,6 +164,8 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path) {
     WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map, ParseIndex(index_path, text));
     for (const auto& [tensor, shard] : *listing.weight_map) names.push_back(shard);
     listing.round_trips += 2;  // open, read
+    listing.reads = 1;
+    listing.bytes_read = text.size();
   } else {
     WEIGHTD_ASSIGN_OR_RETURN(auto entries, fs.ListDirectory(path));
     for (const io::DirEntry& e : entries) {

@@ -60,6 +60,9 @@ struct ShardListing {
   // index lookup/open/read or directory read, shard lookups): what it costs
   // in round trips on a latency-bound file system.
   uint64_t round_trips = 0;
+  // What reading the index cost.
+  uint64_t reads = 0;
+  uint64_t bytes_read = 0;
 };
 
 // The shards of a checkpoint, without reading their headers: from the index

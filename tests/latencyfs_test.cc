@@ -1,0 +1,111 @@
+// weightd fingerprint through a real latencyfs mount: the digest must equal
+// the one computed on the source directly, and every read the plan counts
+// must be one read the file system served.
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "format/synthetic.h"
+#include "test_util.h"
+
+namespace weightd {
+namespace {
+
+using testing::TempDir;
+
+// A latencyfs process serving `src` at `mnt`, stopped (and its statistics
+// read) by Stop() or the destructor.
+class Mount {
+ public:
+  Mount(const std::string& src, const std::string& mnt, const std::string& stats, const std::string& latency)
+      : mnt_(mnt) {
+    struct stat outer;
+    ::stat(mnt.c_str(), &outer);
+    pid_ = ::fork();
+    if (pid_ == 0) {
+      ::execl(LATENCYFS_BINARY, "latencyfs", src.c_str(), mnt.c_str(), "--latency", latency.c_str(),
+              "--stats-file", stats.c_str(), static_cast<char*>(nullptr));
+      ::_exit(127);
+    }
+    for (int i = 0; i < 500 && !mounted_; ++i) {
+      struct stat st;
+      mounted_ = ::stat(mnt.c_str(), &st) == 0 && st.st_dev != outer.st_dev;
+      if (!mounted_) ::usleep(10'000);
+    }
+  }
+  Mount(const Mount&) = delete;
+  Mount& operator=(const Mount&) = delete;
+  ~Mount() { Stop(); }
+
+  bool mounted() const { return mounted_; }
+
+  void Stop() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGTERM);
+    int status = 0;
+    ::waitpid(pid_, &status, 0);
+    pid_ = -1;
+  }
+
+ private:
+  std::string mnt_;
+  pid_t pid_ = -1;
+  bool mounted_ = false;
+};
+
+bool HaveFuse() { return ::access("/dev/fuse", R_OK | W_OK) == 0; }
+
+TEST(Latencyfs, FingerprintThroughTheMountMatchesAndReadsAreCounted) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  TempDir dir;
+  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), stats = dir.Join("stats.json");
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(src, {.preset = "llama", .size_bytes = 8 << 20}).ok());
+  ::mkdir(mnt.c_str(), 0700);
+
+  auto direct = testing::RunWeightd({"fingerprint", src, "--no-cache", "--json"});
+  ASSERT_EQ(direct.exit_code, 0) << direct.err;
+
+  nlohmann::json through;
+  {
+    Mount mount(src, mnt, stats, "1ms");
+    ASSERT_TRUE(mount.mounted()) << "latencyfs did not mount";
+    auto r = testing::RunWeightd({"fingerprint", mnt, "--no-cache", "--json"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    through = nlohmann::json::parse(r.out);
+    mount.Stop();
+  }
+  const auto expected = nlohmann::json::parse(direct.out);
+  EXPECT_EQ(through["digest"], expected["digest"]);
+  EXPECT_EQ(through["reads"], expected["reads"]);
+
+  std::ifstream in(stats);
+  ASSERT_TRUE(in) << "latencyfs wrote no statistics";
+  const auto served = nlohmann::json::parse(in);
+  EXPECT_EQ(served["read"], through["reads"]) << served.dump();
+  EXPECT_EQ(served["read_bytes"], through["bytes_read"]) << served.dump();
+  // One open per shard and the index.
+  EXPECT_EQ(served["open"], through["shards"].size() + 1) << served.dump();
+}
+
+TEST(Latencyfs, IsReadOnlyAndPassesBytesThrough) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  TempDir dir;
+  const std::string src = dir.Join("src"), mnt = dir.Join("mnt");
+  ::mkdir(src.c_str(), 0700);
+  ::mkdir(mnt.c_str(), 0700);
+  testing::WriteFileText(src + "/f", "hello, latency");
+  ASSERT_EQ(::symlink("f", (src + "/link").c_str()), 0);
+  Mount mount(src, mnt, dir.Join("stats.json"), "0");
+  ASSERT_TRUE(mount.mounted());
+  auto bytes = testing::ReadFileBytes(mnt + "/link");
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()), "hello, latency");
+  EXPECT_THROW(testing::WriteFileText(mnt + "/f", "x"), std::runtime_error);
+}
+
+}  // namespace
+}  // namespace weightd
