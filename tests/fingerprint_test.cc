@@ -8,6 +8,8 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 
 #include "format/checkpoint.h"
 #include "format/synthetic.h"
@@ -208,7 +210,7 @@ TEST(StatCache, AnUnchangedShardCostsNoRead) {
     EXPECT_EQ(cold.cache_hits, 0u);
     EXPECT_GT(cold.reads, 0u);
     EXPECT_EQ(warm.cache_hits, 4u);
-    EXPECT_EQ(warm.reads, 1u);  // the index only
+    EXPECT_EQ(warm.reads, 0u);  // the index's shard list is remembered too
     EXPECT_EQ(warm.digest, cold.digest);
   }
 }
@@ -243,6 +245,32 @@ TEST(StatCache, TouchRewriteAndReplaceAreSeen) {
   Fingerprint replaced = c.Fp(m);
   EXPECT_EQ(replaced.cache_hits, 3u);
   EXPECT_EQ(replaced.digest, original);
+}
+
+TEST(StatCache, ARewrittenIndexIsReadAgain) {
+  TempDir dir;
+  Cached c;
+  const std::string m = Make(dir, "m", {.preset = "llama", .size_bytes = 4 << 20});
+  const std::string with_four = c.Fp(m).digest;
+  // Drop a shard from the index: a new index (new inode), which must be read.
+  std::ifstream in(dir.Join("m/model.safetensors.index.json"));
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::string kept;
+  std::istringstream lines(text);
+  for (std::string line; std::getline(lines, line);) {
+    if (line.find("model-00004-of-00004") == std::string::npos) kept += line + "\n";
+  }
+  // The last kept entry may now end in a comma before "}": JSON-clean it.
+  const size_t brace = kept.rfind("  }");
+  const size_t comma = kept.rfind(',', brace);
+  if (comma != std::string::npos && kept.find_first_not_of(" \n", comma + 1) == brace)
+    kept.erase(comma, 1);
+  testing::WriteFileText(dir.Join("m/index.new"), kept);
+  fs::rename(dir.Join("m/index.new"), dir.Join("m/model.safetensors.index.json"));
+  const Fingerprint three = c.Fp(m);
+  EXPECT_EQ(three.shards.size(), 3u);
+  EXPECT_NE(three.digest, with_four);
+  EXPECT_EQ(three.cache_hits, 3u);
 }
 
 TEST(StatCache, ACorruptCacheFileIsIgnoredAndReplaced) {

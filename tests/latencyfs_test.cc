@@ -22,7 +22,8 @@ using testing::TempDir;
 // read) by Stop() or the destructor.
 class Mount {
  public:
-  Mount(const std::string& src, const std::string& mnt, const std::string& stats, const std::string& latency)
+  Mount(const std::string& src, const std::string& mnt, const std::string& stats,
+        const std::string& latency)
       : mnt_(mnt) {
     struct stat outer;
     ::stat(mnt.c_str(), &outer);
@@ -64,7 +65,8 @@ TEST(Latencyfs, FingerprintThroughTheMountMatchesAndReadsAreCounted) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
   TempDir dir;
   const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), stats = dir.Join("stats.json");
-  ASSERT_TRUE(format::WriteSyntheticCheckpoint(src, {.preset = "llama", .size_bytes = 8 << 20}).ok());
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(src, {.preset = "llama", .size_bytes = 8 << 20}).ok());
   ::mkdir(mnt.c_str(), 0700);
 
   auto direct = testing::RunWeightd({"fingerprint", src, "--no-cache", "--json"});
@@ -103,7 +105,8 @@ TEST(Latencyfs, IsReadOnlyAndPassesBytesThrough) {
   Mount mount(src, mnt, dir.Join("stats.json"), "0");
   ASSERT_TRUE(mount.mounted());
   auto bytes = testing::ReadFileBytes(mnt + "/link");
-  EXPECT_EQ(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()), "hello, latency");
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
+            "hello, latency");
   EXPECT_THROW(testing::WriteFileText(mnt + "/f", "x"), std::runtime_error);
 }
 

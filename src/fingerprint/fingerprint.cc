@@ -372,6 +372,37 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
   return fp;
 }
 
+// The stat cache also remembers which shards an index listed, so a warm
+// fingerprint does not open and read the index again.
+constexpr char kIndexKind[] = "index";
+
+format::ListOptions IndexShortcut(StatCache* cache) {
+  format::ListOptions o;
+  if (cache == nullptr) return o;
+  o.recall_index =
+      [cache](const io::StatSignature& sig) -> std::optional<std::vector<std::string>> {
+    auto text = cache->Lookup(kIndexKind, sig);
+    if (!text || text->empty()) return std::nullopt;
+    std::vector<std::string> names;
+    for (size_t start = 0; start <= text->size();) {
+      size_t end = text->find('\n', start);
+      if (end == std::string::npos) end = text->size();
+      names.push_back(text->substr(start, end - start));
+      start = end + 1;
+    }
+    return names;
+  };
+  o.remember_index = [cache](const io::StatSignature& sig, const std::vector<std::string>& names) {
+    std::string text;
+    for (const auto& n : names) {
+      if (n.find('\n') != std::string::npos) return;  // cannot be framed; just not cached
+      text += (text.empty() ? "" : "\n") + n;
+    }
+    cache->Insert(kIndexKind, sig, text);
+  };
+  return o;
+}
+
 }  // namespace
 
 std::string_view ModeName(Mode mode) { return mode == Mode::kFull ? "full" : "sampled"; }
@@ -379,7 +410,7 @@ std::string_view ModeName(Mode mode) { return mode == Mode::kFull ? "full" : "sa
 Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string& path,
                                           const Options& options) {
   const auto start = std::chrono::steady_clock::now();
-  auto listing = format::ListShards(fs, path);
+  auto listing = format::ListShards(fs, path, IndexShortcut(options.cache));
   if (!listing.ok()) return CannotFingerprint(path, listing.error());
   auto fp = options.mode == Mode::kFull ? Full(fs, listing->shards, options)
                                         : Sampled(fs, listing->shards, options);

@@ -15,25 +15,24 @@ namespace weightd::fingerprint {
 namespace {
 
 constexpr char kMagic[8] = {'W', 'D', 'S', 'T', 'A', 'T', 'C', '1'};
-constexpr uint32_t kVersion = 1;
+constexpr uint32_t kVersion = 2;
 constexpr char kFileName[] = "fingerprint-stat.cache";
 constexpr char kLockName[] = "fingerprint-stat.lock";
 // Bounds on what a cache file may claim, checked before trusting it.
 constexpr uint64_t kMaxFileBytes = 64ull << 20;
 constexpr uint32_t kMaxEntries = 200'000;
-constexpr size_t kMaxTextBytes = 255;
+constexpr uint32_t kMaxTextBytes = 1 << 20;
 
 // A little-endian reader over untrusted bytes: every read is bounds-checked.
 class Reader {
  public:
   explicit Reader(std::string_view data) : data_(data) {}
-  bool U8(uint8_t* v) { return Raw(v, 1); }
   bool U32(uint32_t* v) { return Raw(v, 4); }
   bool U64(uint64_t* v) { return Raw(v, 8); }
   bool I64(int64_t* v) { return Raw(v, 8); }
   bool Text(std::string* s) {
-    uint8_t len;
-    if (!U8(&len) || data_.size() - pos_ < len) return false;
+    uint32_t len;
+    if (!U32(&len) || len > kMaxTextBytes || data_.size() - pos_ < len) return false;
     s->assign(data_.substr(pos_, len));
     pos_ += len;
     return true;
@@ -57,7 +56,7 @@ void Put(std::string& out, T v) {
 }
 
 void PutText(std::string& out, const std::string& s) {
-  out += static_cast<char>(s.size());
+  Put(out, static_cast<uint32_t>(s.size()));
   out += s;
 }
 

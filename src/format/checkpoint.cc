@@ -144,7 +144,8 @@ Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_
   return entries;
 }
 
-Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path) {
+Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
+                                const ListOptions& options) {
   ShardListing listing;
   WEIGHTD_ASSIGN_OR_RETURN(bool is_dir, fs.IsDirectory(path));
   listing.round_trips = 1;
@@ -158,15 +159,22 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path) {
   WEIGHTD_ASSIGN_OR_RETURN(bool has_index, fs.Exists(index_path));
   listing.round_trips += 1;
 
+  listing.has_index = has_index;
   std::vector<std::string> names;
-  if (has_index) {
+  std::optional<io::StatSignature> index_signature;
+  if (has_index && options.recall_index) {
+    WEIGHTD_ASSIGN_OR_RETURN(index_signature, fs.Stat(index_path));
+    listing.round_trips += 1;
+    if (auto recalled = options.recall_index(*index_signature)) names = std::move(*recalled);
+  }
+  if (has_index && names.empty()) {
     WEIGHTD_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(fs, index_path, kMaxIndexBytes));
     WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map, ParseIndex(index_path, text));
     for (const auto& [tensor, shard] : *listing.weight_map) names.push_back(shard);
     listing.round_trips += 2;  // open, read
     listing.reads = 1;
     listing.bytes_read = text.size();
-  } else {
+  } else if (!has_index) {
     WEIGHTD_ASSIGN_OR_RETURN(auto entries, fs.ListDirectory(path));
     for (const io::DirEntry& e : entries) {
       if (!EndsWith(e.name, kShardSuffix)) continue;
@@ -178,6 +186,9 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path) {
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
   if (names.empty()) return Error(path + ": " + std::string(rules::kNoShards));
+  if (listing.weight_map && index_signature && options.remember_index) {
+    options.remember_index(*index_signature, names);
+  }
 
   // Each check is a lookup or two; on a network file system they must not
   // queue behind each other.

@@ -14,6 +14,7 @@
 // Thread safety: pure functions over the FileSystem given; safe from any thread.
 #pragma once
 
+#include <functional>
 #include <optional>
 #include <string>
 #include <utility>
@@ -54,6 +55,7 @@ struct Checkpoint {
 
 struct ShardListing {
   std::vector<ShardRef> shards;  // by name
+  bool has_index = false;
   // The index's weight_map (tensor -> shard name, by tensor), when there is one.
   std::optional<std::vector<std::pair<std::string, std::string>>> weight_map;
   // File-system operations one after another that the listing cost (stat,
@@ -65,11 +67,22 @@ struct ShardListing {
   uint64_t bytes_read = 0;
 };
 
+// Lets a caller that keeps a cache skip reading an index it has seen: the
+// shard names are recalled by the index file's stat signature.
+struct ListOptions {
+  // The shard names an index with this signature listed, if known.
+  std::function<std::optional<std::vector<std::string>>(const io::StatSignature&)> recall_index;
+  // Called after an index was read, with its signature taken before the read.
+  std::function<void(const io::StatSignature&, const std::vector<std::string>&)> remember_index;
+};
+
 // The shards of a checkpoint, without reading their headers: from the index
 // when there is one (checked for escapes and missing files), else every
 // *.safetensors file. A path to a single file gives that file. The shards'
-// paths are checked many at once.
-Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path);
+// paths are checked many at once, recalled ones too. weight_map is set only
+// when the index was read.
+Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
+                                const ListOptions& options = {});
 
 // Parses an index's weight_map: tensor name -> shard name, sorted by tensor.
 Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_view label,

@@ -219,7 +219,8 @@ struct DirListing {
 void OpenDir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   State* s = St(req);
   const std::string path = PathOf(s, ino);
-  const int fd = path.empty() ? -1 : ::openat(s->source_fd, path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  const int fd =
+      path.empty() ? -1 : ::openat(s->source_fd, path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return ReplyErrorLater(req, path.empty() ? ESTALE : errno);
   DIR* dir = ::fdopendir(fd);
   auto* listing = new DirListing;
@@ -262,7 +263,8 @@ void ReadLink(fuse_req_t req, fuse_ino_t ino) {
   ++s->stats.readlink;
   const std::string path = PathOf(s, ino);
   char target[4096];
-  const ssize_t n = path.empty() ? -1 : ::readlinkat(s->source_fd, path.c_str(), target, sizeof target - 1);
+  const ssize_t n =
+      path.empty() ? -1 : ::readlinkat(s->source_fd, path.c_str(), target, sizeof target - 1);
   if (n < 0) return ReplyErrorLater(req, path.empty() ? ESTALE : errno);
   std::string text(target, static_cast<size_t>(n));
   s->delay->At(Due(s), [req, text] { fuse_reply_readlink(req, text.c_str()); });
@@ -330,8 +332,8 @@ int Serve(const Config& config) {
   int rc = 1;
   if (fuse_set_signal_handlers(se) == 0) {
     if (fuse_session_mount(se, config.mountpoint.c_str()) == 0) {
-      std::fprintf(stderr, "latencyfs: serving %s at %s, %.3f ms per operation\n", config.source.c_str(),
-                   config.mountpoint.c_str(),
+      std::fprintf(stderr, "latencyfs: serving %s at %s, %.3f ms per operation\n",
+                   config.source.c_str(), config.mountpoint.c_str(),
                    std::chrono::duration<double, std::milli>(config.latency).count());
       struct fuse_loop_config* loop = fuse_loop_cfg_create();
       fuse_loop_cfg_set_max_threads(loop, static_cast<unsigned>(config.threads));
@@ -354,7 +356,11 @@ int64_t ParseDuration(const std::string& text) {
   const double v = std::strtod(text.c_str(), &end);
   if (end == text.c_str() || v < 0) return -1;
   const std::string unit(end);
-  const double scale = unit == "ns" ? 1 : unit == "us" ? 1e3 : unit == "ms" ? 1e6 : unit == "s" || unit.empty() ? 1e9 : -1;
+  const double scale = unit == "ns"                  ? 1
+                       : unit == "us"                ? 1e3
+                       : unit == "ms"                ? 1e6
+                       : unit == "s" || unit.empty() ? 1e9
+                                                     : -1;
   return scale < 0 ? -1 : static_cast<int64_t>(v * scale);
 }
 
@@ -364,7 +370,11 @@ double ParseBandwidth(const std::string& text) {
   const double v = std::strtod(text.c_str(), &end);
   if (end == text.c_str() || v < 0) return -1;
   const std::string unit(end);
-  const double scale = unit.empty() ? 1 : unit == "K" ? 1e3 : unit == "M" ? 1e6 : unit == "G" ? 1e9 : -1;
+  const double scale = unit.empty()  ? 1
+                       : unit == "K" ? 1e3
+                       : unit == "M" ? 1e6
+                       : unit == "G" ? 1e9
+                                     : -1;
   return scale < 0 ? -1 : v * scale;
 }
 
@@ -422,8 +432,10 @@ int MeasureCeiling(int threads, double seconds) {
     std::this_thread::sleep_for(std::chrono::duration<double>(seconds));
     stop = true;
     for (auto& r : readers) r.join();
-    std::printf("{\"ceiling_ops_per_second\": %.0f, \"readers\": %d, \"seconds\": %.1f, \"cores\": %ld}\n",
-                static_cast<double>(ops.load()) / seconds, threads, seconds, ::sysconf(_SC_NPROCESSORS_ONLN));
+    std::printf(
+        "{\"ceiling_ops_per_second\": %.0f, \"readers\": %d, \"seconds\": %.1f, \"cores\": %ld}\n",
+        static_cast<double>(ops.load()) / seconds, threads, seconds,
+        ::sysconf(_SC_NPROCESSORS_ONLN));
     rc = 0;
   } else {
     std::fprintf(stderr, "latencyfs: error: the scratch mount did not come up\n");
@@ -438,14 +450,15 @@ int MeasureCeiling(int threads, double seconds) {
 }
 
 void Usage() {
-  std::fprintf(stderr,
-               "usage: latencyfs SRC MNT [--latency 1ms] [--bandwidth 0|1G] [--attr-cache 3s]\n"
-               "                 [--threads 8] [--stats-file FILE]\n"
-               "       latencyfs --ceiling [--readers 256] [--seconds 2]\n"
-               "Serves SRC read-only at MNT with every operation delayed by --latency and reads\n"
-               "limited to --bandwidth (0: unlimited). Stop it with SIGTERM or `fusermount3 -u MNT`;\n"
-               "it then prints (and writes to --stats-file) the operations it served.\n"
-               "--ceiling measures the operations per second this machine's FUSE can serve.\n");
+  std::fprintf(
+      stderr,
+      "usage: latencyfs SRC MNT [--latency 1ms] [--bandwidth 0|1G] [--attr-cache 3s]\n"
+      "                 [--threads 8] [--stats-file FILE]\n"
+      "       latencyfs --ceiling [--readers 256] [--seconds 2]\n"
+      "Serves SRC read-only at MNT with every operation delayed by --latency and reads\n"
+      "limited to --bandwidth (0: unlimited). Stop it with SIGTERM or `fusermount3 -u MNT`;\n"
+      "it then prints (and writes to --stats-file) the operations it served.\n"
+      "--ceiling measures the operations per second this machine's FUSE can serve.\n");
 }
 
 }  // namespace
