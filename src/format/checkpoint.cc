@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <optional>
+#include <thread>
 
 #include "format/rules.h"
 #include "io/read_many.h"
@@ -17,6 +19,9 @@ namespace {
 constexpr uint64_t kMaxIndexBytes = 256ull << 20;
 constexpr int kMaxParallelHeaderReads = 16;
 constexpr size_t kMaxParallelPathChecks = 128;
+// A stat slower than this went over a network (or a FUSE daemon): a local
+// stat, or one answered from an attribute cache, takes microseconds.
+constexpr auto kRoundTripProbe = std::chrono::microseconds(500);
 
 constexpr std::string_view kShardSuffix = ".safetensors";
 
@@ -147,19 +152,37 @@ Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_
 Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
                                 const ListOptions& options) {
   ShardListing listing;
+  auto probe_start = std::chrono::steady_clock::now();
   WEIGHTD_ASSIGN_OR_RETURN(bool is_dir, fs.IsDirectory(path));
+  bool remote = std::chrono::steady_clock::now() - probe_start > kRoundTripProbe;
   listing.round_trips = 1;
   if (!is_dir) {
     listing.shards.push_back({io::BaseName(path), path, path});
     return listing;
   }
 
+  // Where a stat costs a round trip, list the directory at once, alongside
+  // the index read: on file systems with READDIRPLUS (NFS, FUSE) the listing
+  // brings every shard's attributes in one round trip, so the per-shard
+  // checks below hit the client's cache instead of queuing one lookup each
+  // (which Linux's FUSE client was seen to serialize within a directory).
+  // Without an index the listing is needed anyway. Where stats are cheap
+  // (local disks, warm attribute caches) it would only add round trips. The
+  // probes are the directory's stat and then the index's lookup (the
+  // directory's attributes may be cached while its entries are not).
+  std::optional<Result<std::vector<io::DirEntry>>> entries;
+  std::jthread lister;
+  auto list_now = [&] { lister = std::jthread([&] { entries = fs.ListDirectory(path); }); };
+  if (remote) list_now();
+
   WEIGHTD_ASSIGN_OR_RETURN(std::string real_dir, fs.RealPath(path));
   const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
+  probe_start = std::chrono::steady_clock::now();
   WEIGHTD_ASSIGN_OR_RETURN(bool has_index, fs.Exists(index_path));
+  if (!remote && std::chrono::steady_clock::now() - probe_start > kRoundTripProbe) list_now();
   listing.round_trips += 1;
-
   listing.has_index = has_index;
+
   std::vector<std::string> names;
   std::optional<io::StatSignature> index_signature;
   if (has_index && options.recall_index) {
@@ -174,12 +197,16 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
     listing.round_trips += 2;  // open, read
     listing.reads = 1;
     listing.bytes_read = text.size();
-  } else if (!has_index) {
-    WEIGHTD_ASSIGN_OR_RETURN(auto entries, fs.ListDirectory(path));
-    for (const io::DirEntry& e : entries) {
+  }
+  if (lister.joinable()) lister.join();
+  if (!has_index) {
+    if (!entries) entries = fs.ListDirectory(path);
+    if (!entries->ok()) return entries->error();
+    for (const io::DirEntry& e : entries->value()) {
       if (!EndsWith(e.name, kShardSuffix)) continue;
-      if (e.type == io::EntryType::kRegular || e.type == io::EntryType::kSymlink)
+      if (e.type == io::EntryType::kRegular || e.type == io::EntryType::kSymlink) {
         names.push_back(e.name);
+      }
     }
     listing.round_trips += 2;  // opendir, readdir
   }

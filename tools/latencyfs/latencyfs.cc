@@ -149,6 +149,19 @@ void ReplyErrorLater(fuse_req_t req, int err) {
   St(req)->delay->At(Due(St(req)), [req, err] { fuse_reply_err(req, err); });
 }
 
+void Init(void* userdata, struct fuse_conn_info* conn) {
+  (void)userdata;
+  // Without this the kernel serializes lookups in one directory: a client
+  // stat-ing 66 shards at once would wait 66 round trips, which is not what
+  // a network file system does.
+  if (conn->capable & FUSE_CAP_PARALLEL_DIROPS) conn->want |= FUSE_CAP_PARALLEL_DIROPS;
+  // Listing a directory returns every entry's attributes in the same round
+  // trip (NFS's READDIRPLUS), always rather than when the kernel guesses it
+  // pays: that is what lets a client learn many files' attributes at once.
+  if (conn->capable & FUSE_CAP_READDIRPLUS) conn->want |= FUSE_CAP_READDIRPLUS;
+  conn->want &= ~FUSE_CAP_READDIRPLUS_AUTO;
+}
+
 void Lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   State* s = St(req);
   ++s->stats.lookup;
@@ -213,6 +226,7 @@ void Release(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
 }
 
 struct DirListing {
+  std::string dir;  // relative to the source
   std::vector<std::pair<std::string, struct stat>> entries;
 };
 
@@ -227,11 +241,16 @@ void OpenDir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   while (struct dirent* d = ::readdir(dir)) {
     struct stat st;
     std::memset(&st, 0, sizeof st);
-    st.st_ino = d->d_ino;
-    st.st_mode = static_cast<mode_t>(DTTOIF(d->d_type));
-    listing->entries.emplace_back(d->d_name, st);
+    const std::string name = d->d_name;
+    if (name == "." || name == ".." ||
+        ::fstatat(::dirfd(dir), d->d_name, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      st.st_ino = d->d_ino;
+      st.st_mode = static_cast<mode_t>(DTTOIF(d->d_type));
+    }
+    listing->entries.emplace_back(name, st);
   }
   ::closedir(dir);
+  listing->dir = path;
   struct fuse_file_info out = *fi;
   out.fh = reinterpret_cast<uint64_t>(listing);
   s->delay->At(Due(s), [req, out] { fuse_reply_open(req, &out); });
@@ -249,6 +268,35 @@ void ReadDir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_fil
                                           static_cast<off_t>(i + 1));
     if (need > size - used) break;
     used += need;
+  }
+  s->delay->At(Due(s), [req, buf, used] { fuse_reply_buf(req, buf->data(), used); });
+}
+
+void ReadDirPlus(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  State* s = St(req);
+  ++s->stats.readdir;
+  auto* listing = reinterpret_cast<DirListing*>(fi->fh);
+  auto buf = std::make_shared<std::vector<char>>(size);
+  size_t used = 0;
+  for (size_t i = static_cast<size_t>(off); i < listing->entries.size(); ++i) {
+    const auto& [name, st] = listing->entries[i];
+    struct fuse_entry_param e;
+    std::memset(&e, 0, sizeof e);
+    e.attr = st;
+    const bool dots = name == "." || name == "..";
+    if (!dots) {
+      // Like a lookup: the kernel now knows this entry until the timeout.
+      e.ino = st.st_ino;
+      e.attr_timeout = e.entry_timeout = s->config.attr_cache_s;
+    }
+    const size_t need = fuse_add_direntry_plus(req, buf->data() + used, size - used, name.c_str(),
+                                               &e, static_cast<off_t>(i + 1));
+    if (need > size - used) break;
+    used += need;
+    if (!dots) {
+      std::lock_guard lock(s->nodes_mu);
+      s->paths[e.ino] = listing->dir == "." ? name : listing->dir + "/" + name;
+    }
   }
   s->delay->At(Due(s), [req, buf, used] { fuse_reply_buf(req, buf->data(), used); });
 }
@@ -312,6 +360,7 @@ int Serve(const Config& config) {
 
   struct fuse_lowlevel_ops ops;
   std::memset(&ops, 0, sizeof ops);
+  ops.init = Init;
   ops.lookup = Lookup;
   ops.getattr = GetAttr;
   ops.open = Open;
@@ -319,6 +368,7 @@ int Serve(const Config& config) {
   ops.release = Release;
   ops.opendir = OpenDir;
   ops.readdir = ReadDir;
+  ops.readdirplus = ReadDirPlus;
   ops.releasedir = ReleaseDir;
   ops.readlink = ReadLink;
   ops.statfs = StatFs;
