@@ -58,7 +58,8 @@ std::vector<std::string> Shards(const std::string& dir, uint64_t* index_bytes) {
 }
 
 void ReadAt(int fd, void* buf, size_t len, uint64_t offset) {
-  if (::pread(fd, buf, len, static_cast<off_t>(offset)) != static_cast<ssize_t>(len)) Die("short read");
+  if (::pread(fd, buf, len, static_cast<off_t>(offset)) != static_cast<ssize_t>(len))
+    Die("short read");
 }
 
 struct Sample {
@@ -107,7 +108,8 @@ int main(int argc, char** argv) {
       by_name[entry.key()] = {offsets.at(0).get<uint64_t>(), offsets.at(1).get<uint64_t>()};
     }
     for (const auto& [tensor, range] : by_name) {
-      samples.push_back({fd, 8 + n + range.first, std::min<uint64_t>(1024, range.second - range.first), {}});
+      samples.push_back(
+          {fd, 8 + n + range.first, std::min<uint64_t>(1024, range.second - range.first), {}});
     }
     tensors += by_name.size();
   }
@@ -133,7 +135,8 @@ int main(int argc, char** argv) {
   for (int fd : fds) ::close(fd);
   const XXH128_hash_t digest = XXH3_128bits_digest(h);
   XXH3_freeState(h);
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // Shards one after another, each: lookup, open, two reads; then the
   // sample reads in waves of `workers`.
   const uint64_t round_trips =
@@ -142,8 +145,9 @@ int main(int argc, char** argv) {
       "{\"scheme\": \"%s\", \"digest\": \"%016llx%016llx\", \"shards\": %zu, \"tensors\": %llu, "
       "\"reads\": %llu, \"bytes_read\": %llu, \"round_trips\": %llu, \"seconds\": %.6f}\n",
       scheme.c_str(), static_cast<unsigned long long>(digest.high64),
-      static_cast<unsigned long long>(digest.low64), shards.size(), static_cast<unsigned long long>(tensors),
-      static_cast<unsigned long long>(reads), static_cast<unsigned long long>(bytes),
-      static_cast<unsigned long long>(round_trips), seconds);
+      static_cast<unsigned long long>(digest.low64), shards.size(),
+      static_cast<unsigned long long>(tensors), static_cast<unsigned long long>(reads),
+      static_cast<unsigned long long>(bytes), static_cast<unsigned long long>(round_trips),
+      seconds);
   return 0;
 }

@@ -60,7 +60,8 @@ std::string RunCapture(const std::vector<std::string>& argv) {
   ::close(pipe_fds[1]);
   std::string out;
   char buf[4096];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;)
+    out.append(buf, static_cast<size_t>(n));
   ::close(pipe_fds[0]);
   int status = 0;
   ::waitpid(pid, &status, 0);
@@ -71,8 +72,8 @@ std::string RunCapture(const std::vector<std::string>& argv) {
 // One latencyfs mount for the lifetime of the object.
 class Mount {
  public:
-  Mount(const std::string& bin, const std::string& src, const std::string& mnt, const std::string& latency,
-        const std::string& attr_cache)
+  Mount(const std::string& bin, const std::string& src, const std::string& mnt,
+        const std::string& latency, const std::string& attr_cache)
       : mnt_(mnt) {
     fs::create_directories(mnt);
     struct stat outer;
@@ -80,8 +81,8 @@ class Mount {
     pid_ = ::fork();
     if (pid_ == 0) {
       std::freopen("/dev/null", "w", stderr);
-      ::execl(bin.c_str(), "latencyfs", src.c_str(), mnt.c_str(), "--latency", latency.c_str(), "--attr-cache",
-              attr_cache.c_str(), static_cast<char*>(nullptr));
+      ::execl(bin.c_str(), "latencyfs", src.c_str(), mnt.c_str(), "--latency", latency.c_str(),
+              "--attr-cache", attr_cache.c_str(), static_cast<char*>(nullptr));
       ::_exit(127);
     }
     for (int i = 0; i < 1000; ++i) {
@@ -119,7 +120,8 @@ Row Weightd(const std::string& what, const std::string& path, fingerprint::StatC
   return {what, fp->seconds, fp->reads, fp->bytes_read, fp->round_trips};
 }
 
-Row Baseline(const std::string& bin, const std::string& scheme, const std::string& what, const std::string& path) {
+Row Baseline(const std::string& bin, const std::string& scheme, const std::string& what,
+             const std::string& path) {
   auto j = nlohmann::json::parse(RunCapture({bin, scheme, path}));
   return {what, j["seconds"], j["reads"], j["bytes_read"], j["round_trips"]};
 }
@@ -132,8 +134,9 @@ void Generate(const std::string& dir, const format::SyntheticOptions& o) {
 }
 
 void PrintTable(const std::vector<Row>& rows, const Row& reference) {
-  std::printf("| scheme | time | reads | bytes read | round trips (critical path) | speed-up vs %s |\n",
-              reference.what.c_str());
+  std::printf(
+      "| scheme | time | reads | bytes read | round trips (critical path) | speed-up vs %s |\n",
+      reference.what.c_str());
   std::printf("| --- | ---: | ---: | ---: | ---: | ---: |\n");
   for (const Row& r : rows) {
     std::printf("| %s | %.3f s | %llu | %.1f MB | %llu | %.1fx |\n", r.what.c_str(), r.seconds,
@@ -144,17 +147,22 @@ void PrintTable(const std::vector<Row>& rows, const Row& reference) {
 }
 
 // Bars on a log scale, one group per latency.
-void WritePlot(const std::string& path, const std::vector<std::pair<std::string, std::vector<Row>>>& groups) {
+void WritePlot(const std::string& path,
+               const std::vector<std::pair<std::string, std::vector<Row>>>& groups) {
   std::ofstream svg(path);
   const int bar_h = 18, gap = 6, left = 260, width = 760;
   int rows = 0;
   for (const auto& g : groups) rows += static_cast<int>(g.second.size()) + 1;
   const int height = rows * (bar_h + gap) + 60;
   const double lo = std::log10(0.001), hi = std::log10(100.0);
-  auto x = [&](double s) { return left + (std::log10(std::max(s, 0.001)) - lo) / (hi - lo) * (width - left - 20); };
+  auto x = [&](double s) {
+    return left + (std::log10(std::max(s, 0.001)) - lo) / (hi - lo) * (width - left - 20);
+  };
   svg << "<svg xmlns='http://www.w3.org/2000/svg' width='" << width << "' height='" << height
-      << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' fill='white'/>\n"
-      << "<text x='10' y='18' font-weight='bold'>Fingerprint of k3-layout (69,723 tensors, 50 shards) on "
+      << "' font-family='sans-serif' font-size='12'>\n<rect width='100%' height='100%' "
+         "fill='white'/>\n"
+      << "<text x='10' y='18' font-weight='bold'>Fingerprint of k3-layout (69,723 tensors, 50 "
+         "shards) on "
          "latencyfs, seconds (log scale)</text>\n";
   int y = 34;
   for (const auto& [title, group] : groups) {
@@ -163,14 +171,16 @@ void WritePlot(const std::string& path, const std::vector<std::pair<std::string,
     for (const Row& r : group) {
       const bool ours = r.what.rfind("weightd", 0) == 0;
       svg << "<text x='20' y='" << y + 13 << "'>" << r.what << "</text>\n"
-          << "<rect x='" << left << "' y='" << y << "' width='" << x(r.seconds) - left << "' height='" << bar_h
-          << "' fill='" << (ours ? "#2b7bb9" : "#b0b0b0") << "'/>\n"
-          << "<text x='" << x(r.seconds) + 4 << "' y='" << y + 13 << "'>" << r.seconds << " s</text>\n";
+          << "<rect x='" << left << "' y='" << y << "' width='" << x(r.seconds) - left
+          << "' height='" << bar_h << "' fill='" << (ours ? "#2b7bb9" : "#b0b0b0") << "'/>\n"
+          << "<text x='" << x(r.seconds) + 4 << "' y='" << y + 13 << "'>" << r.seconds
+          << " s</text>\n";
       y += bar_h + gap;
     }
   }
   for (double t : {0.001, 0.01, 0.1, 1.0, 10.0, 100.0}) {
-    svg << "<line x1='" << x(t) << "' x2='" << x(t) << "' y1='28' y2='" << y << "' stroke='#ddd'/>\n"
+    svg << "<line x1='" << x(t) << "' x2='" << x(t) << "' y1='28' y2='" << y
+        << "' stroke='#ddd'/>\n"
         << "<text x='" << x(t) - 10 << "' y='" << y + 14 << "' fill='#666'>" << t << "</text>\n";
   }
   svg << "</svg>\n";
@@ -179,7 +189,8 @@ void WritePlot(const std::string& path, const std::vector<std::pair<std::string,
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc < 2) Die("usage: fingerprint_bench WORKDIR --latencyfs BIN --baseline BIN [--plot FILE]");
+  if (argc < 2)
+    Die("usage: fingerprint_bench WORKDIR --latencyfs BIN --baseline BIN [--plot FILE]");
   const std::string work = argv[1];
   std::string latencyfs, baseline, plot;
   for (int i = 2; i + 1 < argc; i += 2) {
@@ -190,26 +201,33 @@ int main(int argc, char** argv) {
   }
   if (latencyfs.empty() || baseline.empty()) Die("--latencyfs and --baseline are required");
   fs::create_directories(work);
-  const std::string k3 = work + "/k3-layout", llama66 = work + "/llama-66", llama2g = work + "/llama";
+  const std::string k3 = work + "/k3-layout", llama66 = work + "/llama-66",
+                    llama2g = work + "/llama";
   Generate(k3, {.preset = "k3-layout"});
   Generate(llama66, {.preset = "llama", .layers = 109, .hidden = 256, .shards = 66});
   Generate(llama2g, {.preset = "llama", .size_bytes = 2ull << 30});
   const std::string mnt = work + "/mnt";
 
-  const auto ceiling = nlohmann::json::parse(RunCapture({latencyfs, "--ceiling", "--readers", "256", "--seconds", "2"}));
+  const auto ceiling = nlohmann::json::parse(
+      RunCapture({latencyfs, "--ceiling", "--readers", "256", "--seconds", "2"}));
   const double ceiling_ops = ceiling["ceiling_ops_per_second"];
 
   std::printf("## Fingerprint on a latency-bound file system\n\n");
-  std::printf("Written by `make bench` (bench/fingerprint_bench.cc) over `tools/latencyfs`. Every run gets\n"
-              "a fresh mount (kernel attribute cache empty) unless it says `same mount`; `cold` starts with\n"
-              "an empty stat cache, `warm` with the one the cold run left. `warm, same mount` runs right\n"
-              "after the cold run, within the attribute cache's 3 s: an engine restarting soon after the\n"
-              "last one. Round trips are the operations one after another on the slowest path, as each\n"
-              "scheme plans them (weightd's count is an upper bound: it does not know which lookups the\n"
-              "kernel answered from its cache).\n\n");
-  std::printf("latencyfs ceiling on this machine (%d cores, 256 readers, no delay): **%.0f operations/s**.\n"
-              "No scheme can issue its reads faster than that, whatever the latency.\n\n",
-              static_cast<int>(ceiling["cores"]), ceiling_ops);
+  std::printf(
+      "Written by `make bench` (bench/fingerprint_bench.cc) over `tools/latencyfs`. Every run "
+      "gets\n"
+      "a fresh mount (kernel attribute cache empty) unless it says `same mount`; `cold` starts "
+      "with\n"
+      "an empty stat cache, `warm` with the one the cold run left. `warm, same mount` runs right\n"
+      "after the cold run, within the attribute cache's 3 s: an engine restarting soon after the\n"
+      "last one. Round trips are the operations one after another on the slowest path, as each\n"
+      "scheme plans them (weightd's count is an upper bound: it does not know which lookups the\n"
+      "kernel answered from its cache).\n\n");
+  std::printf(
+      "latencyfs ceiling on this machine (%d cores, 256 readers, no delay): **%.0f "
+      "operations/s**.\n"
+      "No scheme can issue its reads faster than that, whatever the latency.\n\n",
+      static_cast<int>(ceiling["cores"]), ceiling_ops);
 
   std::vector<std::pair<std::string, std::vector<Row>>> plot_groups;
   for (const char* latency : {"5ms", "1ms"}) {
@@ -229,7 +247,8 @@ int main(int argc, char** argv) {
     }
     {
       Mount m(latencyfs, k3, mnt, latency, "3s");
-      rows.push_back(Baseline(baseline, "per-tensor", "per-tensor, 32 workers (engines today)", m.path()));
+      rows.push_back(
+          Baseline(baseline, "per-tensor", "per-tensor, 32 workers (engines today)", m.path()));
     }
     {
       Mount m(latencyfs, k3, mnt, latency, "3s");
@@ -238,12 +257,14 @@ int main(int argc, char** argv) {
     std::printf("### k3-layout at %s per operation\n\n", latency);
     PrintTable(rows, rows[3]);
     const Row& cold = rows[0];
-    std::printf("weightd cold issued %.0f reads/s, %.0f%% of the latencyfs ceiling; with unlimited\n"
-                "concurrency the floor would be max(round trips x latency, reads / ceiling) = %.3f s.\n\n",
-                static_cast<double>(cold.reads) / cold.seconds,
-                100.0 * static_cast<double>(cold.reads) / cold.seconds / ceiling_ops,
-                std::max(static_cast<double>(cold.round_trips) * (latency == std::string("5ms") ? 0.005 : 0.001),
-                         static_cast<double>(cold.reads) / ceiling_ops));
+    std::printf(
+        "weightd cold issued %.0f reads/s, %.0f%% of the latencyfs ceiling; with unlimited\n"
+        "concurrency the floor would be max(round trips x latency, reads / ceiling) = %.3f s.\n\n",
+        static_cast<double>(cold.reads) / cold.seconds,
+        100.0 * static_cast<double>(cold.reads) / cold.seconds / ceiling_ops,
+        std::max(
+            static_cast<double>(cold.round_trips) * (latency == std::string("5ms") ? 0.005 : 0.001),
+            static_cast<double>(cold.reads) / ceiling_ops));
     plot_groups.push_back({std::string("at ") + latency + " per operation", rows});
   }
 
@@ -267,7 +288,8 @@ int main(int argc, char** argv) {
       Mount m(latencyfs, llama66, mnt, "150ms", attr);
       rows.push_back(Baseline(baseline, "header-only", "header-only, shard by shard", m.path()));
     }
-    std::printf("Attribute cache %s:\n\n", std::string(attr) == "0" ? "off" : "3 s (latencyfs default)");
+    std::printf("Attribute cache %s:\n\n",
+                std::string(attr) == "0" ? "off" : "3 s (latencyfs default)");
     PrintTable(rows, std::string(attr) == "0" ? rows[0] : rows.back());
   }
 
@@ -287,13 +309,16 @@ int main(int argc, char** argv) {
   std::sort(full.begin(), full.end());
   std::sort(sampled.begin(), sampled.end());
   std::printf("### Local disk, page cache warm\n\n");
-  std::printf("A %.2f GB llama checkpoint: weightd sampled fingerprint (no stat cache) %.2f ms against a full\n"
-              "read through src/io %.1f ms: **%.2f%% of a full read** (medians of 5).\n\n",
-              static_cast<double>(ckpt->file_bytes()) / 1e9, sampled[2] * 1e3, full[2] * 1e3,
-              100.0 * sampled[2] / full[2]);
+  std::printf(
+      "A %.2f GB llama checkpoint: weightd sampled fingerprint (no stat cache) %.2f ms against a "
+      "full\n"
+      "read through src/io %.1f ms: **%.2f%% of a full read** (medians of 5).\n\n",
+      static_cast<double>(ckpt->file_bytes()) / 1e9, sampled[2] * 1e3, full[2] * 1e3,
+      100.0 * sampled[2] / full[2]);
   if (!plot.empty()) {
     WritePlot(plot, plot_groups);
-    std::printf("![fingerprint of k3-layout on latencyfs](%s)\n", fs::path(plot).filename().c_str());
+    std::printf("![fingerprint of k3-layout on latencyfs](%s)\n",
+                fs::path(plot).filename().c_str());
   }
   return 0;
 }

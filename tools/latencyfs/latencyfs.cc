@@ -256,23 +256,20 @@ void OpenDir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
   s->delay->At(Due(s), [req, out] { fuse_reply_open(req, &out); });
 }
 
-void ReadDir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
-  State* s = St(req);
-  ++s->stats.readdir;
-  auto* listing = reinterpret_cast<DirListing*>(fi->fh);
-  auto buf = std::make_shared<std::vector<char>>(size);
-  size_t used = 0;
-  for (size_t i = static_cast<size_t>(off); i < listing->entries.size(); ++i) {
-    const auto& [name, st] = listing->entries[i];
-    const size_t need = fuse_add_direntry(req, buf->data() + used, size - used, name.c_str(), &st,
-                                          static_cast<off_t>(i + 1));
-    if (need > size - used) break;
-    used += need;
+// An empty reply ends a listing. NFS's READDIRPLUS says "end of directory"
+// in the reply that carried the last entries, so a client never pays a round
+// trip to learn it; the empty reply FUSE needs instead is answered at once.
+void ReplyListing(fuse_req_t req, const std::shared_ptr<std::vector<char>>& buf, size_t used) {
+  if (used == 0) {
+    fuse_reply_buf(req, nullptr, 0);
+    return;
   }
-  s->delay->At(Due(s), [req, buf, used] { fuse_reply_buf(req, buf->data(), used); });
+  St(req)->delay->At(Due(St(req)), [req, buf, used] { fuse_reply_buf(req, buf->data(), used); });
 }
 
-void ReadDirPlus(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+// One page of a listing from `off`. With `plus`, each entry carries its
+// attributes, as a lookup's reply would (NFS's READDIRPLUS).
+void ServeListing(fuse_req_t req, size_t size, off_t off, struct fuse_file_info* fi, bool plus) {
   State* s = St(req);
   ++s->stats.readdir;
   auto* listing = reinterpret_cast<DirListing*>(fi->fh);
@@ -280,25 +277,35 @@ void ReadDirPlus(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse
   size_t used = 0;
   for (size_t i = static_cast<size_t>(off); i < listing->entries.size(); ++i) {
     const auto& [name, st] = listing->entries[i];
+    const bool dots = name == "." || name == "..";
     struct fuse_entry_param e;
     std::memset(&e, 0, sizeof e);
     e.attr = st;
-    const bool dots = name == "." || name == "..";
     if (!dots) {
-      // Like a lookup: the kernel now knows this entry until the timeout.
       e.ino = st.st_ino;
       e.attr_timeout = e.entry_timeout = s->config.attr_cache_s;
     }
-    const size_t need = fuse_add_direntry_plus(req, buf->data() + used, size - used, name.c_str(),
-                                               &e, static_cast<off_t>(i + 1));
+    char* out = buf->data() + used;
+    const off_t next = static_cast<off_t>(i + 1);
+    const size_t need = plus ? fuse_add_direntry_plus(req, out, size - used, name.c_str(), &e, next)
+                             : fuse_add_direntry(req, out, size - used, name.c_str(), &st, next);
     if (need > size - used) break;
     used += need;
-    if (!dots) {
+    if (plus && !dots) {
+      // Like a lookup: the kernel now knows this entry until the timeout.
       std::lock_guard lock(s->nodes_mu);
       s->paths[e.ino] = listing->dir == "." ? name : listing->dir + "/" + name;
     }
   }
-  s->delay->At(Due(s), [req, buf, used] { fuse_reply_buf(req, buf->data(), used); });
+  ReplyListing(req, buf, used);
+}
+
+void ReadDir(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  ServeListing(req, size, off, fi, false);
+}
+
+void ReadDirPlus(fuse_req_t req, fuse_ino_t, size_t size, off_t off, struct fuse_file_info* fi) {
+  ServeListing(req, size, off, fi, true);
 }
 
 void ReleaseDir(fuse_req_t req, fuse_ino_t, struct fuse_file_info* fi) {
