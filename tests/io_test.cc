@@ -1,9 +1,15 @@
 #include <gtest/gtest.h>
+#include <unistd.h>
 
+#include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <numeric>
+#include <thread>
 
 #include "io/file.h"
 #include "io/read_many.h"
+#include "io/worker_pool.h"
 #include "test_util.h"
 
 namespace weightd::io {
@@ -132,6 +138,40 @@ TEST(StreamFile, StopsAtTheConsumersError) {
   ASSERT_FALSE(s.ok());
   EXPECT_EQ(s.error().message(), "enough");
   EXPECT_EQ(calls, 3);
+}
+
+TEST(WorkerPool, EverySlotRunsOnceAndAllAtOnce) {
+  // A barrier all 16 slots must reach: passes only if they run concurrently.
+  constexpr int kSlots = 16;
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  std::vector<int> runs(kSlots, 0);
+  WorkerPool::Shared().RunTeam(kSlots, [&](int slot) {
+    std::unique_lock lock(mu);
+    ++runs[static_cast<size_t>(slot)];
+    ++arrived;
+    cv.notify_all();
+    cv.wait(lock, [&] { return arrived == kSlots; });
+  });
+  EXPECT_EQ(runs, std::vector<int>(kSlots, 1));
+}
+
+TEST(WorkerPool, TeamsFromManyThreadsAndReserve) {
+  WorkerPool::Shared().Reserve(64);
+  std::atomic<int> total{0};
+  std::vector<std::thread> callers;
+  for (int c = 0; c < 4; ++c) {
+    callers.emplace_back([&] {
+      for (int round = 0; round < 20; ++round) {
+        WorkerPool::Shared().RunTeam(8, [&](int) { total.fetch_add(1); });
+      }
+    });
+  }
+  for (auto& t : callers) t.join();
+  EXPECT_EQ(total.load(), 4 * 20 * 8);
+  for (int i = 0; i < 500 && WorkerPool::Shared().threads() < 64; ++i) ::usleep(10'000);
+  EXPECT_GE(WorkerPool::Shared().threads(), 64);
 }
 
 TEST(Paths, JoinAndBaseName) {

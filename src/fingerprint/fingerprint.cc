@@ -376,8 +376,9 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
 // fingerprint does not open and read the index again.
 constexpr char kIndexKind[] = "index";
 
-format::ListOptions IndexShortcut(StatCache* cache) {
+format::ListOptions ListingOptions(StatCache* cache, int max_inflight) {
   format::ListOptions o;
+  o.reserve_workers = max_inflight;
   if (cache == nullptr) return o;
   o.recall_index =
       [cache](const io::StatSignature& sig) -> std::optional<std::vector<std::string>> {
@@ -410,7 +411,7 @@ std::string_view ModeName(Mode mode) { return mode == Mode::kFull ? "full" : "sa
 Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string& path,
                                           const Options& options) {
   const auto start = std::chrono::steady_clock::now();
-  auto listing = format::ListShards(fs, path, IndexShortcut(options.cache));
+  auto listing = format::ListShards(fs, path, ListingOptions(options.cache, options.max_inflight));
   if (!listing.ok()) return CannotFingerprint(path, listing.error());
   auto fp = options.mode == Mode::kFull ? Full(fs, listing->shards, options)
                                         : Sampled(fs, listing->shards, options);

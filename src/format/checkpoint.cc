@@ -10,6 +10,7 @@
 
 #include "format/rules.h"
 #include "io/read_many.h"
+#include "io/worker_pool.h"
 
 namespace weightd::format {
 namespace {
@@ -172,7 +173,10 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   // directory's attributes may be cached while its entries are not).
   std::optional<Result<std::vector<io::DirEntry>>> entries;
   std::jthread lister;
-  auto list_now = [&] { lister = std::jthread([&] { entries = fs.ListDirectory(path); }); };
+  auto list_now = [&] {
+    lister = std::jthread([&] { entries = fs.ListDirectory(path); });
+    if (options.reserve_workers > 0) io::WorkerPool::Shared().Reserve(options.reserve_workers);
+  };
   if (remote) list_now();
 
   WEIGHTD_ASSIGN_OR_RETURN(std::string real_dir, fs.RealPath(path));

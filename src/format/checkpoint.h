@@ -74,6 +74,10 @@ struct ListOptions {
   std::function<std::optional<std::vector<std::string>>(const io::StatSignature&)> recall_index;
   // Called after an index was read, with its signature taken before the read.
   std::function<void(const io::StatSignature&, const std::vector<std::string>&)> remember_index;
+  // When a stat turns out to cost a round trip, start growing the shared
+  // WorkerPool to this many threads, so the caller's many reads find them
+  // ready instead of creating them on the critical path.
+  int reserve_workers = 0;
 };
 
 // The shards of a checkpoint, without reading their headers: from the index

@@ -8,6 +8,8 @@
 #include <optional>
 #include <thread>
 
+#include "io/worker_pool.h"
+
 namespace weightd::io {
 namespace {
 
@@ -40,11 +42,7 @@ class FirstError {
 }  // namespace
 
 void RunTeam(int workers, const std::function<void(int)>& body) {
-  // jthreads join when the vector goes, so a throw here or in body(0)
-  // cannot leave a joinable thread behind (which would terminate).
-  std::vector<std::jthread> threads;
-  for (int w = 1; w < workers; ++w) threads.emplace_back(body, w);
-  body(0);
+  WorkerPool::Shared().RunTeam(workers, body);
 }
 
 Status ReadMany(std::span<const ReadRequest> requests, const ReadOptions& options,
@@ -88,9 +86,12 @@ Status StreamFile(const RandomAccessFile& file, const StreamOptions& options,
   const int workers =
       static_cast<int>(std::min<uint64_t>(std::max(options.max_inflight, 1), chunks));
 
-  // Worker w reads chunks w, w + workers, ... into its own buffer, then waits
-  // for its turn so that `consume` sees the chunks in file order, one at a
-  // time, while the other workers' reads are already in flight.
+  // Each worker claims the next chunk, reads it into its own buffer, then
+  // waits for its turn so that `consume` sees the chunks in file order, one
+  // at a time, while the other workers' reads are already in flight. Chunks
+  // are claimed in order, so the owner of the next chunk to consume is never
+  // itself waiting: one worker alone still makes progress.
+  std::atomic<uint64_t> next_chunk{0};
   std::mutex mu;
   std::condition_variable turn_changed;
   uint64_t turn = 0;
@@ -98,9 +99,9 @@ Status StreamFile(const RandomAccessFile& file, const StreamOptions& options,
   std::atomic<uint64_t> bytes{0};
   std::atomic<uint64_t> reads{0};
 
-  RunTeam(workers, [&](int w) {
+  RunTeam(workers, [&](int) {
     std::unique_ptr<std::byte[]> buffer(new std::byte[chunk]);
-    for (uint64_t c = static_cast<uint64_t>(w); c < chunks; c += static_cast<uint64_t>(workers)) {
+    for (uint64_t c; (c = next_chunk.fetch_add(1)) < chunks;) {
       const uint64_t offset = c * chunk;
       const size_t len = static_cast<size_t>(std::min(chunk, size - offset));
       std::span<std::byte> dst(buffer.get(), len);

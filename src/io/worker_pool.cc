@@ -1,0 +1,119 @@
+#include "io/worker_pool.h"
+
+#include <algorithm>
+#include <system_error>
+#include <thread>
+
+namespace weightd::io {
+
+WorkerPool& WorkerPool::Shared() {
+  static WorkerPool* pool = new WorkerPool();  // never destroyed: its threads outlive statics
+  return *pool;
+}
+
+int WorkerPool::threads() const {
+  std::lock_guard lock(mu_);
+  return threads_;
+}
+
+void WorkerPool::Spawn(int n) {
+  for (int i = 0; i < n; ++i) {
+    {
+      std::lock_guard lock(mu_);
+      if (threads_ >= kMaxThreads) return;
+      ++threads_;
+    }
+    try {
+      std::thread([this] { WorkerLoop(); }).detach();
+    } catch (const std::system_error&) {
+      // Out of threads: work with the ones there are.
+      std::lock_guard lock(mu_);
+      --threads_;
+      return;
+    }
+  }
+}
+
+void WorkerPool::Reserve(int threads) {
+  std::lock_guard lock(mu_);
+  reserve_target_ = std::max(reserve_target_, std::min(threads, kMaxThreads));
+  if (reserving_ || threads_ >= reserve_target_) return;
+  reserving_ = true;
+  try {
+    std::thread([this] {
+      while (true) {
+        {
+          std::lock_guard inner(mu_);
+          if (threads_ >= reserve_target_) {
+            reserving_ = false;
+            return;
+          }
+        }
+        Spawn(1);
+      }
+    }).detach();
+  } catch (const std::system_error&) {
+    reserving_ = false;
+  }
+}
+
+bool WorkerPool::Claim(Team** team, int* slot) {
+  for (Team* t : teams_) {
+    if (t->next_slot < t->slots) {
+      *team = t;
+      *slot = t->next_slot++;
+      ++t->running;
+      return true;
+    }
+  }
+  return false;
+}
+
+void WorkerPool::WorkerLoop() {
+  std::unique_lock lock(mu_);
+  while (true) {
+    Team* team;
+    int slot;
+    if (!Claim(&team, &slot)) {
+      ++idle_;
+      work_.wait(lock);
+      --idle_;
+      continue;
+    }
+    lock.unlock();
+    (*team->body)(slot);
+    lock.lock();
+    --team->running;
+    done_.notify_all();
+  }
+}
+
+void WorkerPool::RunTeam(int workers, const std::function<void(int)>& body) {
+  if (workers <= 1) {
+    body(0);
+    return;
+  }
+  Team team{&body, workers};
+  int missing;
+  {
+    std::lock_guard lock(mu_);
+    teams_.push_back(&team);
+    missing = workers - 1 - idle_;
+  }
+  work_.notify_all();
+  if (missing > 0) Spawn(missing);
+
+  body(0);
+  std::unique_lock lock(mu_);
+  // Slots no thread has claimed yet run here, so a short pool never stalls.
+  while (team.next_slot < team.slots) {
+    const int slot = team.next_slot++;
+    lock.unlock();
+    body(slot);
+    lock.lock();
+  }
+  done_.wait(lock, [&] { return team.running == 0; });
+  teams_.erase(std::find(teams_.begin(), teams_.end(), &team));
+}
+
+}  // namespace weightd::io
