@@ -190,11 +190,13 @@ TEST(Full, EachShardIsTheSha256OfItsBytes) {
 
 // --- The stat shortcut ---------------------------------------------------
 
+// Files written by a test are seconds old at most: these tests turn the
+// racily-clean window off (the window has a test of its own).
 struct Cached {
   TempDir cache_dir;
   Fingerprint Fp(const std::string& path, Mode mode = Mode::kSampled) {
     auto cache = StatCache::Load(cache_dir.path());
-    auto fp = fingerprint::Fp(path, {.mode = mode, .cache = cache.get()});
+    auto fp = fingerprint::Fp(path, {.mode = mode, .cache = cache.get(), .racy_seconds = 0});
     EXPECT_TRUE(cache->Save().ok());
     return fp;
   }
@@ -213,6 +215,29 @@ TEST(StatCache, AnUnchangedShardCostsNoRead) {
     EXPECT_EQ(warm.reads, 0u);  // the index's shard list is remembered too
     EXPECT_EQ(warm.digest, cold.digest);
   }
+}
+
+TEST(StatCache, FilesChangedWithinTheRacyWindowAreNotCached) {
+  TempDir dir, cache_dir;
+  const std::string m = Make(dir, "m", {.preset = "llama", .size_bytes = 4 << 20});
+  for (int run = 0; run < 2; ++run) {
+    auto cache = StatCache::Load(cache_dir.path());
+    const Fingerprint fp = Fp(m, {.cache = cache.get(), .racy_seconds = 3600});
+    EXPECT_EQ(fp.cache_hits, 0u) << "run " << run;
+    EXPECT_GT(fp.reads, 1u) << "run " << run;  // the index is read again too
+    ASSERT_TRUE(cache->Save().ok());
+  }
+}
+
+TEST(StatCache, DigestsOfDifferentSampleSizesAreKeptApart) {
+  TempDir dir;
+  Cached c;
+  const std::string m = Make(dir, "m", {.preset = "tiny"});
+  auto cache = StatCache::Load(c.cache_dir.path());
+  const Fingerprint kib = Fp(m, {.cache = cache.get(), .racy_seconds = 0});
+  const Fingerprint small = Fp(m, {.sample_bytes = 4, .cache = cache.get(), .racy_seconds = 0});
+  EXPECT_EQ(small.cache_hits, 0u);
+  EXPECT_NE(small.digest, kib.digest);
 }
 
 TEST(StatCache, TouchRewriteAndReplaceAreSeen) {
@@ -302,6 +327,17 @@ TEST(StatCache, AFileOwnedByAnotherUserIsIgnored) {
   auto cache = StatCache::Load(c.cache_dir.path());
   EXPECT_NE(cache->warning().find("another user"), std::string::npos) << cache->warning();
   EXPECT_EQ(cache->size(), 0u);
+}
+
+TEST(StatCache, ADirectoryOthersCanWriteIsNotUsed) {
+  TempDir dir;
+  ASSERT_EQ(::chmod(dir.path().c_str(), 0777), 0);
+  auto cache = StatCache::Load(dir.path());
+  EXPECT_NE(cache->warning().find("writable by other users"), std::string::npos)
+      << cache->warning();
+  cache->Insert("sampled-1024", {.device = 1, .inode = 2, .size = 3}, "xxh3-128:0");
+  EXPECT_TRUE(cache->Save().ok());
+  EXPECT_FALSE(fs::exists(dir.Join("fingerprint-stat.cache")));
 }
 
 TEST(StatCache, ConcurrentWritersLoseNothingAndCorruptNothing) {

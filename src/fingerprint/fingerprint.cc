@@ -7,7 +7,9 @@
 #include <atomic>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <memory>
+#include <mutex>
 #include <optional>
 
 #include "format/checkpoint.h"
@@ -89,14 +91,35 @@ Error CannotFingerprint(const std::string& path, const Error& why) {
   return Error("cannot fingerprint " + path + ": " + why.message());
 }
 
+// Large headers take turns (see OpenAndReadHead).
+constexpr uint64_t kLargeHeaderBytes = 4 << 20;
+std::mutex large_header_turn;
+
+// The cache separates digests that were computed differently.
+std::string CacheKind(const Options& o) {
+  return o.mode == Mode::kFull ? "full" : "sampled-" + std::to_string(o.sample_bytes);
+}
+
+// A file changed within the last `window` seconds may change again within
+// the same timestamp tick (coarse kernel clocks, whole-second file systems)
+// without its signature moving, so such a signature is not cached (git's
+// "racily clean" rule).
+bool TooFreshToCache(const io::StatSignature& sig, double window) {
+  struct timespec now;
+  ::clock_gettime(CLOCK_REALTIME, &now);
+  const int64_t now_ns = static_cast<int64_t>(now.tv_sec) * 1'000'000'000 + now.tv_nsec;
+  return std::max(sig.mtime_ns, sig.ctime_ns) > now_ns - static_cast<int64_t>(window * 1e9);
+}
+
 // One shard's progress through the sampled plan.
 struct ShardWork {
   format::ShardRef ref;
   std::unique_ptr<io::RandomAccessFile> file;
   io::StatSignature signature;
-  std::string head;         // bytes [0, head.size()) of the file
-  uint64_t header_end = 0;  // 8 + N
-  format::ShardHeader header;
+  std::string head;  // bytes [0, head.size()) of the file; freed after stage 1
+  // The shard's digest so far: size and raw header, hashed as soon as they
+  // are read so the header's bytes need not be kept.
+  std::unique_ptr<Xxh3> hash;
   std::vector<std::string> samples;  // per tensor, in name order
   uint64_t round_trips = 0;
   std::optional<Error> error;
@@ -122,7 +145,7 @@ struct MergedRead {
 void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::ReadStats& stats,
                      std::vector<PendingSample>& pending, size_t shard_index) {
   w.result.name = w.ref.name;
-  const std::string kind(ModeName(o.mode));
+  const std::string kind = CacheKind(o);
   if (o.cache != nullptr) {
     auto sig = fs.Stat(w.ref.resolved);
     ++w.round_trips;
@@ -152,6 +175,10 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
   w.signature = *sig;
   const uint64_t size = w.file->size();
   w.result.file_bytes = size;
+  if (w.signature.size != size) {
+    w.error = Error(w.ref.path + ": changed while being fingerprinted; try again");
+    return;
+  }
 
   w.head.resize(static_cast<size_t>(std::min(size, std::max<uint64_t>(o.speculative_bytes, 8))));
   auto read_into = [&](uint64_t from) {
@@ -171,11 +198,15 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
     w.error = n.error();
     return;
   }
-  w.header_end = format::kHeaderLengthBytes + *n;
-  if (w.header_end > w.head.size()) {
+  const uint64_t header_end = format::kHeaderLengthBytes + *n;
+  // A large header (up to 100 MB, from an untrusted file) takes its turn, so
+  // hundreds of shards cannot each hold one at the same time.
+  std::unique_lock<std::mutex> turn(large_header_turn, std::defer_lock);
+  if (header_end >= kLargeHeaderBytes) turn.lock();
+  if (header_end > w.head.size()) {
     // The header outgrew the speculative read: fetch exactly the rest.
     const uint64_t had = w.head.size();
-    w.head.resize(static_cast<size_t>(w.header_end));
+    w.head.resize(static_cast<size_t>(header_end));
     if (Status s = read_into(had); !s.ok()) {
       w.error = s.error();
       return;
@@ -189,12 +220,11 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
     w.error = header.error();
     return;
   }
-  w.header = std::move(header).value();
-  w.result.tensors = w.header.tensors.size();
-  w.samples.resize(w.header.tensors.size());
-  for (size_t t = 0; t < w.header.tensors.size(); ++t) {
-    const format::TensorInfo& info = w.header.tensors[t];
-    const uint64_t offset = w.header.data_offset() + info.begin;
+  w.result.tensors = header->tensors.size();
+  w.samples.resize(header->tensors.size());
+  for (size_t t = 0; t < header->tensors.size(); ++t) {
+    const format::TensorInfo& info = header->tensors[t];
+    const uint64_t offset = header->data_offset() + info.begin;
     const uint64_t length = std::min(o.sample_bytes, info.bytes());
     if (offset + length <= w.head.size()) {
       w.samples[t].assign(w.head, static_cast<size_t>(offset), static_cast<size_t>(length));
@@ -202,6 +232,10 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
       pending.push_back({shard_index, t, offset, length});
     }
   }
+  w.hash = std::make_unique<Xxh3>();
+  w.hash->U64(size);
+  w.hash->Update(w.head.data(), static_cast<size_t>(header_end));
+  w.head = std::string();
 }
 
 // Groups one shard's pending samples (sorted by offset) into reads.
@@ -226,12 +260,9 @@ std::vector<MergedRead> PlanReads(std::vector<PendingSample> pending, const Opti
   return reads;
 }
 
-std::string ShardDigest(const ShardWork& w) {
-  Xxh3 h;
-  h.U64(w.result.file_bytes);
-  h.Update(w.head.data(), static_cast<size_t>(w.header_end));
-  for (const std::string& sample : w.samples) h.Update(sample.data(), sample.size());
-  return h.Tagged();
+std::string ShardDigest(ShardWork& w) {
+  for (const std::string& sample : w.samples) w.hash->Update(sample.data(), sample.size());
+  return w.hash->Tagged();
 }
 
 Result<Fingerprint> Sampled(io::FileSystem& fs, std::vector<format::ShardRef> refs,
@@ -289,8 +320,9 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, std::vector<format::ShardRef> re
         return Error(w.ref.path + ": changed while being fingerprinted; try again");
       }
       w.result.digest = ShardDigest(w);
-      if (o.cache != nullptr)
-        o.cache->Insert(std::string(ModeName(o.mode)), w.signature, w.result.digest);
+      if (o.cache != nullptr && !TooFreshToCache(w.signature, o.racy_seconds)) {
+        o.cache->Insert(CacheKind(o), w.signature, w.result.digest);
+      }
     } else {
       ++fp.cache_hits;
     }
@@ -308,7 +340,7 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
   std::vector<std::optional<Error>> errors(refs.size());
   std::vector<io::ReadStats> stats(refs.size());
   std::atomic<size_t> next{0};
-  const std::string kind(ModeName(o.mode));
+  const std::string kind = CacheKind(o);
   io::RunTeam(static_cast<int>(std::min<size_t>(refs.size(), kFullParallelShards)), [&](int) {
     for (size_t i; (i = next.fetch_add(1)) < refs.size();) {
       ShardFingerprint& s = shards[i];
@@ -338,6 +370,10 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
         continue;
       }
       s.file_bytes = (*file)->size();
+      if (before->size != s.file_bytes) {
+        fail(Error(refs[i].path + ": changed while being fingerprinted; try again"));
+        continue;
+      }
       Sha256 sha;
       Status read = io::StreamFile(
           **file, {.chunk_bytes = kFullChunkBytes, .max_inflight = 2},
@@ -353,7 +389,9 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
         fail(Error(refs[i].path + ": changed while being fingerprinted; try again"));
       } else {
         s.digest = sha.Tagged();
-        if (o.cache != nullptr) o.cache->Insert(kind, *before, s.digest);
+        if (o.cache != nullptr && !TooFreshToCache(*before, o.racy_seconds)) {
+          o.cache->Insert(kind, *before, s.digest);
+        }
       }
     }
   });
@@ -376,9 +414,11 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
 // fingerprint does not open and read the index again.
 constexpr char kIndexKind[] = "index";
 
-format::ListOptions ListingOptions(StatCache* cache, int max_inflight) {
+format::ListOptions ListingOptions(const Options& options) {
   format::ListOptions o;
-  o.reserve_workers = max_inflight;
+  o.reserve_workers = options.max_inflight;
+  StatCache* cache = options.cache;
+  const double racy_seconds = options.racy_seconds;
   if (cache == nullptr) return o;
   o.recall_index =
       [cache](const io::StatSignature& sig) -> std::optional<std::vector<std::string>> {
@@ -393,7 +433,9 @@ format::ListOptions ListingOptions(StatCache* cache, int max_inflight) {
     }
     return names;
   };
-  o.remember_index = [cache](const io::StatSignature& sig, const std::vector<std::string>& names) {
+  o.remember_index = [cache, racy_seconds](const io::StatSignature& sig,
+                                           const std::vector<std::string>& names) {
+    if (TooFreshToCache(sig, racy_seconds)) return;
     std::string text;
     for (const auto& n : names) {
       if (n.find('\n') != std::string::npos) return;  // cannot be framed; just not cached
@@ -411,7 +453,7 @@ std::string_view ModeName(Mode mode) { return mode == Mode::kFull ? "full" : "sa
 Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string& path,
                                           const Options& options) {
   const auto start = std::chrono::steady_clock::now();
-  auto listing = format::ListShards(fs, path, ListingOptions(options.cache, options.max_inflight));
+  auto listing = format::ListShards(fs, path, ListingOptions(options));
   if (!listing.ok()) return CannotFingerprint(path, listing.error());
   auto fp = options.mode == Mode::kFull ? Full(fs, listing->shards, options)
                                         : Sampled(fs, listing->shards, options);

@@ -54,6 +54,9 @@ struct Options {
   uint64_t sample_bytes = 1024;
   // Stat shortcut; nullptr turns it off. Not owned.
   StatCache* cache = nullptr;
+  // Files changed less than this long ago are fingerprinted but not cached:
+  // a rewrite within the same timestamp tick would keep their signature.
+  double racy_seconds = 2.0;
 };
 
 struct ShardFingerprint {

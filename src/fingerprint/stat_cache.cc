@@ -22,6 +22,8 @@ constexpr char kLockName[] = "fingerprint-stat.lock";
 constexpr uint64_t kMaxFileBytes = 64ull << 20;
 constexpr uint32_t kMaxEntries = 200'000;
 constexpr uint32_t kMaxTextBytes = 1 << 20;
+constexpr int kLockAttempts = 100;
+constexpr useconds_t kLockRetryMicros = 20'000;
 
 // A little-endian reader over untrusted bytes: every read is bounds-checked.
 class Reader {
@@ -74,6 +76,18 @@ Status MakeDirs(const std::string& dir) {
   return OkStatus();
 }
 
+// Why `dir` is not ours alone, or "" when it is (or does not exist yet).
+std::string CheckDirectory(const std::string& dir) {
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0) {
+    return errno == ENOENT ? "" : std::strerror(errno);
+  }
+  if (!S_ISDIR(st.st_mode)) return "not a directory (or a symlink)";
+  if (st.st_uid != ::geteuid()) return "owned by another user";
+  if ((st.st_mode & (S_IWGRP | S_IWOTH)) != 0) return "writable by other users";
+  return "";
+}
+
 }  // namespace
 
 std::string StatCache::DefaultDirectory() {
@@ -89,6 +103,13 @@ StatCache::Key StatCache::MakeKey(const std::string& kind, const io::StatSignatu
 
 std::unique_ptr<StatCache> StatCache::Load(const std::string& dir) {
   std::unique_ptr<StatCache> cache(new StatCache(dir));
+  if (std::string why = CheckDirectory(dir); !why.empty()) {
+    // Another user could plant entries, FIFOs or held locks there: neither
+    // read nor write it.
+    cache->warning_ = dir + ": stat cache not used: " + why;
+    cache->disabled_ = true;
+    return cache;
+  }
   auto entries = ReadFile(dir + "/" + kFileName, &cache->warning_);
   if (entries) cache->entries_ = std::move(*entries);
   return cache;
@@ -97,7 +118,8 @@ std::unique_ptr<StatCache> StatCache::Load(const std::string& dir) {
 std::optional<std::map<StatCache::Key, std::string>> StatCache::ReadFile(const std::string& path,
                                                                          std::string* why) {
   std::map<Key, std::string> entries;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+  // O_NONBLOCK: a FIFO planted here must not hang us (it fails S_ISREG below).
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) {
     if (errno != ENOENT) *why = path + ": ignored: " + std::strerror(errno);
     return errno == ENOENT ? std::optional(entries) : std::nullopt;
@@ -170,24 +192,42 @@ size_t StatCache::size() const {
 }
 
 Status StatCache::Save() {
-  std::lock_guard lock(mu_);
-  if (added_.empty()) return OkStatus();
+  // Disk I/O happens outside mu_, so lookups never wait on a slow disk.
+  std::map<Key, std::string> added;
+  {
+    std::lock_guard lock(mu_);
+    if (disabled_ || added_.empty()) return OkStatus();
+    added = added_;
+  }
   WEIGHTD_RETURN_IF_ERROR(MakeDirs(dir_));
+  if (std::string why = CheckDirectory(dir_); !why.empty()) {
+    return Error(dir_ + ": stat cache not saved: " + why);
+  }
 
   // One writer at a time: re-read under the lock so entries other processes
-  // saved since we loaded are kept, then replace the file by rename.
+  // saved since we loaded are kept, then replace the file by rename. A lock
+  // held too long is given up on: the cache is an optimization.
   const std::string lock_path = dir_ + "/" + kLockName;
-  int lock_fd = ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+  int lock_fd =
+      ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
   if (lock_fd < 0) return Error(lock_path + ": " + std::strerror(errno));
-  ::flock(lock_fd, LOCK_EX);
+  bool locked = false;
+  for (int attempt = 0; attempt < kLockAttempts && !locked; ++attempt) {
+    locked = ::flock(lock_fd, LOCK_EX | LOCK_NB) == 0;
+    if (!locked) ::usleep(kLockRetryMicros);
+  }
+  if (!locked) {
+    ::close(lock_fd);
+    return Error(lock_path + ": stat cache not saved: another process holds its lock");
+  }
 
   const std::string path = dir_ + "/" + kFileName;
   std::string ignored;
   std::map<Key, std::string> merged =
       ReadFile(path, &ignored).value_or(std::map<Key, std::string>{});
-  for (auto& [k, v] : added_) merged[k] = v;
-  // Keep the file bounded: drop the oldest-looking entries (smallest keys)
-  // beyond the limit; a dropped entry only costs one more read later.
+  for (auto& [k, v] : added) merged[k] = v;
+  // Keep the file bounded: beyond the limit drop entries (the lowest keys,
+  // an arbitrary choice); a dropped entry only costs one more read later.
   while (merged.size() > kMaxEntries) merged.erase(merged.begin());
 
   std::string out(kMagic, sizeof kMagic);
@@ -219,8 +259,11 @@ Status StatCache::Save() {
   ::flock(lock_fd, LOCK_UN);
   ::close(lock_fd);
   if (status.ok()) {
+    std::lock_guard lock(mu_);
     entries_ = std::move(merged);
-    added_.clear();
+    for (const auto& [k, v] : added) {
+      if (auto it = added_.find(k); it != added_.end() && it->second == v) added_.erase(it);
+    }
   }
   return status;
 }

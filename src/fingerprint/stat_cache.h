@@ -3,15 +3,19 @@
 // it, so an unchanged shard costs one stat instead of reads.
 //
 // What it cannot see: a rewrite that keeps the size and both timestamps.
-// ctime cannot be set by a user, so that needs privileges (or a file system
-// that lies). On NFS the client's attribute cache (actimeo) may show the old
-// signature for a few seconds after another host rewrote the file; a warm
-// fingerprint in that window returns the old digest.
+// ctime cannot be set by a user, but timestamps move in clock ticks (and in
+// whole seconds on some file systems), so a rewrite right after a change
+// could keep them: the fingerprint does not cache files changed in the last
+// two seconds (Options::racy_seconds). On NFS the client's attribute cache (actimeo) may show the
+// old signature for a few seconds after another host rewrote the file; a warm fingerprint in that
+// window returns the old digest.
 //
 // The cache file lives in one directory ($WEIGHTD_CACHE_DIR, else
-// $XDG_CACHE_HOME/weightd, else ~/.cache/weightd). It is never trusted
-// blindly: a file owned by another user, with a bad magic, version, length or
-// checksum is ignored (and replaced at the next save). Saves merge with what
+// $XDG_CACHE_HOME/weightd, else ~/.cache/weightd), which must be ours and
+// writable by no one else (else the cache is not used at all). It is never
+// trusted blindly: a file owned by another user, not a regular file, with a
+// bad magic, version, length or checksum is ignored (and replaced at the
+// next save). Saves merge with what
 // is on disk under an exclusive lock and replace the file by rename, so
 // concurrent fingerprints never corrupt it.
 //
@@ -68,6 +72,7 @@ class StatCache {
   std::map<Key, std::string> entries_;
   std::map<Key, std::string> added_;
   std::string warning_;
+  bool disabled_ = false;  // the directory is not ours alone
 };
 
 }  // namespace weightd::fingerprint

@@ -85,15 +85,29 @@ Result<std::string> CheckShardPath(io::FileSystem& fs, const std::string& label,
                " (it resolves to " + *real + ")");
 }
 
-Result<std::string> ReadWholeFile(io::FileSystem& fs, const std::string& path, uint64_t limit) {
+// The whole file, and (when `signature` is given) the signature of the
+// bytes read: the same before and after the read, or an error.
+Result<std::string> ReadWholeFile(io::FileSystem& fs, const std::string& path, uint64_t limit,
+                                  io::StatSignature* signature = nullptr) {
   WEIGHTD_ASSIGN_OR_RETURN(auto file, fs.Open(path));
   if (file->size() > limit) {
     return Error(path + ": file of " + std::to_string(file->size()) +
                  " bytes is over the limit of " + std::to_string(limit));
   }
+  std::optional<io::StatSignature> before;
+  if (signature != nullptr) {
+    WEIGHTD_ASSIGN_OR_RETURN(before, file->Stat());
+  }
   std::string text(static_cast<size_t>(file->size()), '\0');
   WEIGHTD_RETURN_IF_ERROR(
       file->ReadExactly(0, std::span(reinterpret_cast<std::byte*>(text.data()), text.size())));
+  if (signature != nullptr) {
+    WEIGHTD_ASSIGN_OR_RETURN(io::StatSignature after, file->Stat());
+    if (!(after == *before) || after.size != text.size()) {
+      return Error(path + ": changed while being read; try again");
+    }
+    *signature = after;
+  }
   return text;
 }
 
@@ -195,8 +209,12 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
     if (auto recalled = options.recall_index(*index_signature)) names = std::move(*recalled);
   }
   if (has_index && names.empty()) {
-    WEIGHTD_ASSIGN_OR_RETURN(std::string text, ReadWholeFile(fs, index_path, kMaxIndexBytes));
+    io::StatSignature read_signature;
+    WEIGHTD_ASSIGN_OR_RETURN(std::string text,
+                             ReadWholeFile(fs, index_path, kMaxIndexBytes, &read_signature));
     WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map, ParseIndex(index_path, text));
+    // Remember the list under the signature of the bytes actually read.
+    if (index_signature && !(*index_signature == read_signature)) index_signature.reset();
     for (const auto& [tensor, shard] : *listing.weight_map) names.push_back(shard);
     listing.round_trips += 2;  // open, read
     listing.reads = 1;

@@ -72,7 +72,7 @@ struct ShardListing {
 struct ListOptions {
   // The shard names an index with this signature listed, if known.
   std::function<std::optional<std::vector<std::string>>(const io::StatSignature&)> recall_index;
-  // Called after an index was read, with its signature taken before the read.
+  // Called after an index was read, with the signature of the bytes read.
   std::function<void(const io::StatSignature&, const std::vector<std::string>&)> remember_index;
   // When a stat turns out to cost a round trip, start growing the shared
   // WorkerPool to this many threads, so the caller's many reads find them

@@ -16,22 +16,23 @@ int WorkerPool::threads() const {
   return threads_;
 }
 
-void WorkerPool::Spawn(int n) {
+int WorkerPool::Spawn(int n) {
   for (int i = 0; i < n; ++i) {
     {
       std::lock_guard lock(mu_);
-      if (threads_ >= kMaxThreads) return;
+      if (threads_ >= kMaxThreads) return i;
       ++threads_;
     }
     try {
       std::thread([this] { WorkerLoop(); }).detach();
     } catch (const std::system_error&) {
-      // Out of threads: work with the ones there are.
+      // Out of threads (a pid limit, say): work with the ones there are.
       std::lock_guard lock(mu_);
       --threads_;
-      return;
+      return i;
     }
   }
+  return n;
 }
 
 void WorkerPool::Reserve(int threads) {
@@ -49,7 +50,13 @@ void WorkerPool::Reserve(int threads) {
             return;
           }
         }
-        Spawn(1);
+        if (Spawn(1) == 0) {
+          // The system will not give us more: stop trying, keep what we have.
+          std::lock_guard inner(mu_);
+          reserve_target_ = threads_;
+          reserving_ = false;
+          return;
+        }
       }
     }).detach();
   } catch (const std::system_error&) {
@@ -63,6 +70,7 @@ bool WorkerPool::Claim(Team** team, int* slot) {
       *team = t;
       *slot = t->next_slot++;
       ++t->running;
+      --unclaimed_;
       return true;
     }
   }
@@ -98,16 +106,19 @@ void WorkerPool::RunTeam(int workers, const std::function<void(int)>& body) {
   {
     std::lock_guard lock(mu_);
     teams_.push_back(&team);
-    missing = workers - 1 - idle_;
+    // Idle threads may already be promised to other teams' slots.
+    unclaimed_ += workers - 1;
+    missing = unclaimed_ - idle_;
   }
   work_.notify_all();
-  if (missing > 0) Spawn(missing);
+  if (missing > 0) Spawn(std::min(missing, workers - 1));
 
   body(0);
   std::unique_lock lock(mu_);
   // Slots no thread has claimed yet run here, so a short pool never stalls.
   while (team.next_slot < team.slots) {
     const int slot = team.next_slot++;
+    --unclaimed_;
     lock.unlock();
     body(slot);
     lock.lock();

@@ -48,7 +48,9 @@ class WorkerPool {
     int running = 0;
   };
 
-  void Spawn(int n);  // REQUIRES: mu_ not held
+  // Creates up to n threads; returns how many it created (fewer when the
+  // system refuses or kMaxThreads is reached). REQUIRES: mu_ not held.
+  int Spawn(int n);
   void WorkerLoop();
   // Claims an unclaimed slot of any team; REQUIRES: mu_ held.
   bool Claim(Team** team, int* slot);
@@ -59,6 +61,7 @@ class WorkerPool {
   std::deque<Team*> teams_;
   int threads_ = 0;
   int idle_ = 0;
+  int unclaimed_ = 0;  // slots queued for pool threads and not yet claimed
   int reserve_target_ = 0;
   bool reserving_ = false;
 };

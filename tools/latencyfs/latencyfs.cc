@@ -27,6 +27,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <map>
 #include <mutex>
 #include <queue>
 #include <string>
@@ -59,6 +60,20 @@ class DelayQueue {
     }
     cv_.notify_all();
     thread_.join();
+  }
+
+  // Sends every reply still waiting, now. The session must not go away with
+  // requests unanswered: called when the loop ends, before unmounting.
+  void Drain() {
+    std::vector<std::function<void()>> replies;
+    {
+      std::lock_guard lock(mu_);
+      while (!queue_.empty()) {
+        replies.push_back(std::move(const_cast<Item&>(queue_.top()).reply));
+        queue_.pop();
+      }
+    }
+    for (auto& reply : replies) reply();
   }
 
   void At(Clock::time_point due, std::function<void()> reply) {
@@ -116,6 +131,10 @@ struct State {
   int source_fd = -1;
   std::mutex nodes_mu;
   std::unordered_map<fuse_ino_t, std::string> paths;  // inode -> path relative to the source
+  // Source (device, inode) -> our inode number: the source may span file
+  // systems, whose inode numbers alone collide.
+  std::map<std::pair<dev_t, ino_t>, fuse_ino_t> ids;
+  fuse_ino_t next_id = FUSE_ROOT_ID + 1;
   std::mutex link_mu;
   Clock::time_point link_free{};
   Stats stats;
@@ -129,6 +148,15 @@ std::string PathOf(State* s, fuse_ino_t ino) {
   std::lock_guard lock(s->nodes_mu);
   auto it = s->paths.find(ino);
   return it == s->paths.end() ? std::string() : it->second;
+}
+
+// Our inode number for a source file, remembering its path.
+// REQUIRES: s->nodes_mu held.
+fuse_ino_t Remember(State* s, const struct stat& st, const std::string& path) {
+  auto [it, added] = s->ids.try_emplace({st.st_dev, st.st_ino}, s->next_id);
+  if (added) ++s->next_id;
+  s->paths[it->second] = path;
+  return it->second;
 }
 
 Clock::time_point Due(State* s, uint64_t bytes = 0) {
@@ -173,12 +201,12 @@ void Lookup(fuse_req_t req, fuse_ino_t parent, const char* name) {
   if (::fstatat(s->source_fd, path.c_str(), &e.attr, AT_SYMLINK_NOFOLLOW) != 0) {
     return ReplyErrorLater(req, errno);
   }
-  e.ino = e.attr.st_ino;
-  e.attr_timeout = e.entry_timeout = s->config.attr_cache_s;
   {
     std::lock_guard lock(s->nodes_mu);
-    s->paths[e.ino] = path;
+    e.ino = Remember(s, e.attr, path);
   }
+  e.attr.st_ino = e.ino;
+  e.attr_timeout = e.entry_timeout = s->config.attr_cache_s;
   s->delay->At(Due(s), [req, e] { fuse_reply_entry(req, &e); });
 }
 
@@ -190,7 +218,7 @@ void GetAttr(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info*) {
   if (path.empty() || ::fstatat(s->source_fd, path.c_str(), &st, AT_SYMLINK_NOFOLLOW) != 0) {
     return ReplyErrorLater(req, path.empty() ? ESTALE : errno);
   }
-  if (ino == FUSE_ROOT_ID) st.st_ino = FUSE_ROOT_ID;
+  st.st_ino = ino;
   const double timeout = s->config.attr_cache_s;
   s->delay->At(Due(s), [req, st, timeout] { fuse_reply_attr(req, &st, timeout); });
 }
@@ -237,6 +265,11 @@ void OpenDir(fuse_req_t req, fuse_ino_t ino, struct fuse_file_info* fi) {
       path.empty() ? -1 : ::openat(s->source_fd, path.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (fd < 0) return ReplyErrorLater(req, path.empty() ? ESTALE : errno);
   DIR* dir = ::fdopendir(fd);
+  if (dir == nullptr) {
+    const int err = errno;
+    ::close(fd);
+    return ReplyErrorLater(req, err);
+  }
   auto* listing = new DirListing;
   while (struct dirent* d = ::readdir(dir)) {
     struct stat st;
@@ -281,8 +314,11 @@ void ServeListing(fuse_req_t req, size_t size, off_t off, struct fuse_file_info*
     struct fuse_entry_param e;
     std::memset(&e, 0, sizeof e);
     e.attr = st;
-    if (!dots) {
-      e.ino = st.st_ino;
+    if (plus && !dots) {
+      // Like a lookup: the kernel now knows this entry until the timeout.
+      std::lock_guard lock(s->nodes_mu);
+      e.ino = Remember(s, st, listing->dir == "." ? name : listing->dir + "/" + name);
+      e.attr.st_ino = e.ino;
       e.attr_timeout = e.entry_timeout = s->config.attr_cache_s;
     }
     char* out = buf->data() + used;
@@ -291,11 +327,6 @@ void ServeListing(fuse_req_t req, size_t size, off_t off, struct fuse_file_info*
                              : fuse_add_direntry(req, out, size - used, name.c_str(), &st, next);
     if (need > size - used) break;
     used += need;
-    if (plus && !dots) {
-      // Like a lookup: the kernel now knows this entry until the timeout.
-      std::lock_guard lock(s->nodes_mu);
-      s->paths[e.ino] = listing->dir == "." ? name : listing->dir + "/" + name;
-    }
   }
   ReplyListing(req, buf, used);
 }
@@ -397,6 +428,7 @@ int Serve(const Config& config) {
       fuse_loop_cfg_set_idle_threads(loop, static_cast<unsigned>(config.threads));
       rc = fuse_session_loop_mt(se, loop);
       fuse_loop_cfg_destroy(loop);
+      delay.Drain();
       fuse_session_unmount(se);
     }
     fuse_remove_signal_handlers(se);
