@@ -106,9 +106,9 @@ TEST(Cli, FingerprintPrintsTheDocumentedKeysAndUsesTheStatCache) {
   ::sleep(3);
   auto cold = RunWeightd({"fingerprint", dir.Join("m"), "--json"});
   ASSERT_EQ(cold.exit_code, 0) << cold.err;
-  for (const char* key :
-       {"\"digest\": \"xxh3-128:", "\"mode\": \"sampled\"", "\"shards\":", "\"tensors\": 10",
-        "\"reads\":", "\"bytes_read\":", "\"seconds\":", "\"cache_hits\": 0"}) {
+  for (const char* key : {"\"digest\": \"xxh3-128:", "\"mode\": \"sampled\"", "\"shards\": 1",
+                          "\"shard_digests\":", "\"tensors\": 10",
+                          "\"reads\":", "\"bytes_read\":", "\"seconds\":", "\"cache_hits\": 0"}) {
     EXPECT_NE(cold.out.find(key), std::string::npos) << key << " in " << cold.out;
   }
   auto warm = RunWeightd({"fingerprint", dir.Join("m"), "--json"});

@@ -91,7 +91,8 @@ TEST(Latencyfs, FingerprintThroughTheMountMatchesAndReadsAreCounted) {
   EXPECT_EQ(served["read"], through["reads"]) << served.dump();
   EXPECT_EQ(served["read_bytes"], through["bytes_read"]) << served.dump();
   // One open per shard and the index.
-  EXPECT_EQ(served["open"], through["shards"].size() + 1) << served.dump();
+  EXPECT_EQ(served["open"], through["shards"].get<int>() + 1) << served.dump();
+  EXPECT_EQ(through["shard_digests"].size(), through["shards"].get<size_t>());
 }
 
 TEST(Latencyfs, IsReadOnlyAndPassesBytesThrough) {
