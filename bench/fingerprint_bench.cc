@@ -201,9 +201,13 @@ int main(int argc, char** argv) {
   }
   if (latencyfs.empty() || baseline.empty()) Die("--latencyfs and --baseline are required");
   fs::create_directories(work);
-  const std::string k3 = work + "/k3-layout", llama66 = work + "/llama-66",
-                    llama2g = work + "/llama";
+  // The 66-shard model sits one folder below its mount, as a model does in
+  // a bucket: the folder's lookup is then a round trip, as it is in use (a
+  // mount's root is the one folder the kernel knows without asking).
+  const std::string k3 = work + "/k3-layout", bucket = work + "/bucket-150",
+                    llama66 = bucket + "/llama-66", llama2g = work + "/llama";
   Generate(k3, {.preset = "k3-layout"});
+  fs::create_directories(bucket);
   Generate(llama66, {.preset = "llama", .layers = 109, .hidden = 256, .shards = 66});
   Generate(llama2g, {.preset = "llama", .size_bytes = 2ull << 30});
   const std::string mnt = work + "/mnt";
@@ -269,28 +273,38 @@ int main(int argc, char** argv) {
   }
 
   std::printf("### A 66-shard, 984-tensor llama at 150 ms per operation (object-store FUSE)\n\n");
+  std::printf(
+      "The model is a folder inside the mount (`MNT/llama-66`), as in a bucket, so every scheme\n"
+      "pays the folder's lookup.\n\n");
   for (const char* attr : {"3s", "0"}) {
     std::cerr << "llama-66 at 150ms, attr cache " << attr << "\n";
     std::vector<Row> rows;
     fs::path cache_dir = fs::path(work) / (std::string("cache-150-") + attr);
     fs::remove_all(cache_dir);
     auto cache = fingerprint::StatCache::Load(cache_dir.string());
+    const std::string model = mnt + "/llama-66";
     {
-      Mount m(latencyfs, llama66, mnt, "150ms", attr);
-      rows.push_back(Weightd("weightd sampled, cold", m.path(), cache.get()));
-      rows.push_back(Weightd("weightd sampled, warm, same mount", m.path(), cache.get()));
+      Mount m(latencyfs, bucket, mnt, "150ms", attr);
+      rows.push_back(Weightd("weightd sampled, cold", model, cache.get()));
+      rows.push_back(Weightd("weightd sampled, warm, same mount", model, cache.get()));
     }
     {
-      Mount m(latencyfs, llama66, mnt, "150ms", attr);
-      rows.push_back(Weightd("weightd sampled, warm, fresh mount", m.path(), cache.get()));
+      Mount m(latencyfs, bucket, mnt, "150ms", attr);
+      rows.push_back(Weightd("weightd sampled, warm, fresh mount", model, cache.get()));
     }
     if (std::string(attr) == "3s") {
-      Mount m(latencyfs, llama66, mnt, "150ms", attr);
-      rows.push_back(Baseline(baseline, "header-only", "header-only, shard by shard", m.path()));
+      Mount m(latencyfs, bucket, mnt, "150ms", attr);
+      rows.push_back(Baseline(baseline, "header-only", "header-only, shard by shard", model));
     }
     std::printf("Attribute cache %s:\n\n",
                 std::string(attr) == "0" ? "off" : "3 s (latencyfs default)");
     PrintTable(rows, std::string(attr) == "0" ? rows[0] : rows.back());
+    if (std::string(attr) == "3s") {
+      std::printf(
+          "On a fresh mount no client can go below two round trips (0.3 s): the folder's lookup,\n"
+          "then the shards' lookups, however many go out at once. Under 0.3 s is reached while\n"
+          "the kernel still holds the attributes (`same mount`).\n\n");
+    }
   }
 
   std::cerr << "local llama\n";

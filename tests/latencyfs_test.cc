@@ -95,6 +95,51 @@ TEST(Latencyfs, FingerprintThroughTheMountMatchesAndReadsAreCounted) {
   EXPECT_EQ(through["shard_digests"].size(), through["shards"].get<size_t>());
 }
 
+// On a slow mount the fingerprint opens the shards it sees in the listing
+// while the index is still being read. What the index does not name, and
+// shards reached through a symlink, must not leak into the digest; the reads
+// spent on them are still counted.
+TEST(Latencyfs, ShardsOpenedFromTheListingGiveTheSameDigest) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  TempDir dir;
+  const std::string bucket = dir.Join("bucket"), src = bucket + "/model", mnt = dir.Join("mnt");
+  ::mkdir(bucket.c_str(), 0700);
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(src, {.preset = "llama", .size_bytes = 8 << 20, .shards = 3})
+          .ok());
+  ::mkdir(mnt.c_str(), 0700);
+  // An unlisted copy of a shard, and a listed shard that is a symlink.
+  auto first = testing::ReadFileBytes(src + "/model-00001-of-00003.safetensors");
+  testing::WriteFileBytes(src + "/stray.safetensors", first);
+  ASSERT_EQ(
+      ::rename((src + "/model-00003-of-00003.safetensors").c_str(), (src + "/third.bin").c_str()),
+      0);
+  ASSERT_EQ(::symlink("third.bin", (src + "/model-00003-of-00003.safetensors").c_str()), 0);
+
+  auto direct = testing::RunWeightd({"fingerprint", src, "--no-cache", "--json"});
+  ASSERT_EQ(direct.exit_code, 0) << direct.err;
+  nlohmann::json through;
+  const std::string stats = dir.Join("stats.json");
+  {
+    Mount mount(bucket, mnt, stats, "20ms");
+    ASSERT_TRUE(mount.mounted()) << "latencyfs did not mount";
+    auto r = testing::RunWeightd({"fingerprint", mnt + "/model", "--no-cache", "--json"});
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+    through = nlohmann::json::parse(r.out);
+    mount.Stop();
+  }
+  const auto expected = nlohmann::json::parse(direct.out);
+  EXPECT_EQ(through["digest"], expected["digest"]);
+  EXPECT_EQ(through["shards"], 3);
+  // The stray shard's head was read early and dropped.
+  EXPECT_GT(through["reads"].get<int>(), expected["reads"].get<int>());
+  std::ifstream in(stats);
+  ASSERT_TRUE(in) << "latencyfs wrote no statistics";
+  const auto served = nlohmann::json::parse(in);
+  EXPECT_EQ(served["read"], through["reads"]) << served.dump();
+  EXPECT_EQ(served["read_bytes"], through["bytes_read"]) << served.dump();
+}
+
 TEST(Latencyfs, IsReadOnlyAndPassesBytesThrough) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
   TempDir dir;

@@ -11,6 +11,8 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
+#include <thread>
 
 #include "format/checkpoint.h"
 #include "format/safetensors.h"
@@ -154,6 +156,7 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
       return;
     }
     if (auto digest = o.cache->Lookup(kind, *sig)) {
+      w.signature = *sig;
       w.result.digest = *digest;
       w.result.file_bytes = sig->size;
       w.result.cached = true;
@@ -265,18 +268,114 @@ std::string ShardDigest(ShardWork& w) {
   return w.hash->Tagged();
 }
 
-Result<Fingerprint> Sampled(io::FileSystem& fs, std::vector<format::ShardRef> refs,
-                            const Options& o) {
-  std::vector<ShardWork> work(refs.size());
-  for (size_t i = 0; i < refs.size(); ++i) work[i].ref = std::move(refs[i]);
+// Stage 1 started from the directory listing while the index is still being
+// read (on a remote file system, where ListShards lists the directory
+// early): every regular *.safetensors file is opened and its head read, so
+// the index read and the shards' opens overlap instead of following each
+// other. Sampled() then takes the work of the shards the index names and the
+// path checks passed; the rest is dropped, its reads still counted.
+class EarlyHeads {
+ public:
+  EarlyHeads(io::FileSystem& fs, std::string dir, const Options& o)
+      : fs_(fs), dir_(std::move(dir)), o_(o) {}
 
-  // Stage 1: every shard at once.
+  // Called once, from ListShards's listing thread; returns at once.
+  void Start(const std::vector<io::DirEntry>& entries) {
+    for (const io::DirEntry& e : entries) {
+      constexpr std::string_view kSuffix = ".safetensors";
+      if (e.type != io::EntryType::kRegular || !e.name.ends_with(kSuffix)) continue;
+      names_.push_back(e.name);
+    }
+    std::sort(names_.begin(), names_.end());
+    work_.resize(names_.size());
+    pending_.resize(names_.size());
+    stats_.resize(names_.size());
+    thread_ = std::jthread([this] {
+      std::atomic<size_t> next{0};
+      io::RunTeam(static_cast<int>(std::min<size_t>(work_.size(), std::max(o_.max_inflight, 1))),
+                  [&](int) {
+                    for (size_t i; (i = next.fetch_add(1)) < work_.size();) {
+                      const std::string path = io::JoinPath(dir_, names_[i]);
+                      work_[i].ref = {names_[i], path, path};
+                      OpenAndReadHead(fs_, o_, work_[i], stats_[i], pending_[i], i);
+                    }
+                  });
+    });
+  }
+
+  // Waits for the early work; afterwards Take may be called.
+  void Finish() {
+    if (thread_.joinable()) thread_.join();
+  }
+
+  // Moves the early work for `ref` into `w` when it was done on the very file
+  // the listing checked: named directly in the directory, not through a
+  // symlink, and with the same signature now. Its pending samples get
+  // `shard_index`.
+  bool Take(const format::ShardRef& ref, const std::string& real_dir, size_t shard_index,
+            ShardWork& w, io::ReadStats& stats, std::vector<PendingSample>& pending) {
+    auto it = std::lower_bound(names_.begin(), names_.end(), ref.name);
+    if (it == names_.end() || *it != ref.name) return false;
+    const size_t i = static_cast<size_t>(it - names_.begin());
+    ShardWork& early = work_[i];
+    if (early.error || taken_.contains(i)) return false;
+    if (ref.resolved != io::JoinPath(real_dir, ref.name)) return false;
+    auto now = fs_.Stat(ref.resolved);
+    if (!now.ok() || !(*now == early.signature)) return false;
+    taken_.insert(i);
+    w = std::move(early);
+    w.ref = ref;
+    stats = stats_[i];
+    for (PendingSample p : pending_[i]) {
+      p.shard = shard_index;
+      pending.push_back(p);
+    }
+    return true;
+  }
+
+  // Reads issued for shards that were not taken.
+  io::ReadStats Unused() const {
+    io::ReadStats unused;
+    for (size_t i = 0; i < work_.size(); ++i) {
+      if (taken_.contains(i)) continue;
+      unused.reads += stats_[i].reads;
+      unused.bytes += stats_[i].bytes;
+    }
+    return unused;
+  }
+
+ private:
+  io::FileSystem& fs_;
+  const std::string dir_;
+  const Options& o_;
+  std::vector<std::string> names_;  // sorted
+  std::vector<ShardWork> work_;
+  std::vector<std::vector<PendingSample>> pending_;
+  std::vector<io::ReadStats> stats_;
+  std::set<size_t> taken_;
+  std::jthread thread_;
+};
+
+Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& listing,
+                            const Options& o, EarlyHeads& early) {
+  const std::vector<format::ShardRef>& refs = listing.shards;
+  std::vector<ShardWork> work(refs.size());
   std::vector<std::vector<PendingSample>> pending(work.size());
   std::vector<io::ReadStats> head_stats(work.size());
+  std::vector<size_t> todo;
+  for (size_t i = 0; i < refs.size(); ++i) {
+    if (!early.Take(refs[i], listing.real_dir, i, work[i], head_stats[i], pending[i])) {
+      work[i].ref = refs[i];
+      todo.push_back(i);
+    }
+  }
+
+  // Stage 1: every shard at once.
   std::atomic<size_t> next{0};
-  io::RunTeam(static_cast<int>(std::min<size_t>(work.size(), std::max(o.max_inflight, 1))),
+  io::RunTeam(static_cast<int>(std::min<size_t>(todo.size(), std::max(o.max_inflight, 1))),
               [&](int) {
-                for (size_t i; (i = next.fetch_add(1)) < work.size();) {
+                for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
+                  const size_t i = todo[k];
                   OpenAndReadHead(fs, o, work[i], head_stats[i], pending[i], i);
                 }
               });
@@ -453,13 +552,22 @@ std::string_view ModeName(Mode mode) { return mode == Mode::kFull ? "full" : "sa
 Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string& path,
                                           const Options& options) {
   const auto start = std::chrono::steady_clock::now();
-  auto listing = format::ListShards(fs, path, ListingOptions(options));
+  EarlyHeads early(fs, path, options);
+  format::ListOptions list_options = ListingOptions(options);
+  if (options.mode == Mode::kSampled) {
+    list_options.on_early_listing = [&early](const std::vector<io::DirEntry>& entries) {
+      early.Start(entries);
+    };
+  }
+  auto listing = format::ListShards(fs, path, list_options);
+  early.Finish();
   if (!listing.ok()) return CannotFingerprint(path, listing.error());
   auto fp = options.mode == Mode::kFull ? Full(fs, listing->shards, options)
-                                        : Sampled(fs, listing->shards, options);
+                                        : Sampled(fs, *listing, options, early);
   if (!fp.ok()) return CannotFingerprint(path, fp.error());
-  fp->reads += listing->reads;
-  fp->bytes_read += listing->bytes_read;
+  const io::ReadStats unused = early.Unused();
+  fp->reads += listing->reads + unused.reads;
+  fp->bytes_read += listing->bytes_read + unused.bytes;
   fp->round_trips += listing->round_trips;
   fp->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return fp;

@@ -188,12 +188,16 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   std::optional<Result<std::vector<io::DirEntry>>> entries;
   std::jthread lister;
   auto list_now = [&] {
-    lister = std::jthread([&] { entries = fs.ListDirectory(path); });
+    lister = std::jthread([&] {
+      entries = fs.ListDirectory(path);
+      if (entries->ok() && options.on_early_listing) options.on_early_listing(entries->value());
+    });
     if (options.reserve_workers > 0) io::WorkerPool::Shared().Reserve(options.reserve_workers);
   };
   if (remote) list_now();
 
   WEIGHTD_ASSIGN_OR_RETURN(std::string real_dir, fs.RealPath(path));
+  listing.real_dir = real_dir;
   const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
   probe_start = std::chrono::steady_clock::now();
   WEIGHTD_ASSIGN_OR_RETURN(bool has_index, fs.Exists(index_path));

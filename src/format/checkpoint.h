@@ -56,6 +56,10 @@ struct Checkpoint {
 struct ShardListing {
   std::vector<ShardRef> shards;  // by name
   bool has_index = false;
+  // The directory with every symlink resolved (a file's own path for a
+  // single-file checkpoint): a shard whose `resolved` is this joined with its
+  // name is the regular file the listing saw, not a symlink.
+  std::string real_dir;
   // The index's weight_map (tensor -> shard name, by tensor), when there is one.
   std::optional<std::vector<std::pair<std::string, std::string>>> weight_map;
   // File-system operations one after another that the listing cost (stat,
@@ -78,6 +82,12 @@ struct ListOptions {
   // WorkerPool to this many threads, so the caller's many reads find them
   // ready instead of creating them on the critical path.
   int reserve_workers = 0;
+  // Called once, from another thread, with the directory's entries when the
+  // directory was listed early (see ListShards), before the index has been
+  // read: lets a caller start opening the shards it expects while the index
+  // is still on its way. Must return quickly; what it starts is the caller's
+  // to check against the final listing.
+  std::function<void(const std::vector<io::DirEntry>&)> on_early_listing;
 };
 
 // The shards of a checkpoint, without reading their headers: from the index
