@@ -15,10 +15,9 @@ int main(int argc, char** argv) {
   app.set_version_flag("--version", "weightd 0.1.0");
 
   std::vector<Command> commands = {
-      AddInspectCommand(app),
-      AddMakeCheckpointCommand(app),
-      AddFingerprintCommand(app),
-      AddDemoCommand(app),
+      AddInspectCommand(app), AddMakeCheckpointCommand(app), AddFingerprintCommand(app),
+      AddServeCommand(app),   AddPreloadCommand(app),        AddLoadCommand(app),
+      AddStatusCommand(app),  AddEvictCommand(app),          AddDemoCommand(app),
   };
 
   try {

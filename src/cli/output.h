@@ -10,6 +10,8 @@
 #include <string>
 #include <string_view>
 
+#include "protocol/cache_key.h"
+
 namespace CLI {
 class App;
 }
@@ -54,5 +56,14 @@ Command AddInspectCommand(CLI::App& root);
 Command AddMakeCheckpointCommand(CLI::App& root);
 Command AddDemoCommand(CLI::App& root);
 Command AddFingerprintCommand(CLI::App& root);
+Command AddServeCommand(CLI::App& root);
+Command AddPreloadCommand(CLI::App& root);
+Command AddStatusCommand(CLI::App& root);
+Command AddEvictCommand(CLI::App& root);
+Command AddLoadCommand(CLI::App& root);
+
+// The processing flags `preload` and `load` share (--tp-size, --tp-rank,
+// --dtype, --quant, --shard-plan, --device).
+void AddProcessingFlags(CLI::App& app, protocol::Processing& p);
 
 }  // namespace weightd::cli

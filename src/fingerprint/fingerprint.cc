@@ -547,6 +547,19 @@ format::ListOptions ListingOptions(const Options& options) {
 
 }  // namespace
 
+std::string SampledShardDigest(uint64_t file_size, std::span<const std::byte> raw_header,
+                               const std::vector<std::span<const std::byte>>& samples) {
+  Xxh3 h;
+  h.U64(file_size);
+  h.Update(raw_header.data(), raw_header.size());
+  for (const auto& sample : samples) h.Update(sample.data(), sample.size());
+  return h.Tagged();
+}
+
+std::string CombineSampledShards(const std::vector<ShardFingerprint>& shards) {
+  return CombineShards<Xxh3>(shards);
+}
+
 std::string_view ModeName(Mode mode) { return mode == Mode::kFull ? "full" : "sampled"; }
 
 Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string& path,

@@ -22,7 +22,9 @@
 // Thread safety: FingerprintCheckpoint may run concurrently with itself.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -80,6 +82,16 @@ struct Fingerprint {
   uint64_t round_trips = 0;
   double seconds = 0;
 };
+
+// The sampled digest of one shard from bytes a caller already holds (a
+// loader that read the whole shard): the file's size, its raw header (length
+// prefix and JSON), and the first `sample_bytes` of each tensor's data, in
+// the header's (name) order. Equal to what FingerprintCheckpoint computes.
+std::string SampledShardDigest(uint64_t file_size, std::span<const std::byte> raw_header,
+                               const std::vector<std::span<const std::byte>>& samples);
+
+// The checkpoint digest over shards' sampled digests (by name).
+std::string CombineSampledShards(const std::vector<ShardFingerprint>& shards);
 
 // Errors start with "cannot fingerprint" and name the reason; a checkpoint
 // without safetensors shards is one (a cache must treat it as uncacheable,

@@ -265,6 +265,37 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   return listing;
 }
 
+Status CheckAcrossShards(
+    const std::string& path, const std::vector<Shard>& shards,
+    const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map) {
+  // A tensor name may appear in one shard only.
+  std::vector<std::pair<std::string_view, size_t>> all;
+  for (size_t s = 0; s < shards.size(); ++s) {
+    for (const TensorInfo& t : shards[s].header.tensors) all.emplace_back(t.name, s);
+  }
+  std::sort(all.begin(), all.end());
+  for (size_t i = 1; i < all.size(); ++i) {
+    if (all[i].first == all[i - 1].first) {
+      return Error(path + ": tensor `" + std::string(all[i].first) +
+                   "`: " + std::string(rules::kTensorInTwoShards) + " (" +
+                   shards[all[i - 1].second].name + " and " + shards[all[i].second].name + ")");
+    }
+  }
+
+  if (weight_map) {
+    const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
+    for (const auto& [tensor, shard_name] : *weight_map) {
+      auto it = std::lower_bound(shards.begin(), shards.end(), shard_name,
+                                 [](const Shard& s, const std::string& n) { return s.name < n; });
+      if (it == shards.end() || it->name != shard_name || it->header.Find(tensor) == nullptr) {
+        return Error(index_path + ": tensor `" + tensor +
+                     "`: " + std::string(rules::kIndexTensorMissing) + " (" + shard_name + ")");
+      }
+    }
+  }
+  return OkStatus();
+}
+
 Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path) {
   Checkpoint ckpt;
   ckpt.path = path;
@@ -302,32 +333,7 @@ Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path) {
     if (e) return *e;
   }
 
-  // A tensor name may appear in one shard only.
-  std::vector<std::pair<std::string_view, size_t>> all;
-  for (size_t s = 0; s < ckpt.shards.size(); ++s) {
-    for (const TensorInfo& t : ckpt.shards[s].header.tensors) all.emplace_back(t.name, s);
-  }
-  std::sort(all.begin(), all.end());
-  for (size_t i = 1; i < all.size(); ++i) {
-    if (all[i].first == all[i - 1].first) {
-      return Error(path + ": tensor `" + std::string(all[i].first) +
-                   "`: " + std::string(rules::kTensorInTwoShards) + " (" +
-                   ckpt.shards[all[i - 1].second].name + " and " + ckpt.shards[all[i].second].name +
-                   ")");
-    }
-  }
-
-  if (listing.weight_map) {
-    const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
-    for (const auto& [tensor, shard_name] : *listing.weight_map) {
-      auto it = std::lower_bound(ckpt.shards.begin(), ckpt.shards.end(), shard_name,
-                                 [](const Shard& s, const std::string& n) { return s.name < n; });
-      if (it == ckpt.shards.end() || it->name != shard_name || it->header.Find(tensor) == nullptr) {
-        return Error(index_path + ": tensor `" + tensor +
-                     "`: " + std::string(rules::kIndexTensorMissing) + " (" + shard_name + ")");
-      }
-    }
-  }
+  WEIGHTD_RETURN_IF_ERROR(CheckAcrossShards(path, ckpt.shards, listing.weight_map));
   return ckpt;
 }
 

@@ -102,6 +102,13 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
 Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_view label,
                                                                     std::string_view json);
 
+// The checks across shards, once every header is read: a tensor name in one
+// shard only, and (with an index) each tensor the index maps found in the
+// shard it names. `shards` by name.
+Status CheckAcrossShards(
+    const std::string& path, const std::vector<Shard>& shards,
+    const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map);
+
 // Lists the shards and reads and validates every header (many at once).
 // With an index, also checks that each tensor it maps is in the shard it
 // names; across shards, a tensor name may appear once.

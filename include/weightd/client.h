@@ -1,0 +1,102 @@
+// The engine's side of weightd: ask for a checkpoint's weights and get a
+// read-only view of every tensor, from the daemon when it holds exactly
+// what this engine would have loaded, from disk otherwise.
+//
+//   weightd::LoadSpec spec{.path = "/models/llama-3-8b"};
+//   auto weights = weightd::Acquire(spec, {});
+//   if (!weights.ok()) ...;                       // only with fallback off
+//   for (const weightd::Tensor& t : (*weights)->tensors()) use(t.name, t.data);
+//
+// The engine computes the checkpoint's content key itself (the sampled
+// fingerprint, with the stat shortcut) and the daemon compares it with what
+// it holds, field by field; any difference is a miss that names the fields,
+// and the engine loads from disk through the same loader the daemon uses, so
+// the bytes are the same either way (Weights::Checksum proves it).
+//
+// Thread safety: Acquire may be called from many threads; a Weights object
+// is immutable and may be read from any thread while it lives.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weightd/result.h"
+
+namespace weightd {
+
+struct LoadSpec {
+  std::string path;  // checkpoint directory or single .safetensors file
+  // Processing; this build does tp_size 1, dtype keep, quant none on cpu.
+  int tp_size = 1;
+  int tp_rank = 0;
+  std::string dtype = "keep";
+  std::string quant = "none";
+  std::string shard_plan = "replicate";
+  std::string device = "cpu";
+};
+
+enum class AcquireMode {
+  kZeroCopy,  // map the daemon's segment; the lease lasts as long as the Weights
+  kCopy,      // copy into this process's memory and give the lease back at once
+};
+
+struct AcquireOptions {
+  AcquireMode mode = AcquireMode::kZeroCopy;
+  // Load from disk on any miss or error; false turns those into errors.
+  bool fallback = true;
+  // Wait this long for a daemon that is starting (its socket not there yet).
+  double wait_for_daemon_seconds = 0;
+  // After a miss, ask the daemon to preload the checkpoint for next time.
+  bool populate = false;
+  // Trust the resident model pinned under this name without comparing its
+  // content with the checkpoint on disk (every other key field is checked).
+  std::string trust;
+  // Socket directory; empty: $WEIGHTD_SOCKET_DIR, $XDG_RUNTIME_DIR/weightd,
+  // /tmp/weightd-$UID.
+  std::string socket_dir;
+  // Use the fingerprint's stat cache (false: read the samples every time).
+  bool stat_cache = true;
+  // Where the one-line reasons go (fallbacks, trust); default: stderr.
+  std::function<void(const std::string&)> log;
+};
+
+struct Tensor {
+  std::string_view name;
+  std::string_view dtype;  // safetensors spelling: "BF16", "F32", ...
+  std::span<const uint64_t> shape;
+  std::span<const std::byte> data;
+};
+
+class Weights {
+ public:
+  virtual ~Weights() = default;
+
+  // By name.
+  virtual const std::vector<Tensor>& tensors() const = 0;
+  const Tensor* Find(std::string_view name) const;
+
+  // "daemon" or "disk", and why.
+  virtual std::string_view source() const = 0;
+  virtual const std::string& reason() const = 0;
+  // On a miss, the key fields that differed ("checkpoint: daemon has ...").
+  virtual const std::vector<std::string>& mismatch() const = 0;
+  // The key fields that differed, by name ("checkpoint", "tp_rank").
+  virtual const std::vector<std::string>& mismatch_fields() const = 0;
+  // The checkpoint's content digest as the key carries it.
+  virtual const std::string& checkpoint_digest() const = 0;
+
+  uint64_t bytes() const;
+  // XXH3-128 over every tensor's name and bytes, in name order, tagged:
+  // equal whether the weights came from the daemon or from disk.
+  std::string Checksum() const;
+};
+
+Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOptions& options);
+
+}  // namespace weightd

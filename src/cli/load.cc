@@ -1,0 +1,125 @@
+// `weightd load`: behave as an engine does at start.
+#include <CLI/CLI.hpp>
+#include <chrono>
+#include <iostream>
+#include <memory>
+#include <thread>
+
+#include "cli/output.h"
+#include "weightd/client.h"
+
+namespace weightd::cli {
+namespace {
+
+using nlohmann::json;
+
+struct LoadCommandOptions {
+  LoadSpec spec;
+  protocol::Processing processing;
+  std::string mode = "zero_copy";
+  std::string trust, socket_dir;
+  bool no_fallback = false, checksum = false, json = false, populate = false, no_cache = false;
+  double hold = 0, wait = 0;
+};
+
+int RunLoad(LoadCommandOptions& o) {
+  const auto start = std::chrono::steady_clock::now();
+  o.spec.tp_size = o.processing.tp_size;
+  o.spec.tp_rank = o.processing.tp_rank;
+  o.spec.dtype = o.processing.dtype;
+  o.spec.quant = o.processing.quant;
+  o.spec.shard_plan = o.processing.shard_plan;
+  o.spec.device = o.processing.device;
+  AcquireOptions ao;
+  ao.mode = o.mode == "copy" ? AcquireMode::kCopy : AcquireMode::kZeroCopy;
+  ao.fallback = !o.no_fallback;
+  ao.wait_for_daemon_seconds = o.wait;
+  ao.populate = o.populate;
+  ao.trust = o.trust;
+  ao.socket_dir = o.socket_dir;
+  ao.stat_cache = !o.no_cache;
+  auto weights = Acquire(o.spec, ao);
+  if (!weights.ok()) return ReportError("load", weights.error().message());
+  const double seconds = SecondsSince(start);
+  const Weights& w = **weights;
+  std::string checksum;
+  if (o.checksum) checksum = w.Checksum();
+
+  if (o.json) {
+    json out = {{"path", o.spec.path},
+                {"source", std::string(w.source())},
+                {"reason", w.reason()},
+                {"mismatch", w.mismatch_fields()},
+                {"mismatch_details", w.mismatch()},
+                {"tensors", w.tensors().size()},
+                {"bytes", w.bytes()},
+                {"seconds", seconds},
+                {"checkpoint", w.checkpoint_digest()},
+                {"mode", o.mode}};
+    if (o.checksum) out["checksum"] = checksum;
+    std::cout << DumpJson(out, 2) << std::endl;
+  } else {
+    std::cout << "source: " << w.source() << " (" << Printable(w.reason()) << ")\n"
+              << Count(w.tensors().size(), "tensor") << ", " << FormatBytes(w.bytes()) << " in "
+              << seconds << " s\n";
+    if (o.checksum) std::cout << "checksum: " << checksum << "\n";
+    std::cout << std::flush;
+  }
+  if (o.hold > 0) {
+    // Keep the view (and its lease) as an engine would, then prove the
+    // bytes are still the same (the daemon may have died meanwhile).
+    std::this_thread::sleep_for(std::chrono::duration<double>(o.hold));
+    if (o.checksum) {
+      const std::string again = w.Checksum();
+      if (again != checksum) {
+        return ReportError("load", "the weights changed while held: " + again);
+      }
+      std::cout << (o.json ? "" : "checksum after hold: ") << (o.json ? "" : again + "\n")
+                << std::flush;
+    }
+  }
+  return kExitOk;
+}
+
+}  // namespace
+
+void AddProcessingFlags(CLI::App& app, protocol::Processing& p) {
+  app.add_option("--tp-size", p.tp_size, "tensor-parallel size (this build: 1)")
+      ->check(CLI::Range(1, 4096));
+  app.add_option("--tp-rank", p.tp_rank, "tensor-parallel rank")->check(CLI::Range(0, 4095));
+  app.add_option("--dtype", p.dtype, "keep | bf16 | fp16 | fp32 (this build: keep)")
+      ->check(CLI::IsMember({"keep", "bf16", "fp16", "fp32"}));
+  app.add_option("--quant", p.quant, "none | fp8-block (this build: none)")
+      ->check(CLI::IsMember({"none", "fp8-block"}));
+  app.add_option("--shard-plan", p.shard_plan, "PRESET or FILE (this build: replicate)");
+  app.add_option("--device", p.device, "cpu | cuda:N (this build: cpu)");
+}
+
+Command AddLoadCommand(CLI::App& root) {
+  auto o = std::make_shared<LoadCommandOptions>();
+  CLI::App* app = root.add_subcommand(
+      "load",
+      "Behave as an engine: compute the checkpoint's key, acquire the weights from the daemon\n"
+      "when it holds exactly them, else load from disk (one line says why). Says where they\n"
+      "came from and how long it took.");
+  app->add_option("DIR", o->spec.path, "checkpoint directory or .safetensors file")->required();
+  AddProcessingFlags(*app, o->processing);
+  app->add_option("--mode", o->mode, "zero_copy (map, keep the lease) | copy (copy, release)")
+      ->check(CLI::IsMember({"zero_copy", "copy"}));
+  app->add_flag("--no-fallback", o->no_fallback, "fail instead of loading from disk");
+  app->add_flag("--checksum", o->checksum,
+                "print an XXH3-128 over every tensor's name and bytes (daemon and disk agree)");
+  app->add_option("--hold", o->hold, "keep the weights (and lease) this many seconds, then "
+                                     "checksum again (with --checksum)");
+  app->add_option("--wait-for-daemon", o->wait, "seconds to wait for a daemon that is starting");
+  app->add_flag("--populate", o->populate, "after a miss, ask the daemon to preload for next time");
+  app->add_option("--trust", o->trust,
+                  "accept the model pinned under NAME without checking its content (loud)");
+  app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");
+  app->add_flag("--no-cache", o->no_cache, "do not use the fingerprint's stat cache");
+  app->add_flag("--json", o->json,
+                "print JSON: source, reason, mismatch, tensors, bytes, seconds, checksum");
+  return {app, [o] { return RunLoad(*o); }};
+}
+
+}  // namespace weightd::cli

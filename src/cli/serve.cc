@@ -1,0 +1,238 @@
+// `weightd serve`, `preload`, `status`, `evict`: the daemon and the commands
+// an operator sends it.
+#include <signal.h>
+#include <unistd.h>
+
+#include <CLI/CLI.hpp>
+#include <ctime>
+#include <iostream>
+#include <memory>
+#include <mutex>
+
+#include "cli/output.h"
+#include "client/admin.h"
+#include "daemon/server.h"
+#include "io/file.h"
+#include "protocol/paths.h"
+
+namespace weightd::cli {
+namespace {
+
+using nlohmann::json;
+
+daemon::Server* running_server = nullptr;
+
+void OnSignal(int) {
+  if (running_server != nullptr) running_server->RequestStop();
+}
+
+std::string Now() {
+  char buf[32];
+  std::time_t t = std::time(nullptr);
+  std::tm tm;
+  ::gmtime_r(&t, &tm);
+  std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
+  return buf;
+}
+
+uint64_t HalfOfMemory() {
+  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 2
+                               : 1ull << 30;
+}
+
+struct ServeOptions {
+  std::string socket_dir;
+  std::vector<std::string> budgets;
+  bool no_cache = false;
+};
+
+int RunServe(const ServeOptions& o) {
+  daemon::ServerOptions so;
+  so.socket_dir = protocol::SocketDirectory(o.socket_dir);
+  so.host_budget = HalfOfMemory();
+  so.use_stat_cache = !o.no_cache;
+  for (const std::string& b : o.budgets) {
+    const size_t eq = b.find('=');
+    const std::string device = eq == std::string::npos ? "" : b.substr(0, eq);
+    auto size = ParseSize(eq == std::string::npos ? b : b.substr(eq + 1));
+    if (device != "host" || !size) {
+      return ReportError("serve", "--budget " + b + ": expected host=SIZE (e.g. host=64G)",
+                         kExitUsage);
+    }
+    so.host_budget = *size;
+  }
+  auto log_mu = std::make_shared<std::mutex>();
+  so.log = [log_mu](const std::string& line) {
+    std::lock_guard lock(*log_mu);
+    std::cerr << Now() << " weightd: " << Printable(line) << std::endl;
+  };
+  daemon::Server server(so);
+  if (Status s = server.Start(); !s.ok()) return ReportError("serve", s.error().message());
+  running_server = &server;
+  struct sigaction sa {};
+  sa.sa_handler = OnSignal;
+  ::sigaction(SIGTERM, &sa, nullptr);
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::signal(SIGPIPE, SIG_IGN);
+  std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
+            << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
+  server.Run();
+  running_server = nullptr;
+  return kExitOk;
+}
+
+// A progress line per 10% when not on a terminal, a bar that redraws when on one.
+std::function<void(const json&)> ProgressPrinter() {
+  const bool tty = ::isatty(2) != 0;
+  auto last_decile = std::make_shared<int>(-1);
+  return [tty, last_decile](const json& p) {
+    const auto done = p.value("done", uint64_t{0}), total = p.value("total", uint64_t{0});
+    const int pct = total == 0 ? 100 : static_cast<int>(100 * done / total);
+    if (tty) {
+      const int filled = pct / 5;
+      std::cerr << "\r[" << std::string(static_cast<size_t>(filled), '#')
+                << std::string(static_cast<size_t>(20 - filled), ' ') << "] " << pct << "% "
+                << FormatBytes(done) << " / " << FormatBytes(total) << std::flush;
+      if (done >= total) std::cerr << "\n";
+    } else if (pct / 10 != *last_decile) {
+      *last_decile = pct / 10;
+      std::cerr << "preload: " << pct << "% (" << FormatBytes(done) << " of " << FormatBytes(total)
+                << ")\n";
+    }
+  };
+}
+
+}  // namespace
+
+Command AddServeCommand(CLI::App& root) {
+  auto o = std::make_shared<ServeOptions>();
+  CLI::App* app = root.add_subcommand(
+      "serve",
+      "Run the daemon in the foreground. It keeps preloaded models in sealed memory segments\n"
+      "and hands them to engines of the same user over a Unix socket. Prints one `ready` line\n"
+      "on stdout when it accepts requests; logs every acquire, miss and eviction on stderr.\n"
+      "SIGTERM or SIGINT stops it (engines keep the weights they have mapped).");
+  app->add_option("--socket-dir", o->socket_dir,
+                  "default: $WEIGHTD_SOCKET_DIR, $XDG_RUNTIME_DIR/weightd, /tmp/weightd-$UID");
+  app->add_option("--budget", o->budgets,
+                  "memory the daemon may hold per device, e.g. host=64G (default: half of RAM)");
+  app->add_flag("--no-cache", o->no_cache, "preloads do not use the fingerprint's stat cache");
+  return {app, [o] { return RunServe(*o); }};
+}
+
+Command AddPreloadCommand(CLI::App& root) {
+  struct Options {
+    std::string path, pin, socket_dir;
+    protocol::Processing processing;
+    bool json = false;
+    double wait = 0;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* app = root.add_subcommand(
+      "preload",
+      "Ask the daemon to load a checkpoint and keep it resident, with progress. A model already\n"
+      "resident under the same key is not read again.");
+  app->add_option("DIR", o->path, "checkpoint directory or .safetensors file")->required();
+  AddProcessingFlags(*app, o->processing);
+  app->add_option("--pin", o->pin,
+                  "name the model, so engines may `load --trust NAME` without a content check");
+  app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");
+  app->add_option("--wait-for-daemon", o->wait, "seconds to wait for a daemon that is starting");
+  app->add_flag("--json", o->json, "print the daemon's reply as JSON");
+  return {app, [o] {
+            auto real = io::PosixFileSystem().RealPath(o->path);
+            if (!real.ok()) return ReportError("preload", real.error().message());
+            json request = {{"type", "preload"},
+                            {"path", *real},
+                            {"processing", protocol::ToJson(o->processing)}};
+            if (!o->pin.empty()) request["pin"] = o->pin;
+            auto reply = client::Request(o->socket_dir, request,
+                                         o->json ? std::function<void(const json&)>()
+                                                 : ProgressPrinter(),
+                                         o->wait);
+            if (!reply.ok()) return ReportError("preload", reply.error().message());
+            if (o->json) {
+              std::cout << DumpJson(*reply, 2) << "\n";
+            } else if (reply->value("already_resident", false)) {
+              std::cout << "already resident: " << Printable(o->path) << "\n";
+            } else {
+              std::cout << "resident: " << Printable(o->path) << " ("
+                        << Count(reply->value("tensors", uint64_t{0}), "tensor") << ", "
+                        << FormatBytes(reply->value("bytes", uint64_t{0})) << ", "
+                        << reply->value("seconds", 0.0) << " s)\n";
+              for (const auto& e : reply->value("evicted", json::array())) {
+                std::cout << "  evicted to make room: " << e.get<std::string>() << "\n";
+              }
+            }
+            return kExitOk;
+          }};
+}
+
+Command AddStatusCommand(CLI::App& root) {
+  struct Options {
+    std::string socket_dir;
+    bool json = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* app = root.add_subcommand(
+      "status", "What the daemon holds: each model's key, bytes, device and leases.");
+  app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");
+  app->add_flag("--json", o->json, "print JSON: models (key, bytes, device, leases), devices");
+  return {app, [o] {
+            auto reply = client::Request(o->socket_dir, {{"type", "status"}});
+            if (!reply.ok()) return ReportError("status", reply.error().message());
+            if (o->json) {
+              std::cout << DumpJson(*reply, 2) << "\n";
+              return kExitOk;
+            }
+            for (const auto& d : (*reply)["devices"]) {
+              std::cout << d.value("name", "") << ": " << FormatBytes(d.value("used", uint64_t{0}))
+                        << " held of " << FormatBytes(d.value("budget", uint64_t{0})) << "\n";
+            }
+            const auto& models = (*reply)["models"];
+            if (models.empty()) std::cout << "no model is resident\n";
+            for (const auto& m : models) {
+              std::cout << "  " << Printable(m.value("description", "")) << "  "
+                        << FormatBytes(m.value("bytes", uint64_t{0})) << "  "
+                        << Count(m.value("leases", uint64_t{0}), "lease")
+                        << (m.value("name", "").empty() ? "" : "  pinned as " + m.value("name", ""))
+                        << "\n    " << Printable(m.value("path", "")) << "\n";
+            }
+            return kExitOk;
+          }};
+}
+
+Command AddEvictCommand(CLI::App& root) {
+  struct Options {
+    std::string what, socket_dir;
+    bool json = false;
+  };
+  auto o = std::make_shared<Options>();
+  CLI::App* app = root.add_subcommand(
+      "evict",
+      "Drop resident models: WHAT is `all`, a pinned name, or the start (8+ characters) of a\n"
+      "checkpoint digest. Engines that mapped them keep their bytes until they let go.");
+  app->add_option("WHAT", o->what, "all | NAME | DIGEST-PREFIX")->required();
+  app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");
+  app->add_flag("--json", o->json, "print JSON: models evicted");
+  return {app, [o] {
+            auto reply = client::Request(o->socket_dir, {{"type", "evict"}, {"what", o->what}});
+            if (!reply.ok()) return ReportError("evict", reply.error().message());
+            if (o->json) {
+              std::cout << DumpJson(*reply, 2) << "\n";
+              return kExitOk;
+            }
+            const auto& models = (*reply)["models"];
+            if (models.empty()) {
+              std::cout << "nothing matched `" << Printable(o->what) << "`\n";
+              return kExitFailure;
+            }
+            for (const auto& m : models) {
+              std::cout << "evicted " << Printable(m.value("description", "")) << "\n";
+            }
+            return kExitOk;
+          }};
+}
+
+}  // namespace weightd::cli

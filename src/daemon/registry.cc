@@ -1,0 +1,143 @@
+#include "daemon/registry.h"
+
+#include <algorithm>
+
+namespace weightd::daemon {
+namespace {
+
+std::string Gib(uint64_t bytes) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1ull << 30));
+  return buf;
+}
+
+}  // namespace
+
+Eviction Registry::EvictLocked(size_t index) {
+  std::shared_ptr<ResidentModel> m = models_[index];
+  models_.erase(models_.begin() + static_cast<std::ptrdiff_t>(index));
+  const uint64_t bytes = m->segment->reserved_bytes();
+  used_ -= bytes;
+  return {m->id, protocol::ShortDescription(m->key) + (m->name.empty() ? "" : " (" + m->name + ")"),
+          bytes};
+}
+
+Status Registry::Reserve(uint64_t bytes, std::vector<Eviction>* evicted) {
+  std::lock_guard lock(mu_);
+  while (used_ + reserved_ + bytes > budget_) {
+    // The idle model used least recently goes first.
+    size_t victim = models_.size();
+    for (size_t i = 0; i < models_.size(); ++i) {
+      if (models_[i]->leases > 0) continue;
+      if (victim == models_.size() || models_[i]->last_used < models_[victim]->last_used) victim = i;
+    }
+    if (victim == models_.size()) {
+      return Error("out of budget on host: the model needs " + Gib(bytes) + ", the budget is " +
+                   Gib(budget_) + ", and " + Gib(used_ + reserved_) +
+                   " are held by models in use or being loaded; evict one or raise --budget");
+    }
+    Eviction e = EvictLocked(victim);
+    if (evicted != nullptr) evicted->push_back(std::move(e));
+  }
+  reserved_ += bytes;
+  return OkStatus();
+}
+
+void Registry::Unreserve(uint64_t bytes) {
+  std::lock_guard lock(mu_);
+  reserved_ -= std::min(reserved_, bytes);
+}
+
+std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> model,
+                                                 uint64_t reserved_bytes) {
+  std::lock_guard lock(mu_);
+  reserved_ -= std::min(reserved_, reserved_bytes);
+  for (size_t i = 0; i < models_.size(); ++i) {
+    if (models_[i]->key == model->key) {
+      EvictLocked(i);
+      break;
+    }
+  }
+  model->id = next_id_++;
+  model->last_used = std::chrono::steady_clock::now();
+  used_ += model->segment->reserved_bytes();
+  models_.push_back(std::shared_ptr<ResidentModel>(std::move(model)));
+  return models_.back();
+}
+
+Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::string& trust) {
+  std::lock_guard lock(mu_);
+  Lookup out;
+  if (models_.empty()) {
+    out.reason = "no model is resident";
+    return out;
+  }
+  size_t best = models_.size();
+  std::vector<protocol::FieldDifference> best_diff;
+  for (size_t i = 0; i < models_.size(); ++i) {
+    const bool trusted = !trust.empty();
+    if (trusted && models_[i]->name != trust) continue;
+    auto diff = protocol::Compare(models_[i]->key, key, trusted);
+    if (best == models_.size() || diff.size() < best_diff.size()) {
+      best = i;
+      best_diff = std::move(diff);
+    }
+  }
+  if (best == models_.size()) {
+    out.reason = "no resident model is pinned as `" + trust + "`";
+    return out;
+  }
+  if (!best_diff.empty()) {
+    out.mismatch = std::move(best_diff);
+    out.reason = "no resident model matches";
+    return out;
+  }
+  out.model = models_[best];
+  ++out.model->leases;
+  out.model->last_used = std::chrono::steady_clock::now();
+  return out;
+}
+
+void Registry::Release(const std::shared_ptr<ResidentModel>& model) {
+  std::lock_guard lock(mu_);
+  if (model->leases > 0) --model->leases;
+  model->last_used = std::chrono::steady_clock::now();
+}
+
+bool Registry::Has(const protocol::CacheKey& key) const {
+  std::lock_guard lock(mu_);
+  return std::any_of(models_.begin(), models_.end(),
+                     [&](const auto& m) { return m->key == key; });
+}
+
+std::vector<Eviction> Registry::Evict(const std::string& what) {
+  std::lock_guard lock(mu_);
+  std::vector<Eviction> out;
+  for (size_t i = models_.size(); i-- > 0;) {
+    const ResidentModel& m = *models_[i];
+    const std::string& digest = m.key.checkpoint;
+    const size_t colon = digest.find(':');
+    const std::string bare = colon == std::string::npos ? digest : digest.substr(colon + 1);
+    const bool match = what == "all" || (!m.name.empty() && m.name == what) ||
+                       (what.size() >= 8 && (digest.rfind(what, 0) == 0 || bare.rfind(what, 0) == 0));
+    if (match) out.push_back(EvictLocked(i));
+  }
+  return out;
+}
+
+Registry::Snapshot Registry::Take() const {
+  std::lock_guard lock(mu_);
+  Snapshot s;
+  const auto now = std::chrono::steady_clock::now();
+  s.models = models_;
+  for (const auto& m : models_) {
+    s.leases.push_back(m->leases);
+    s.idle_seconds.push_back(std::chrono::duration<double>(now - m->last_used).count());
+  }
+  s.budget = budget_;
+  s.used = used_;
+  s.reserved = reserved_;
+  return s;
+}
+
+}  // namespace weightd::daemon

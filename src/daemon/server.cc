@@ -1,0 +1,485 @@
+#include "daemon/server.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <mutex>
+#include <set>
+#include <thread>
+
+#include "daemon/registry.h"
+#include "fingerprint/fingerprint.h"
+#include "io/file.h"
+#include "loader/loader.h"
+#include "protocol/cache_key.h"
+#include "protocol/channel.h"
+#include "protocol/paths.h"
+
+namespace weightd::daemon {
+namespace {
+
+using nlohmann::json;
+
+constexpr uint64_t kReserveRounding = 2ull << 20;  // a segment may round up to huge pages
+constexpr auto kProgressEvery = std::chrono::milliseconds(100);
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+// The socket directory must be ours alone: a real directory, owned by this
+// user, closed to everyone else.
+Status CheckDirectory(const std::string& dir) {
+  struct stat st;
+  if (::lstat(dir.c_str(), &st) != 0) {
+    if (errno != ENOENT) return Error(Errno("socket directory " + dir));
+    if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+      return Error(Errno("cannot create the socket directory " + dir));
+    }
+    if (::lstat(dir.c_str(), &st) != 0) return Error(Errno("socket directory " + dir));
+  }
+  if (S_ISLNK(st.st_mode)) return Error("socket directory " + dir + " is a symlink; refusing it");
+  if (!S_ISDIR(st.st_mode)) return Error("socket directory " + dir + " is not a directory");
+  if (st.st_uid != ::geteuid()) {
+    return Error("socket directory " + dir + " is owned by uid " + std::to_string(st.st_uid) +
+                 ", not by this user (uid " + std::to_string(::geteuid()) + ")");
+  }
+  if ((st.st_mode & 077) != 0) {
+    char mode[8];
+    std::snprintf(mode, sizeof mode, "%04o", st.st_mode & 07777);
+    return Error("socket directory " + dir + " has mode " + mode +
+                 "; it must be 0700 (chmod 700 " + dir + ")");
+  }
+  return OkStatus();
+}
+
+std::string ReadSmallFile(int fd) {
+  char buf[64] = {};
+  ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
+  std::string s(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
+  return s;
+}
+
+json DeviceJson(const Registry::Snapshot& s) {
+  return json::array({{{"name", "host"},
+                       {"budget", s.budget},
+                       {"used", s.used},
+                       {"reserved", s.reserved},
+                       {"free", s.budget - std::min(s.budget, s.used + s.reserved)}}});
+}
+
+}  // namespace
+
+struct Server::State {
+  explicit State(ServerOptions o) : options(std::move(o)), registry(options.host_budget) {}
+
+  ServerOptions options;
+  Registry registry;
+  memory::UniqueFd lock_fd;
+  memory::UniqueFd listen_fd;
+  memory::UniqueFd wake_read, wake_write;
+  std::string socket_path;
+  std::atomic<bool> stopping{false};
+
+  std::mutex conn_mu;
+  std::condition_variable conn_done;
+  std::set<int> open_sockets;  // raw fds of live connections, to shut down on stop
+  int live_connections = 0;
+  uint64_t next_connection = 1;
+
+  void Log(const std::string& line) {
+    if (options.log) options.log(line);
+  }
+
+  void Serve(uint64_t id, memory::UniqueFd fd, ucred peer);
+  Status Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id, const ucred& peer,
+                std::vector<std::shared_ptr<ResidentModel>>& leases);
+  Result<json> Preload(const std::string& path, const protocol::Processing& processing,
+                       const std::string& pin,
+                       const std::function<void(uint64_t, uint64_t)>& progress);
+};
+
+Server::Server(ServerOptions options) : state_(std::make_unique<State>(std::move(options))) {}
+
+Server::~Server() = default;
+
+void Server::RequestStop() {
+  state_->stopping.store(true);
+  if (state_->wake_write.valid()) {
+    const char c = 'x';
+    [[maybe_unused]] ssize_t n = ::write(state_->wake_write.get(), &c, 1);
+  }
+}
+
+Status Server::Start() {
+  State& s = *state_;
+  const std::string& dir = s.options.socket_dir;
+  WEIGHTD_RETURN_IF_ERROR(CheckDirectory(dir));
+
+  const std::string lock_path = dir + "/" + protocol::kLockName;
+  s.lock_fd.Reset(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
+  if (!s.lock_fd.valid()) return Error(Errno("cannot open the lock file " + lock_path));
+  if (::flock(s.lock_fd.get(), LOCK_EX | LOCK_NB) != 0) {
+    if (errno == EWOULDBLOCK) {
+      const std::string pid = ReadSmallFile(s.lock_fd.get());
+      return Error("another weightd daemon" + (pid.empty() ? "" : " (pid " + pid + ")") +
+                   " is already serving " + dir);
+    }
+    return Error(Errno("cannot lock " + lock_path));
+  }
+  const std::string pid = std::to_string(::getpid()) + "\n";
+  if (::ftruncate(s.lock_fd.get(), 0) != 0 ||
+      ::pwrite(s.lock_fd.get(), pid.data(), pid.size(), 0) != static_cast<ssize_t>(pid.size())) {
+    return Error(Errno("cannot write the lock file " + lock_path));
+  }
+
+  // We hold the lock: a socket already there was left by a daemon that died.
+  s.socket_path = protocol::SocketPath(dir);
+  struct stat st;
+  if (::lstat(s.socket_path.c_str(), &st) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return Error(s.socket_path + " exists and is not a socket; remove it by hand");
+    }
+    s.Log("replacing the stale socket of a daemon that is gone");
+    ::unlink(s.socket_path.c_str());
+  }
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (s.socket_path.size() >= sizeof addr.sun_path) {
+    return Error("socket path " + s.socket_path + " is too long for a Unix socket");
+  }
+  std::memcpy(addr.sun_path, s.socket_path.c_str(), s.socket_path.size() + 1);
+  s.listen_fd.Reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!s.listen_fd.valid()) return Error(Errno("socket"));
+  if (::bind(s.listen_fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    return Error(Errno("cannot bind " + s.socket_path));
+  }
+  // The directory (0700) already keeps others out; the socket says so too.
+  if (::chmod(s.socket_path.c_str(), 0600) != 0) return Error(Errno("chmod " + s.socket_path));
+  if (::listen(s.listen_fd.get(), 256) != 0) return Error(Errno("listen"));
+
+  int pipe_fds[2];
+  if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) return Error(Errno("pipe"));
+  s.wake_read.Reset(pipe_fds[0]);
+  s.wake_write.Reset(pipe_fds[1]);
+  return OkStatus();
+}
+
+void Server::Run() {
+  State& s = *state_;
+  while (!s.stopping.load()) {
+    pollfd fds[2] = {{s.listen_fd.get(), POLLIN, 0}, {s.wake_read.get(), POLLIN, 0}};
+    if (::poll(fds, 2, -1) < 0) {
+      if (errno == EINTR) continue;
+      s.Log(Errno("poll"));
+      break;
+    }
+    if (fds[1].revents != 0) break;
+    if ((fds[0].revents & POLLIN) == 0) continue;
+    memory::UniqueFd conn(::accept4(s.listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!conn.valid()) {
+      if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) s.Log(Errno("accept"));
+      continue;
+    }
+    ucred peer{};
+    socklen_t len = sizeof peer;
+    if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0) {
+      s.Log(Errno("refused a connection: cannot read its credentials"));
+      continue;
+    }
+    if (peer.uid != ::geteuid()) {
+      s.Log("refused a connection from pid " + std::to_string(peer.pid) + ", uid " +
+            std::to_string(peer.uid) + ": only uid " + std::to_string(::geteuid()) +
+            " may use this daemon");
+      protocol::Channel refused(std::move(conn));
+      (void)refused.Send({{"type", "error"},
+                          {"message", "refused: uid " + std::to_string(peer.uid) +
+                                          " may not use this daemon"}});
+      continue;
+    }
+    uint64_t id;
+    {
+      std::lock_guard lock(s.conn_mu);
+      id = s.next_connection++;
+      s.open_sockets.insert(conn.get());
+      ++s.live_connections;
+    }
+    try {
+      std::thread([&s, id, fd = std::move(conn), peer]() mutable {
+        s.Serve(id, std::move(fd), peer);
+      }).detach();
+    } catch (const std::system_error&) {
+      std::lock_guard lock(s.conn_mu);
+      --s.live_connections;
+      s.Log("refused a connection: out of threads");
+    }
+  }
+  // Stop: no new connections, no socket to find, every connection ended.
+  ::unlink(s.socket_path.c_str());
+  s.listen_fd.Reset();
+  std::unique_lock lock(s.conn_mu);
+  for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
+  s.conn_done.wait(lock, [&] { return s.live_connections == 0; });
+  s.Log("stopped");
+}
+
+void Server::State::Serve(uint64_t id, memory::UniqueFd fd, ucred peer) {
+  const int raw = fd.get();
+  std::vector<std::shared_ptr<ResidentModel>> leases;
+  {
+    protocol::Channel ch(std::move(fd));
+    while (!stopping.load()) {
+      auto m = ch.Receive();
+      if (!m.ok()) {
+        if (m.error().message() != protocol::Channel::kClosed) {
+          Log("connection " + std::to_string(id) + " (pid " + std::to_string(peer.pid) +
+              "): " + m.error().message() + "; closing it");
+          (void)ch.Send({{"type", "error"}, {"message", m.error().message()}});
+        }
+        break;
+      }
+      if (Status st = Handle(ch, *m, id, peer, leases); !st.ok()) {
+        Log("connection " + std::to_string(id) + " (pid " + std::to_string(peer.pid) +
+            "): " + st.error().message() + "; closing it");
+        (void)ch.Send({{"type", "error"}, {"message", st.error().message()}});
+        break;
+      }
+    }
+    for (const auto& model : leases) registry.Release(model);
+    if (!leases.empty()) {
+      Log("pid " + std::to_string(peer.pid) + " went away; " + std::to_string(leases.size()) +
+          " lease(s) released");
+    }
+    std::lock_guard lock(conn_mu);
+    open_sockets.erase(raw);  // before the channel closes the descriptor
+  }
+  std::lock_guard lock(conn_mu);
+  --live_connections;
+  conn_done.notify_all();
+}
+
+Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id,
+                             const ucred& peer,
+                             std::vector<std::shared_ptr<ResidentModel>>& leases) {
+  const std::string type = m.type();
+  const json& body = m.body;
+  const std::string who = "pid " + std::to_string(peer.pid);
+  if (!m.fds.empty()) return Error("a `" + type + "` request carries no descriptors");
+
+  if (type == "hello") {
+    return ch.Send({{"type", "hello"},
+                    {"version", protocol::kProtocolVersion},
+                    {"pid", ::getpid()},
+                    {"devices", json::array({"host"})}});
+  }
+
+  if (type == "acquire") {
+    if (!body.contains("key")) return Error("acquire without a key");
+    WEIGHTD_ASSIGN_OR_RETURN(protocol::CacheKey key, protocol::KeyFromJson(body["key"]));
+    std::string trust;
+    if (auto it = body.find("trust"); it != body.end()) {
+      if (!it->is_string()) return Error("`trust` is not a string");
+      trust = it->get<std::string>();
+    }
+    Registry::Lookup found = registry.Acquire(key, trust);
+    if (!found.model) {
+      json mismatch = json::array(), fields = json::array();
+      std::string described;
+      for (const auto& d : found.mismatch) {
+        mismatch.push_back(d.Describe());
+        fields.push_back(d.field);
+        described += (described.empty() ? "" : "; ") + d.Describe();
+      }
+      Log("acquire miss from " + who + ": " + found.reason +
+          (described.empty() ? "" : " (" + described + ")"));
+      return ch.Send(
+          {{"type", "miss"}, {"reason", found.reason}, {"mismatch", mismatch}, {"fields", fields}});
+    }
+    const ResidentModel& model = *found.model;
+    auto handle = model.segment->Export();
+    if (!handle.ok()) {
+      registry.Release(found.model);
+      return ch.Send({{"type", "error"}, {"message", handle.error().message()}});
+    }
+    leases.push_back(found.model);
+    if (!trust.empty()) {
+      Log("TRUSTED acquire from " + who + " of pinned model `" + trust +
+          "`: its content was not compared with the engine's checkpoint");
+    }
+    Log("acquire hit from " + who + ": " + protocol::ShortDescription(model.key) +
+        (model.name.empty() ? "" : " (" + model.name + ")"));
+    return ch.Send({{"type", "acquired"},
+                    {"lease", model.id},
+                    {"bytes", model.segment->size()},
+                    {"tensors", model.tensors},
+                    {"name", model.name},
+                    {"key", protocol::ToJson(model.key)}},
+                   &*handle);
+  }
+
+  if (type == "release") {
+    if (!body.contains("lease") || !body["lease"].is_number_unsigned()) {
+      return Error("release without a lease id");
+    }
+    const auto lease = body["lease"].get<uint64_t>();
+    for (auto it = leases.begin(); it != leases.end(); ++it) {
+      if ((*it)->id == lease) {
+        registry.Release(*it);
+        leases.erase(it);
+        return ch.Send({{"type", "released"}, {"lease", lease}});
+      }
+    }
+    return ch.Send({{"type", "error"}, {"message", "no lease " + std::to_string(lease)}});
+  }
+
+  if (type == "preload") {
+    if (!body.contains("path") || !body["path"].is_string()) return Error("preload without a path");
+    const std::string path = body["path"].get<std::string>();
+    protocol::Processing processing;
+    if (body.contains("processing")) {
+      WEIGHTD_ASSIGN_OR_RETURN(processing, protocol::ProcessingFromJson(body["processing"]));
+    }
+    std::string pin;
+    if (body.contains("pin")) {
+      if (!body["pin"].is_string()) return Error("`pin` is not a string");
+      pin = body["pin"].get<std::string>();
+    }
+    Log("preload of " + path + " requested by " + who);
+    auto last = std::chrono::steady_clock::now();
+    bool peer_gone = false;
+    auto result = Preload(path, processing, pin, [&](uint64_t done, uint64_t total) {
+      const auto now = std::chrono::steady_clock::now();
+      if (peer_gone || (now - last < kProgressEvery && done < total)) return;
+      last = now;
+      // The preload goes on when the asker has gone away (`load --populate`).
+      peer_gone = !ch.Send({{"type", "progress"}, {"done", done}, {"total", total}}).ok();
+    });
+    if (!result.ok()) {
+      Log("preload of " + path + " failed: " + result.error().message());
+      return ch.Send({{"type", "error"}, {"message", result.error().message()}});
+    }
+    json reply = *result;
+    reply["type"] = "preloaded";
+    return ch.Send(reply);
+  }
+
+  if (type == "status" || type == "memory") {
+    Registry::Snapshot snap = registry.Take();
+    json reply = {{"type", type}, {"devices", DeviceJson(snap)}};
+    if (type == "status") {
+      json models = json::array();
+      for (size_t i = 0; i < snap.models.size(); ++i) {
+        const ResidentModel& model = *snap.models[i];
+        models.push_back({{"id", model.id},
+                          {"key", protocol::ToJson(model.key)},
+                          {"description", protocol::ShortDescription(model.key)},
+                          {"name", model.name},
+                          {"path", model.path},
+                          {"device", model.key.device},
+                          {"bytes", model.segment->size()},
+                          {"reserved_bytes", model.segment->reserved_bytes()},
+                          {"huge_pages", model.segment->huge_pages()},
+                          {"tensors", model.tensors},
+                          {"leases", snap.leases[i]},
+                          {"idle_seconds", snap.idle_seconds[i]},
+                          {"load_seconds", model.load_seconds}});
+      }
+      reply["models"] = models;
+      reply["pid"] = ::getpid();
+      std::lock_guard lock(conn_mu);
+      reply["connections"] = live_connections;
+    }
+    return ch.Send(reply);
+  }
+
+  if (type == "evict") {
+    if (!body.contains("what") || !body["what"].is_string()) return Error("evict without `what`");
+    json evicted = json::array();
+    for (const Eviction& e : registry.Evict(body["what"].get<std::string>())) {
+      Log("evicted " + e.description + " (asked by " + who + ")");
+      evicted.push_back({{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}});
+    }
+    return ch.Send({{"type", "evicted"}, {"models", evicted}});
+  }
+
+  (void)id;
+  return Error("unknown request `" + type + "`");
+}
+
+Result<json> Server::State::Preload(const std::string& path,
+                                    const protocol::Processing& processing,
+                                    const std::string& pin,
+                                    const std::function<void(uint64_t, uint64_t)>& progress) {
+  WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
+  // Cheap with the stat cache: a model already resident is not read again.
+  std::unique_ptr<fingerprint::StatCache> cache;
+  if (options.use_stat_cache) {
+    cache = fingerprint::StatCache::Load(fingerprint::StatCache::DefaultDirectory());
+  }
+  fingerprint::Options fo;
+  fo.cache = cache.get();
+  auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
+  if (!fp.ok()) return fp.error();
+  if (cache) (void)cache->Save();
+  if (pin.empty() && registry.Has(protocol::MakeKey(fp->digest, processing))) {
+    return json{{"already_resident", true},
+                {"key", protocol::ToJson(protocol::MakeKey(fp->digest, processing))}};
+  }
+
+  uint64_t reserved = 0;
+  std::vector<Eviction> evicted;
+  loader::LoadOptions lo;
+  lo.progress = progress;
+  lo.segment_name = io::BaseName(path);
+  lo.allocate = [&](uint64_t bytes) -> Result<std::unique_ptr<memory::Segment>> {
+    const uint64_t want = (bytes + kReserveRounding - 1) / kReserveRounding * kReserveRounding;
+    WEIGHTD_RETURN_IF_ERROR(registry.Reserve(want, &evicted));
+    reserved = want;
+    for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
+    return memory::CreateHostSegment(bytes, lo.segment_name);
+  };
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, lo);
+  if (!loaded.ok()) {
+    registry.Unreserve(reserved);
+    return Error("preload of " + path + ": " + loaded.error().message() +
+                 "; nothing was published");
+  }
+  auto model = std::make_unique<ResidentModel>();
+  model->key = protocol::MakeKey(loaded->checkpoint_digest, processing);
+  model->name = pin;
+  model->path = path;
+  model->tensors = loaded->tensors;
+  model->load_seconds = loaded->seconds;
+  model->segment = std::move(loaded->segment);
+  const uint64_t bytes = model->segment->size();
+  auto published = registry.Publish(std::move(model), reserved);
+  Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
+      (pin.empty() ? "" : " (pinned as `" + pin + "`)") + ": " + std::to_string(bytes) +
+      " bytes, " + std::to_string(published->tensors) + " tensors in " +
+      std::to_string(published->load_seconds) + " s");
+  json evicted_json = json::array();
+  for (const Eviction& e : evicted) evicted_json.push_back(e.description);
+  return json{{"already_resident", false},
+              {"key", protocol::ToJson(published->key)},
+              {"bytes", bytes},
+              {"tensors", published->tensors},
+              {"seconds", published->load_seconds},
+              {"evicted", evicted_json}};
+}
+
+Result<std::string> Server::Preload(const PreloadRequest& request,
+                                    const std::function<void(uint64_t, uint64_t)>& progress) {
+  auto r = state_->Preload(request.path, {}, request.pin, progress);
+  if (!r.ok()) return r.error();
+  return r->dump();
+}
+
+}  // namespace weightd::daemon

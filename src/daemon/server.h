@@ -1,0 +1,70 @@
+// The daemon: one per host, serving every engine of its user over a Unix
+// socket.
+//
+// Start() claims the socket directory: it must be a real directory (not a
+// symlink) owned by this user with mode 0700 (created so when missing); a
+// lock file in it makes a second daemon fail at once, naming the first; a
+// socket left by a crashed daemon is replaced. The socket is 0600, and every
+// connection's peer uid (SO_PEERCRED) must be ours: others are refused and
+// logged.
+//
+// Each connection is served on its own thread. A malformed frame, an
+// unknown request or any protocol error gets an error reply and closes that
+// connection only. A connection's leases end when it closes, however it
+// closes (an engine killed with SIGKILL included).
+//
+// Thread safety: RequestStop may be called from any thread or a signal
+// handler; the rest from the thread that owns the Server.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "weightd/result.h"
+
+namespace weightd::daemon {
+
+struct ServerOptions {
+  std::string socket_dir;  // resolved already (protocol::SocketDirectory)
+  uint64_t host_budget = 0;
+  // One line per event (acquire, miss, eviction, refusal, ...).
+  std::function<void(const std::string&)> log;
+  // Stat cache directory for the fingerprint preloads compute first; empty:
+  // the default.
+  bool use_stat_cache = true;
+};
+
+class Server {
+ public:
+  explicit Server(ServerOptions options);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+
+  // Claims the directory and listens.
+  Status Start();
+
+  // Serves until RequestStop; then stops accepting, removes the socket and
+  // closes every connection.
+  void Run();
+
+  // Async-signal-safe.
+  void RequestStop();
+
+  // Preloads a model as a `preload` request would (for --config at start).
+  struct PreloadRequest {
+    std::string path;
+    std::string pin;
+  };
+  Result<std::string> Preload(const PreloadRequest& request,
+                              const std::function<void(uint64_t, uint64_t)>& progress);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+};
+
+}  // namespace weightd::daemon

@@ -1,0 +1,160 @@
+#include <fcntl.h>
+#include <linux/memfd.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "memory/segment.h"
+
+namespace weightd::memory {
+namespace {
+
+constexpr uint64_t kHugePageBytes = 2ull << 20;
+constexpr int kRequiredSeals = F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK;
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+
+class HostSegment final : public Segment {
+ public:
+  HostSegment(UniqueFd fd, uint64_t size, uint64_t reserved, bool huge, std::byte* map)
+      : fd_(std::move(fd)), size_(size), reserved_(reserved), huge_(huge), map_(map) {}
+  ~HostSegment() override {
+    if (map_ != nullptr) ::munmap(map_, reserved_);
+  }
+
+  Device device() const override { return {}; }
+  uint64_t size() const override { return size_; }
+  uint64_t reserved_bytes() const override { return reserved_; }
+  bool huge_pages() const override { return huge_; }
+
+  std::span<std::byte> writable() override {
+    if (sealed_) return {};
+    return {map_, static_cast<size_t>(size_)};
+  }
+
+  std::span<const std::byte> readable() const override {
+    if (!sealed_) return {};
+    return {map_, static_cast<size_t>(size_)};
+  }
+
+  Status Seal() override {
+    if (sealed_) return OkStatus();
+    // F_SEAL_WRITE is refused while a writable shared mapping exists: swap
+    // ours for a read-only one first.
+    if (::munmap(map_, reserved_) != 0) return Error(Errno("cannot unmap the segment"));
+    map_ = nullptr;
+    // Huge-page memfds do not take F_SEAL_WRITE on older kernels; they are
+    // still sealed against resizing, and importers refuse them (below), so
+    // such a segment never leaves this process unsealed.
+    if (::fcntl(fd_.get(), F_ADD_SEALS, kRequiredSeals | F_SEAL_SEAL) != 0) {
+      return Error(Errno("cannot seal the segment"));
+    }
+    void* p = ::mmap(nullptr, reserved_, PROT_READ, MAP_SHARED, fd_.get(), 0);
+    if (p == MAP_FAILED) return Error(Errno("cannot map the sealed segment"));
+    map_ = static_cast<std::byte*>(p);
+    sealed_ = true;
+    return OkStatus();
+  }
+
+  Result<UniqueFd> Export() const override {
+    if (!sealed_) return Error("segment exported before it was sealed");
+    return fd_.Duplicate();
+  }
+
+ private:
+  UniqueFd fd_;
+  uint64_t size_;
+  uint64_t reserved_;
+  bool huge_;
+  std::byte* map_;
+  bool sealed_ = false;
+};
+
+// A memfd with `bytes` of memory behind it, or an error (ENOSPC, ENOMEM
+// when the system has not that much to give).
+Result<UniqueFd> MakeMemfd(const std::string& name, uint64_t bytes, bool huge) {
+  unsigned flags = MFD_CLOEXEC | MFD_ALLOW_SEALING | (huge ? MFD_HUGETLB | MFD_HUGE_2MB : 0u);
+  UniqueFd fd(::memfd_create(name.c_str(), flags));
+  if (!fd.valid()) return Error(Errno("memfd_create"));
+  if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) return Error(Errno("ftruncate"));
+  if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes)) != 0) {
+    return Error(Errno("cannot reserve " + std::to_string(bytes) + " bytes of memory"));
+  }
+  return fd;
+}
+
+}  // namespace
+
+UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
+  if (this != &other) Reset(other.Release());
+  return *this;
+}
+
+int UniqueFd::Release() {
+  int fd = fd_;
+  fd_ = -1;
+  return fd;
+}
+
+void UniqueFd::Reset(int fd) {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = fd;
+}
+
+Result<UniqueFd> UniqueFd::Duplicate() const {
+  int fd = ::fcntl(fd_, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return Error(Errno("cannot duplicate a descriptor"));
+  return UniqueFd(fd);
+}
+
+Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::string& name,
+                                                   const HostSegmentOptions& options) {
+  if (size == 0) size = 1;  // an empty model still gets a mappable segment
+  const std::string label = "weightd:" + name;
+  const long page = ::sysconf(_SC_PAGESIZE);
+  bool huge = options.try_huge_pages && size >= kHugePageBytes;
+  uint64_t reserved = RoundUp(size, huge ? kHugePageBytes : static_cast<uint64_t>(page));
+  auto fd = huge ? MakeMemfd(label, reserved, true) : Error("no huge pages tried");
+  if (!fd.ok()) {
+    huge = false;
+    reserved = RoundUp(size, static_cast<uint64_t>(page));
+    fd = MakeMemfd(label, reserved, false);
+    if (!fd.ok()) return Error("cannot create a host segment of " + std::to_string(size) +
+                               " bytes: " + fd.error().message());
+  }
+  void* p = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_SHARED, fd->get(), 0);
+  if (p == MAP_FAILED) return Error(Errno("cannot map a new host segment"));
+  // Transparent huge pages for shmem, where the system allows them on request.
+  if (!huge) ::madvise(p, reserved, MADV_HUGEPAGE);
+  return std::unique_ptr<Segment>(
+      new HostSegment(std::move(fd).value(), size, reserved, huge, static_cast<std::byte*>(p)));
+}
+
+Mapping::~Mapping() {
+  if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
+}
+
+Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd& fd, uint64_t size) {
+  const int seals = ::fcntl(fd.get(), F_GET_SEALS);
+  if (seals < 0) return Error(Errno("the segment's descriptor is not a memfd"));
+  if ((seals & kRequiredSeals) != kRequiredSeals) {
+    return Error("the segment is not sealed against writes and resizing");
+  }
+  struct stat st;
+  if (::fstat(fd.get(), &st) != 0) return Error(Errno("cannot stat the segment"));
+  if (static_cast<uint64_t>(st.st_size) < size) {
+    return Error("the segment holds " + std::to_string(st.st_size) + " bytes, " +
+                 std::to_string(size) + " were announced");
+  }
+  if (size == 0) size = 1;
+  void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.get(), 0);
+  if (p == MAP_FAILED) return Error(Errno("cannot map the segment"));
+  return std::unique_ptr<Mapping>(new Mapping(static_cast<const std::byte*>(p), size));
+}
+
+}  // namespace weightd::memory

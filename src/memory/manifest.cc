@@ -1,0 +1,173 @@
+#include "memory/manifest.h"
+
+#include <algorithm>
+#include <cstddef>
+#include <cstring>
+
+namespace weightd::memory {
+namespace {
+
+constexpr char kMagic[8] = {'W', 'D', 'S', 'E', 'G', '0', '1', '\0'};
+constexpr uint64_t kHeaderBytes = 64;
+constexpr uint64_t kRecordBytes = 56;
+constexpr uint64_t kDTypeField = 16;
+constexpr uint64_t kPageBytes = 4096;
+
+struct Header {
+  char magic[8];
+  uint64_t manifest_bytes;
+  uint64_t tensor_count;
+  uint64_t dims_count;
+  uint64_t string_bytes;
+  uint64_t data_offset;
+  uint64_t data_bytes;
+  uint64_t zero;
+};
+static_assert(sizeof(Header) == kHeaderBytes);
+
+struct Record {
+  uint64_t name_offset;
+  uint32_t name_length;
+  uint32_t rank;
+  uint64_t first_dim;
+  uint64_t offset;
+  uint64_t bytes;
+  char dtype[kDTypeField];
+};
+static_assert(sizeof(Record) == kRecordBytes);
+
+uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+
+// a + b, or false on overflow.
+bool Add(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_add_overflow(a, b, out); }
+bool Mul(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+
+Error Corrupt(const std::string& why) { return Error("segment manifest is corrupt: " + why); }
+
+}  // namespace
+
+Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors) {
+  std::sort(tensors.begin(), tensors.end(),
+            [](const TensorLayout& a, const TensorLayout& b) { return a.name < b.name; });
+  SegmentPlan plan;
+  uint64_t dims = 0, strings = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (i > 0 && tensors[i].name == tensors[i - 1].name) {
+      return Error("tensor `" + tensors[i].name + "` twice in one segment");
+    }
+    if (tensors[i].dtype.size() >= kDTypeField) {
+      return Error("dtype name `" + tensors[i].dtype + "` is too long for a segment manifest");
+    }
+    dims += tensors[i].shape.size();
+    strings += tensors[i].name.size();
+  }
+  plan.manifest_bytes =
+      RoundUp(kHeaderBytes + tensors.size() * kRecordBytes + dims * 8 + strings, 8);
+  plan.data_offset = RoundUp(plan.manifest_bytes, kPageBytes);
+  uint64_t at = plan.data_offset;
+  for (TensorLayout& t : tensors) {
+    t.offset = at;
+    at = RoundUp(at + t.bytes, kTensorAlignment);
+  }
+  plan.total_bytes = at;
+  plan.tensors = std::move(tensors);
+  return plan;
+}
+
+void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment) {
+  std::byte* base = segment.data();
+  uint64_t dims = 0, strings = 0;
+  for (const TensorLayout& t : plan.tensors) {
+    dims += t.shape.size();
+    strings += t.name.size();
+  }
+  Header h{};
+  std::memcpy(h.magic, kMagic, sizeof kMagic);
+  h.manifest_bytes = plan.manifest_bytes;
+  h.tensor_count = plan.tensors.size();
+  h.dims_count = dims;
+  h.string_bytes = strings;
+  h.data_offset = plan.data_offset;
+  h.data_bytes = plan.total_bytes - plan.data_offset;
+  std::memcpy(base, &h, sizeof h);
+
+  const uint64_t records_at = kHeaderBytes;
+  const uint64_t dims_at = records_at + plan.tensors.size() * kRecordBytes;
+  const uint64_t strings_at = dims_at + dims * 8;
+  uint64_t dim = 0, name_at = 0;
+  for (size_t i = 0; i < plan.tensors.size(); ++i) {
+    const TensorLayout& t = plan.tensors[i];
+    Record r{};
+    r.name_offset = name_at;
+    r.name_length = static_cast<uint32_t>(t.name.size());
+    r.rank = static_cast<uint32_t>(t.shape.size());
+    r.first_dim = dim;
+    r.offset = t.offset;
+    r.bytes = t.bytes;
+    std::memcpy(r.dtype, t.dtype.data(), t.dtype.size());
+    std::memcpy(base + records_at + i * kRecordBytes, &r, sizeof r);
+    if (!t.shape.empty()) {
+      std::memcpy(base + dims_at + dim * 8, t.shape.data(), t.shape.size() * 8);
+    }
+    std::memcpy(base + strings_at + name_at, t.name.data(), t.name.size());
+    dim += t.shape.size();
+    name_at += t.name.size();
+  }
+}
+
+Result<ManifestView> ReadManifest(std::span<const std::byte> segment) {
+  if (segment.size() < kHeaderBytes) return Corrupt("shorter than its header");
+  Header h;
+  std::memcpy(&h, segment.data(), sizeof h);
+  if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) return Corrupt("wrong magic");
+  const uint64_t size = segment.size();
+  uint64_t records_bytes, dims_bytes, end;
+  if (!Mul(h.tensor_count, kRecordBytes, &records_bytes) || !Mul(h.dims_count, 8, &dims_bytes) ||
+      !Add(kHeaderBytes, records_bytes, &end) || !Add(end, dims_bytes, &end) ||
+      !Add(end, h.string_bytes, &end) || end > h.manifest_bytes || h.manifest_bytes > size) {
+    return Corrupt("its tables do not fit");
+  }
+  uint64_t data_end;
+  if (h.data_offset < h.manifest_bytes || !Add(h.data_offset, h.data_bytes, &data_end) ||
+      data_end > size) {
+    return Corrupt("its data region does not fit");
+  }
+  const std::byte* base = segment.data();
+  const uint64_t dims_at = kHeaderBytes + records_bytes;
+  const uint64_t strings_at = dims_at + dims_bytes;
+  // The mapping is page aligned and every table starts at a multiple of 8.
+  const auto* all_dims = reinterpret_cast<const uint64_t*>(base + dims_at);
+  const auto* strings = reinterpret_cast<const char*>(base + strings_at);
+
+  ManifestView view;
+  view.data_offset = h.data_offset;
+  view.data_bytes = h.data_bytes;
+  view.tensors.resize(static_cast<size_t>(h.tensor_count));
+  for (uint64_t i = 0; i < h.tensor_count; ++i) {
+    Record r;
+    std::memcpy(&r, base + kHeaderBytes + i * kRecordBytes, sizeof r);
+    uint64_t name_end, dims_end, tensor_end;
+    if (!Add(r.name_offset, r.name_length, &name_end) || name_end > h.string_bytes ||
+        !Add(r.first_dim, r.rank, &dims_end) || dims_end > h.dims_count ||
+        r.offset < h.data_offset || !Add(r.offset, r.bytes, &tensor_end) ||
+        tensor_end > data_end || r.offset % 8 != 0 ||
+        std::memchr(r.dtype, '\0', kDTypeField) == nullptr) {
+      return Corrupt("record " + std::to_string(i) + " points outside the segment");
+    }
+    TensorRecord& t = view.tensors[static_cast<size_t>(i)];
+    t.name = std::string_view(strings + r.name_offset, r.name_length);
+    // Views point into the segment, not into the copy on this stack frame.
+    const auto* dtype = reinterpret_cast<const char*>(base + kHeaderBytes + i * kRecordBytes +
+                                                      offsetof(Record, dtype));
+    t.dtype = std::string_view(dtype, ::strnlen(dtype, kDTypeField));
+    t.shape = std::span(all_dims + r.first_dim, r.rank);
+    t.offset = r.offset;
+    t.bytes = r.bytes;
+    if (i > 0 && !(view.tensors[static_cast<size_t>(i - 1)].name < t.name)) {
+      return Corrupt("tensor names are not sorted and unique");
+    }
+  }
+  return view;
+}
+
+}  // namespace weightd::memory

@@ -1,0 +1,76 @@
+// The table at the start of every segment: which tensor lies where. An
+// engine attaching to a 70,000-tensor model reads it straight from the
+// mapping, fixed-size records and a string table, with no text to parse, so
+// attaching costs microseconds per tensor.
+//
+// Layout (little-endian, every table 8-byte aligned):
+//   header   64 bytes: magic "WDSEG01\0", manifest bytes, tensor count,
+//            dimension count, string bytes, data offset, data bytes, 0
+//   records  56 bytes each, by tensor name: name offset and length (into
+//            the strings), rank, index of the first dimension, data offset
+//            (from the segment's start), data bytes, dtype name (16 bytes,
+//            NUL-padded)
+//   dims     u64 each
+//   strings  the names, back to back
+//   data     from `data offset` (page aligned); each tensor at a multiple of
+//            kTensorAlignment
+//
+// The reader trusts nothing: every offset, count and length is checked
+// against the segment before use.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weightd/result.h"
+
+namespace weightd::memory {
+
+inline constexpr uint64_t kTensorAlignment = 256;  // cache lines, and what GPU kernels like
+
+struct TensorLayout {
+  std::string name;
+  std::string dtype;  // safetensors spelling, e.g. "BF16"
+  std::vector<uint64_t> shape;
+  uint64_t bytes = 0;
+  uint64_t offset = 0;  // set by PlanSegment
+};
+
+struct SegmentPlan {
+  std::vector<TensorLayout> tensors;  // by name
+  uint64_t manifest_bytes = 0;
+  uint64_t data_offset = 0;
+  uint64_t total_bytes = 0;
+};
+
+// Places the tensors (sorted here by name; names must be unique and dtype
+// names shorter than 16 bytes) and sizes the segment.
+Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors);
+
+// Writes the manifest of `plan` into the start of `segment` (at least
+// plan.total_bytes long).
+void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment);
+
+struct TensorRecord {
+  std::string_view name;
+  std::string_view dtype;
+  std::span<const uint64_t> shape;
+  uint64_t offset = 0;
+  uint64_t bytes = 0;
+};
+
+struct ManifestView {
+  std::vector<TensorRecord> tensors;  // by name
+  uint64_t data_offset = 0;
+  uint64_t data_bytes = 0;
+};
+
+// Reads and checks the manifest of a mapped segment. The views point into
+// `segment`.
+Result<ManifestView> ReadManifest(std::span<const std::byte> segment);
+
+}  // namespace weightd::memory

@@ -1,0 +1,113 @@
+// Resident segments: one block of memory per model-rank that a daemon fills
+// once and many engines map read-only, passed between processes as a file
+// descriptor. A model-rank is one segment, so attaching costs one handle.
+//
+// The host backend is a memfd: filled through a writable mapping, then
+// sealed (no write, grow or shrink, ever again) so an importer that checks
+// the seals knows the bytes cannot change under it. The memory is freed when
+// the last descriptor and the last mapping are gone, whichever process holds
+// them: an engine's mapping outlives the daemon that made it.
+//
+// Thread safety: a Segment is filled by one owner; Mapping is immutable.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+
+#include "weightd/result.h"
+
+namespace weightd::memory {
+
+// A file descriptor, closed when the object goes.
+class UniqueFd {
+ public:
+  UniqueFd() = default;
+  explicit UniqueFd(int fd) : fd_(fd) {}
+  UniqueFd(UniqueFd&& other) noexcept : fd_(other.Release()) {}
+  UniqueFd& operator=(UniqueFd&& other) noexcept;
+  UniqueFd(const UniqueFd&) = delete;
+  UniqueFd& operator=(const UniqueFd&) = delete;
+  ~UniqueFd() { Reset(); }
+
+  int get() const { return fd_; }
+  bool valid() const { return fd_ >= 0; }
+  int Release();
+  void Reset(int fd = -1);
+  // A second descriptor for the same open file.
+  Result<UniqueFd> Duplicate() const;
+
+ private:
+  int fd_ = -1;
+};
+
+// Where a segment lives. Only the host exists in this build's backends; the
+// name is what keys and status messages carry ("host", "cuda:<uuid>").
+enum class DeviceKind { kHost };
+
+struct Device {
+  DeviceKind kind = DeviceKind::kHost;
+  std::string Name() const { return "host"; }
+};
+
+// The owner's side: created with a size, filled, sealed, exported.
+class Segment {
+ public:
+  Segment() = default;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  virtual ~Segment() = default;
+
+  virtual Device device() const = 0;
+  // Bytes usable (what was asked for), and bytes the memory really takes
+  // (rounded to the page size used).
+  virtual uint64_t size() const = 0;
+  virtual uint64_t reserved_bytes() const = 0;
+  virtual bool huge_pages() const = 0;
+
+  // Writable until Seal(); empty afterwards.
+  virtual std::span<std::byte> writable() = 0;
+  // Ends writing for good. Afterwards the bytes can be read (readable()),
+  // and exported.
+  virtual Status Seal() = 0;
+  virtual std::span<const std::byte> readable() const = 0;
+  // A new descriptor for the sealed segment, to hand to another process.
+  virtual Result<UniqueFd> Export() const = 0;
+};
+
+struct HostSegmentOptions {
+  // Try huge pages (hugetlbfs) first; fall back to normal pages with
+  // transparent huge pages advised, when the system has none to give.
+  bool try_huge_pages = true;
+};
+
+// A memfd of `size` bytes, its memory reserved at once (fallocate), so that
+// running out of memory is an error here and not a SIGBUS while filling.
+// `name` shows in /proc/PID/maps, for whoever debugs.
+Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::string& name,
+                                                   const HostSegmentOptions& options = {});
+
+// A read-only view of a segment in the importing process.
+class Mapping {
+ public:
+  Mapping(const Mapping&) = delete;
+  Mapping& operator=(const Mapping&) = delete;
+  ~Mapping();
+
+  std::span<const std::byte> bytes() const { return {data_, size_}; }
+
+ private:
+  friend Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd&, uint64_t);
+  Mapping(const std::byte* data, size_t size) : data_(data), size_(size) {}
+  const std::byte* data_;
+  size_t size_;
+};
+
+// Maps an imported host segment read-only, after checking that it is sealed
+// against writes and resizing and holds at least `size` bytes. The
+// descriptor may be closed afterwards; the mapping keeps the memory.
+Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd& fd, uint64_t size);
+
+}  // namespace weightd::memory

@@ -1,0 +1,135 @@
+#include "protocol/cache_key.h"
+
+namespace weightd::protocol {
+
+std::string FieldDifference::Describe() const {
+  return field + ": daemon has " + daemon + ", engine wants " + engine;
+}
+
+std::vector<FieldDifference> Compare(const CacheKey& held, const CacheKey& wanted,
+                                     bool skip_checkpoint) {
+  std::vector<FieldDifference> out;
+  auto check = [&](const char* field, const auto& a, const auto& b) {
+    if (a == b) return;
+    if constexpr (std::is_same_v<std::decay_t<decltype(a)>, int>) {
+      out.push_back({field, std::to_string(a), std::to_string(b)});
+    } else {
+      out.push_back({field, a, b});
+    }
+  };
+  if (!skip_checkpoint) check("checkpoint", held.checkpoint, wanted.checkpoint);
+  check("dtype", held.dtype, wanted.dtype);
+  check("quant", held.quant, wanted.quant);
+  check("shard_plan", held.shard_plan, wanted.shard_plan);
+  check("plan_digest", held.plan_digest, wanted.plan_digest);
+  check("tp_size", held.tp_size, wanted.tp_size);
+  check("tp_rank", held.tp_rank, wanted.tp_rank);
+  check("device", held.device, wanted.device);
+  check("format", held.format, wanted.format);
+  return out;
+}
+
+nlohmann::json ToJson(const CacheKey& key) {
+  return {{"checkpoint", key.checkpoint}, {"dtype", key.dtype},
+          {"quant", key.quant},           {"shard_plan", key.shard_plan},
+          {"plan_digest", key.plan_digest}, {"tp_size", key.tp_size},
+          {"tp_rank", key.tp_rank},       {"device", key.device},
+          {"format", key.format}};
+}
+
+Result<CacheKey> KeyFromJson(const nlohmann::json& j) {
+  if (!j.is_object()) return Error("key is not an object");
+  CacheKey key;
+  auto text = [&](const char* field, std::string* out) -> Status {
+    auto it = j.find(field);
+    if (it == j.end() || !it->is_string()) {
+      return Error(std::string("key field `") + field + "` is missing or not a string");
+    }
+    *out = it->get<std::string>();
+    return OkStatus();
+  };
+  auto number = [&](const char* field, int* out) -> Status {
+    auto it = j.find(field);
+    if (it == j.end() || !it->is_number_integer()) {
+      return Error(std::string("key field `") + field + "` is missing or not an integer");
+    }
+    const auto v = it->get<int64_t>();
+    if (v < 0 || v > 1'000'000) return Error(std::string("key field `") + field + "` is out of range");
+    *out = static_cast<int>(v);
+    return OkStatus();
+  };
+  WEIGHTD_RETURN_IF_ERROR(text("checkpoint", &key.checkpoint));
+  WEIGHTD_RETURN_IF_ERROR(text("dtype", &key.dtype));
+  WEIGHTD_RETURN_IF_ERROR(text("quant", &key.quant));
+  WEIGHTD_RETURN_IF_ERROR(text("shard_plan", &key.shard_plan));
+  WEIGHTD_RETURN_IF_ERROR(text("plan_digest", &key.plan_digest));
+  WEIGHTD_RETURN_IF_ERROR(number("tp_size", &key.tp_size));
+  WEIGHTD_RETURN_IF_ERROR(number("tp_rank", &key.tp_rank));
+  WEIGHTD_RETURN_IF_ERROR(text("device", &key.device));
+  WEIGHTD_RETURN_IF_ERROR(number("format", &key.format));
+  return key;
+}
+
+Status CheckSupported(const Processing& p) {
+  if (p.tp_size < 1 || p.tp_rank < 0 || p.tp_rank >= p.tp_size) {
+    return Error("--tp-rank " + std::to_string(p.tp_rank) + " is not below --tp-size " +
+                 std::to_string(p.tp_size));
+  }
+  if (p.tp_size != 1) return Error("--tp-size above 1 needs tensor-parallel sharding, not built yet");
+  if (p.dtype != "keep") return Error("--dtype " + p.dtype + " needs dtype casts, not built yet");
+  if (p.quant != "none") return Error("--quant " + p.quant + " needs quantization, not built yet");
+  if (p.shard_plan != "replicate") {
+    return Error("--shard-plan " + p.shard_plan + " needs sharding plans, not built yet");
+  }
+  if (p.device != "cpu") return Error("--device " + p.device + ": only cpu (host memory) is built");
+  return OkStatus();
+}
+
+CacheKey MakeKey(const std::string& checkpoint_digest, const Processing& p) {
+  CacheKey key;
+  key.checkpoint = checkpoint_digest;
+  key.dtype = p.dtype;
+  key.quant = p.quant;
+  key.shard_plan = p.shard_plan;
+  key.tp_size = p.tp_size;
+  key.tp_rank = p.tp_rank;
+  key.device = p.device == "cpu" ? "host" : p.device;
+  return key;
+}
+
+nlohmann::json ToJson(const Processing& p) {
+  return {{"tp_size", p.tp_size}, {"tp_rank", p.tp_rank},       {"dtype", p.dtype},
+          {"quant", p.quant},     {"shard_plan", p.shard_plan}, {"device", p.device}};
+}
+
+Result<Processing> ProcessingFromJson(const nlohmann::json& j) {
+  Processing p;
+  if (!j.is_object()) return Error("processing options are not an object");
+  for (const auto& [field, value] : j.items()) {
+    if (field == "tp_size" || field == "tp_rank") {
+      if (!value.is_number_integer()) return Error("`" + field + "` is not an integer");
+      const auto v = value.get<int64_t>();
+      if (v < 0 || v > 4096) return Error("`" + field + "` is out of range");
+      (field == "tp_size" ? p.tp_size : p.tp_rank) = static_cast<int>(v);
+    } else if (field == "dtype" || field == "quant" || field == "shard_plan" || field == "device") {
+      if (!value.is_string()) return Error("`" + field + "` is not a string");
+      std::string& out = field == "dtype"   ? p.dtype
+                         : field == "quant" ? p.quant
+                         : field == "shard_plan" ? p.shard_plan
+                                                 : p.device;
+      out = value.get<std::string>();
+    } else {
+      return Error("unknown processing option `" + field + "`");
+    }
+  }
+  return p;
+}
+
+std::string ShortDescription(const CacheKey& key) {
+  std::string digest = key.checkpoint;
+  if (digest.size() > 26) digest = digest.substr(0, 26) + "…";
+  return digest + " tp " + std::to_string(key.tp_rank) + "/" + std::to_string(key.tp_size) +
+         " dtype " + key.dtype + " quant " + key.quant + " on " + key.device;
+}
+
+}  // namespace weightd::protocol

@@ -1,0 +1,72 @@
+// The key a resident model is found by. Fields are named so that a miss can
+// say which differ ("tp_rank: daemon has 0, engine wants 1"). Paths are never
+// part of it: a byte-identical copy of a checkpoint elsewhere is a hit.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "weightd/result.h"
+
+namespace weightd::protocol {
+
+// Bumped whenever what weightd puts into a segment changes, so a daemon
+// never serves a layout an engine would read differently.
+inline constexpr int kSegmentFormatVersion = 1;
+
+struct CacheKey {
+  std::string checkpoint;  // content digest, algorithm-tagged ("xxh3-128:...")
+  std::string dtype = "keep";
+  std::string quant = "none";
+  std::string shard_plan = "replicate";
+  std::string plan_digest = "none";
+  int tp_size = 1;
+  int tp_rank = 0;
+  std::string device = "host";
+  int format = kSegmentFormatVersion;
+
+  bool operator==(const CacheKey&) const = default;
+};
+
+struct FieldDifference {
+  std::string field;
+  std::string daemon;
+  std::string engine;
+  // "tp_rank: daemon has 0, engine wants 1"
+  std::string Describe() const;
+};
+
+// The fields where `held` (the daemon's) and `wanted` (the engine's) differ;
+// empty when they are equal. With `skip_checkpoint`, the content digest is
+// not compared (trust mode).
+std::vector<FieldDifference> Compare(const CacheKey& held, const CacheKey& wanted,
+                                     bool skip_checkpoint = false);
+
+nlohmann::json ToJson(const CacheKey& key);
+// Every field must be present with the right type.
+Result<CacheKey> KeyFromJson(const nlohmann::json& j);
+
+// What an engine asks to be done to the weights (the processing flags). Only
+// what this build can do is accepted (see CheckSupported); the fields exist
+// in the key and on the wire already.
+struct Processing {
+  int tp_size = 1;
+  int tp_rank = 0;
+  std::string dtype = "keep";
+  std::string quant = "none";
+  std::string shard_plan = "replicate";
+  std::string device = "cpu";  // cpu | cuda:N
+};
+
+// An error naming the flag when this build cannot do what is asked.
+Status CheckSupported(const Processing& p);
+CacheKey MakeKey(const std::string& checkpoint_digest, const Processing& p);
+nlohmann::json ToJson(const Processing& p);
+Result<Processing> ProcessingFromJson(const nlohmann::json& j);
+
+// A short, human-readable rendering for logs and `status`.
+std::string ShortDescription(const CacheKey& key);
+
+}  // namespace weightd::protocol

@@ -1,0 +1,176 @@
+#include "protocol/channel.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <chrono>
+#include <cstring>
+
+namespace weightd::protocol {
+namespace {
+
+constexpr char kMagic[4] = {'W', 'D', 'P', '1'};
+// Room for more descriptors than allowed, so that too many is seen and
+// refused rather than silently truncated.
+constexpr size_t kControlRoom = CMSG_SPACE(sizeof(int) * 8);
+
+std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
+
+uint32_t GetU32(const char* p) {
+  uint32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+void PutU32(std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
+
+// Waits until the socket is readable; false on timeout.
+Result<bool> WaitReadable(int fd, int timeout_ms) {
+  pollfd p{fd, POLLIN, 0};
+  while (true) {
+    int n = ::poll(&p, 1, timeout_ms);
+    if (n > 0) return true;
+    if (n == 0) return false;
+    if (errno != EINTR) return Error(Errno("poll"));
+  }
+}
+
+// Reads exactly `n` bytes into `dst`, collecting any descriptors that come
+// along. `first` tells whether a clean EOF before any byte is "closed".
+Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds, bool first,
+                int first_timeout_ms) {
+  size_t got = 0;
+  while (got < n) {
+    const int timeout = got == 0 && first ? first_timeout_ms : Channel::kBodyTimeoutMs;
+    WEIGHTD_ASSIGN_OR_RETURN(bool ready, WaitReadable(fd, timeout));
+    if (!ready) {
+      return Error(got == 0 && first ? "timed out waiting for a frame" : "frame timed out halfway");
+    }
+    iovec iov{dst + got, n - got};
+    alignas(cmsghdr) char control[kControlRoom];
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control;
+    msg.msg_controllen = sizeof control;
+    ssize_t r = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
+    if (r < 0) {
+      if (errno == EINTR || errno == EAGAIN) continue;
+      return Error(Errno("receive"));
+    }
+    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
+      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+      const size_t count = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+      for (size_t i = 0; i < count; ++i) {
+        int received;
+        std::memcpy(&received, CMSG_DATA(c) + i * sizeof(int), sizeof(int));
+        fds.emplace_back(received);
+      }
+    }
+    if (msg.msg_flags & MSG_CTRUNC) return Error("frame carried more descriptors than allowed");
+    if (r == 0) {
+      return Error(got == 0 && first ? Channel::kClosed : "connection closed halfway through a frame");
+    }
+    got += static_cast<size_t>(r);
+  }
+  return OkStatus();
+}
+
+}  // namespace
+
+std::string Message::type() const {
+  auto it = body.find("type");
+  return it != body.end() && it->is_string() ? it->get<std::string>() : std::string();
+}
+
+std::string FrameHeader(uint32_t body_bytes, uint32_t descriptors, uint32_t version) {
+  std::string h(kMagic, sizeof kMagic);
+  PutU32(h, version);
+  PutU32(h, body_bytes);
+  PutU32(h, descriptors);
+  return h;
+}
+
+Status Channel::Send(const nlohmann::json& body, const memory::UniqueFd* fd) {
+  const std::string text = body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
+  if (text.size() > kMaxBodyBytes) {
+    return Error("message of " + std::to_string(text.size()) + " bytes is over the frame limit");
+  }
+  const std::string frame =
+      FrameHeader(static_cast<uint32_t>(text.size()), fd != nullptr ? 1 : 0) + text;
+  size_t sent = 0;
+  bool fd_sent = fd == nullptr;
+  while (sent < frame.size()) {
+    iovec iov{const_cast<char*>(frame.data() + sent), frame.size() - sent};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
+    if (!fd_sent) {
+      msg.msg_control = control;
+      msg.msg_controllen = sizeof control;
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int));
+      const int raw = fd->get();
+      std::memcpy(CMSG_DATA(c), &raw, sizeof raw);
+    }
+    ssize_t n = ::sendmsg(socket_.get(), &msg, MSG_NOSIGNAL);
+    if (n < 0) {
+      if (errno == EINTR) continue;
+      return Error(Errno("send"));
+    }
+    fd_sent = true;
+    sent += static_cast<size_t>(n);
+  }
+  return OkStatus();
+}
+
+Result<Message> Channel::Receive(int timeout_ms) {
+  Message m;
+  char header[kFrameHeaderBytes];
+  WEIGHTD_RETURN_IF_ERROR(ReadFull(socket_.get(), header, sizeof header, m.fds, true, timeout_ms));
+  if (std::memcmp(header, kMagic, sizeof kMagic) != 0) return Error("not a weightd frame");
+  const uint32_t version = GetU32(header + 4), bytes = GetU32(header + 8),
+                 descriptors = GetU32(header + 12);
+  if (version != kProtocolVersion) {
+    return Error("protocol version " + std::to_string(version) + " (this side speaks " +
+                 std::to_string(kProtocolVersion) + ")");
+  }
+  if (bytes > kMaxBodyBytes) {
+    return Error("frame of " + std::to_string(bytes) + " bytes is over the limit of " +
+                 std::to_string(kMaxBodyBytes));
+  }
+  if (descriptors > kMaxDescriptors) return Error("frame announces too many descriptors");
+  std::string text(bytes, '\0');
+  WEIGHTD_RETURN_IF_ERROR(ReadFull(socket_.get(), text.data(), text.size(), m.fds, false, 0));
+  if (m.fds.size() != descriptors) {
+    return Error("frame announced " + std::to_string(descriptors) + " descriptors and carried " +
+                 std::to_string(m.fds.size()));
+  }
+  m.body = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (m.body.is_discarded() || !m.body.is_object()) return Error("frame body is not a JSON object");
+  if (m.type().empty()) return Error("frame body has no \"type\"");
+  return m;
+}
+
+Result<Channel> Connect(const std::string& socket_path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (socket_path.size() >= sizeof addr.sun_path) {
+    return Error("socket path " + socket_path + " is too long for a Unix socket");
+  }
+  std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size() + 1);
+  memory::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return Error(Errno("socket"));
+  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    return Error(Errno("cannot connect to " + socket_path));
+  }
+  return Channel(std::move(fd));
+}
+
+}  // namespace weightd::protocol

@@ -1,0 +1,66 @@
+// The wire between engines and the daemon: a Unix stream socket carrying
+// frames, each a fixed 16-byte header and a JSON body, with at most one file
+// descriptor attached (SCM_RIGHTS) for a segment handle.
+//
+//   header: "WDP1" | u32 protocol version | u32 body bytes | u32 descriptors
+//   body:   one JSON object with a string "type"
+//
+// Bodies are bounded (kMaxBodyBytes): the big things, tensor tables, travel
+// inside the segment, not on the socket. Nothing on the wire is executable.
+// A frame that breaks any rule is an error for the connection it came on;
+// the reader closes every descriptor that came with it.
+//
+// Thread safety: one thread sends and one receives on a Channel at a time.
+#pragma once
+
+#include <cstdint>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "memory/segment.h"
+#include "weightd/result.h"
+
+namespace weightd::protocol {
+
+inline constexpr uint32_t kProtocolVersion = 1;
+inline constexpr uint32_t kMaxBodyBytes = 1u << 20;
+inline constexpr uint32_t kMaxDescriptors = 1;
+inline constexpr size_t kFrameHeaderBytes = 16;
+
+struct Message {
+  nlohmann::json body;  // an object with a string "type"
+  std::vector<memory::UniqueFd> fds;
+
+  std::string type() const;
+};
+
+class Channel {
+ public:
+  explicit Channel(memory::UniqueFd socket) : socket_(std::move(socket)) {}
+
+  // Sends one frame; `fd` (optional) travels with it.
+  Status Send(const nlohmann::json& body, const memory::UniqueFd* fd = nullptr);
+
+  // Waits up to `timeout_ms` (-1: forever) for the next frame to start, and
+  // then at most kBodyTimeoutMs for the rest of it. A peer that closed
+  // cleanly between frames gives an error whose message is kClosed.
+  Result<Message> Receive(int timeout_ms = -1);
+
+  int fd() const { return socket_.get(); }
+
+  static constexpr const char* kClosed = "connection closed";
+  static constexpr int kBodyTimeoutMs = 10'000;
+
+ private:
+  memory::UniqueFd socket_;
+};
+
+// Connects to the daemon's socket.
+Result<Channel> Connect(const std::string& socket_path);
+
+// Builds the header of a frame (for tests that send broken ones).
+std::string FrameHeader(uint32_t body_bytes, uint32_t descriptors,
+                        uint32_t version = kProtocolVersion);
+
+}  // namespace weightd::protocol

@@ -1,0 +1,19 @@
+// Where the daemon listens: the one place both sides agree on.
+//
+//   --socket-dir, else $WEIGHTD_SOCKET_DIR, else $XDG_RUNTIME_DIR/weightd,
+//   else /tmp/weightd-$UID
+#pragma once
+
+#include <string>
+
+namespace weightd::protocol {
+
+inline constexpr const char* kSocketName = "weightd.sock";
+inline constexpr const char* kLockName = "daemon.lock";
+
+// The socket directory; `flag` (from --socket-dir) wins when not empty.
+std::string SocketDirectory(const std::string& flag = "");
+
+std::string SocketPath(const std::string& dir);
+
+}  // namespace weightd::protocol
