@@ -1,9 +1,12 @@
 #include "test_util.h"
 
 #include <fcntl.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
+#include <csignal>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -84,6 +87,75 @@ CommandResult RunWeightd(const std::vector<std::string>& args, const std::string
   r.out = Slurp(out_path);
   r.err = Slurp(err_path);
   return r;
+}
+
+Process::Process(const std::vector<std::string>& args, const std::vector<std::string>& prefix) {
+  const std::string out_path = io_.Join("stdout"), err_path = io_.Join("stderr");
+  pid_ = ::fork();
+  if (pid_ < 0) throw std::runtime_error("fork failed");
+  if (pid_ == 0) {
+    int out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    ::dup2(out, 1);
+    ::dup2(err, 2);
+    std::vector<std::string> all = prefix;
+    all.push_back(WEIGHTD_BINARY);
+    all.insert(all.end(), args.begin(), args.end());
+    std::vector<char*> argv;
+    for (auto& a : all) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    ::_exit(127);
+  }
+  // Readable by a child that drops privileges (setpriv) too.
+  ::chmod(io_.path().c_str(), 0777);
+}
+
+Process::~Process() {
+  if (exit_code_ < 0 && pid_ > 0) {
+    ::kill(pid_, SIGKILL);
+    Wait();
+  }
+}
+
+bool Process::WaitForOutput(const std::string& text, double seconds) {
+  return Eventually(
+      [&] {
+        if (out().find(text) != std::string::npos) return true;
+        if (exit_code_ < 0) {
+          int status = 0;
+          if (::waitpid(pid_, &status, WNOHANG) == pid_) {
+            exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+          }
+        }
+        if (exit_code_ >= 0) throw std::runtime_error("exited before printing `" + text + "`");
+        return false;
+      },
+      seconds);
+}
+
+void Process::Signal(int sig) {
+  if (exit_code_ < 0) ::kill(pid_, sig);
+}
+
+int Process::Wait() {
+  if (exit_code_ >= 0) return exit_code_;
+  int status = 0;
+  ::waitpid(pid_, &status, 0);
+  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  return exit_code_;
+}
+
+std::string Process::out() const { return Slurp(io_.Join("stdout")); }
+std::string Process::err() const { return Slurp(io_.Join("stderr")); }
+
+bool Eventually(const std::function<bool()>& condition, double seconds) {
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (condition()) return true;
+    ::usleep(20'000);
+  }
+  return condition();
 }
 
 std::string ConformanceDir() {

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -37,6 +38,36 @@ struct CommandResult {
 
 // Runs the weightd binary under test with `args`, in `cwd` when given.
 CommandResult RunWeightd(const std::vector<std::string>& args, const std::string& cwd = "");
+
+// The weightd binary running in the background (a daemon, an engine that
+// holds its weights), its output going to files.
+class Process {
+ public:
+  // `prefix` runs before the binary (e.g. {"setpriv", "--reuid=65534", ...}).
+  explicit Process(const std::vector<std::string>& args,
+                   const std::vector<std::string>& prefix = {});
+  Process(const Process&) = delete;
+  Process& operator=(const Process&) = delete;
+  ~Process();  // SIGKILL if still running
+
+  int pid() const { return pid_; }
+  // Waits until stdout holds `text`; false if the process exited first or
+  // `seconds` passed.
+  bool WaitForOutput(const std::string& text, double seconds = 60);
+  void Signal(int sig);
+  // Waits for the exit; the exit code, or 128 + signal.
+  int Wait();
+  std::string out() const;
+  std::string err() const;
+
+ private:
+  TempDir io_;
+  int pid_ = -1;
+  int exit_code_ = -1;
+};
+
+// Polls `condition` every 20 ms for up to `seconds`; whether it came true.
+bool Eventually(const std::function<bool()>& condition, double seconds = 30);
 
 std::string ConformanceDir();
 std::string SourceDir();

@@ -109,8 +109,9 @@ Command AddLoadCommand(CLI::App& root) {
   app->add_flag("--no-fallback", o->no_fallback, "fail instead of loading from disk");
   app->add_flag("--checksum", o->checksum,
                 "print an XXH3-128 over every tensor's name and bytes (daemon and disk agree)");
-  app->add_option("--hold", o->hold, "keep the weights (and lease) this many seconds, then "
-                                     "checksum again (with --checksum)");
+  app->add_option("--hold", o->hold,
+                  "keep the weights (and lease) this many seconds, then "
+                  "checksum again (with --checksum)");
   app->add_option("--wait-for-daemon", o->wait, "seconds to wait for a daemon that is starting");
   app->add_flag("--populate", o->populate, "after a miss, ask the daemon to preload for next time");
   app->add_option("--trust", o->trust,

@@ -147,10 +147,9 @@ Command AddPreloadCommand(CLI::App& root) {
                             {"path", *real},
                             {"processing", protocol::ToJson(o->processing)}};
             if (!o->pin.empty()) request["pin"] = o->pin;
-            auto reply = client::Request(o->socket_dir, request,
-                                         o->json ? std::function<void(const json&)>()
-                                                 : ProgressPrinter(),
-                                         o->wait);
+            auto reply = client::Request(
+                o->socket_dir, request,
+                o->json ? std::function<void(const json&)>() : ProgressPrinter(), o->wait);
             if (!reply.ok()) return ReportError("preload", reply.error().message());
             if (o->json) {
               std::cout << DumpJson(*reply, 2) << "\n";

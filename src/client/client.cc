@@ -1,3 +1,5 @@
+#include "weightd/client.h"
+
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <xxhash.h>
@@ -16,7 +18,6 @@
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
 #include "protocol/paths.h"
-#include "weightd/client.h"
 
 namespace weightd {
 namespace {
@@ -74,9 +75,9 @@ class WeightsImpl final : public Weights {
     WEIGHTD_ASSIGN_OR_RETURN(memory::ManifestView view, memory::ReadManifest(bytes));
     tensors_.reserve(view.tensors.size());
     for (const memory::TensorRecord& r : view.tensors) {
-      tensors_.push_back({r.name, r.dtype, r.shape,
-                          bytes.subspan(static_cast<size_t>(r.offset),
-                                          static_cast<size_t>(r.bytes))});
+      tensors_.push_back(
+          {r.name, r.dtype, r.shape,
+           bytes.subspan(static_cast<size_t>(r.offset), static_cast<size_t>(r.bytes))});
     }
     return OkStatus();
   }
@@ -247,8 +248,9 @@ std::string Weights::Checksum() const {
 }
 
 Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOptions& options) {
-  auto log = options.log ? options.log
-                         : [](const std::string& line) { std::cerr << "weightd: " << line << "\n"; };
+  auto log = options.log ? options.log : [](const std::string& line) {
+    std::cerr << "weightd: " << line << "\n";
+  };
   const protocol::Processing processing{spec.tp_size, spec.tp_rank,    spec.dtype,
                                         spec.quant,   spec.shard_plan, spec.device};
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
@@ -261,8 +263,9 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     }
     fingerprint::Options fo;
     fo.cache = cache.get();
-    WEIGHTD_ASSIGN_OR_RETURN(fingerprint::Fingerprint fp,
-                             fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), spec.path, fo));
+    WEIGHTD_ASSIGN_OR_RETURN(
+        fingerprint::Fingerprint fp,
+        fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), spec.path, fo));
     if (cache) (void)cache->Save();
     key = protocol::MakeKey(fp.digest, processing);
   } else {

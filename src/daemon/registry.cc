@@ -29,7 +29,8 @@ Status Registry::Reserve(uint64_t bytes, std::vector<Eviction>* evicted) {
     size_t victim = models_.size();
     for (size_t i = 0; i < models_.size(); ++i) {
       if (models_[i]->leases > 0) continue;
-      if (victim == models_.size() || models_[i]->last_used < models_[victim]->last_used) victim = i;
+      if (victim == models_.size() || models_[i]->last_used < models_[victim]->last_used)
+        victim = i;
     }
     if (victim == models_.size()) {
       return Error("out of budget on host: the model needs " + Gib(bytes) + ", the budget is " +
@@ -106,8 +107,7 @@ void Registry::Release(const std::shared_ptr<ResidentModel>& model) {
 
 bool Registry::Has(const protocol::CacheKey& key) const {
   std::lock_guard lock(mu_);
-  return std::any_of(models_.begin(), models_.end(),
-                     [&](const auto& m) { return m->key == key; });
+  return std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->key == key; });
 }
 
 std::vector<Eviction> Registry::Evict(const std::string& what) {
@@ -118,8 +118,9 @@ std::vector<Eviction> Registry::Evict(const std::string& what) {
     const std::string& digest = m.key.checkpoint;
     const size_t colon = digest.find(':');
     const std::string bare = colon == std::string::npos ? digest : digest.substr(colon + 1);
-    const bool match = what == "all" || (!m.name.empty() && m.name == what) ||
-                       (what.size() >= 8 && (digest.rfind(what, 0) == 0 || bare.rfind(what, 0) == 0));
+    const bool match =
+        what == "all" || (!m.name.empty() && m.name == what) ||
+        (what.size() >= 8 && (digest.rfind(what, 0) == 0 || bare.rfind(what, 0) == 0));
     if (match) out.push_back(EvictLocked(i));
   }
   return out;

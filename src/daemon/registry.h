@@ -61,7 +61,7 @@ class Registry {
                                          uint64_t reserved_bytes);
 
   struct Lookup {
-    std::shared_ptr<ResidentModel> model;  // set on a hit, with a lease taken
+    std::shared_ptr<ResidentModel> model;             // set on a hit, with a lease taken
     std::vector<protocol::FieldDifference> mismatch;  // on a miss, against the closest model
     std::string reason;                               // on a miss
   };

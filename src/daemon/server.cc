@@ -54,8 +54,8 @@ Status CheckDirectory(const std::string& dir) {
   if ((st.st_mode & 077) != 0) {
     char mode[8];
     std::snprintf(mode, sizeof mode, "%04o", st.st_mode & 07777);
-    return Error("socket directory " + dir + " has mode " + mode +
-                 "; it must be 0700 (chmod 700 " + dir + ")");
+    return Error("socket directory " + dir + " has mode " + mode + "; it must be 0700 (chmod 700 " +
+                 dir + ")");
   }
   return OkStatus();
 }
@@ -200,9 +200,9 @@ void Server::Run() {
             std::to_string(peer.uid) + ": only uid " + std::to_string(::geteuid()) +
             " may use this daemon");
       protocol::Channel refused(std::move(conn));
-      (void)refused.Send({{"type", "error"},
-                          {"message", "refused: uid " + std::to_string(peer.uid) +
-                                          " may not use this daemon"}});
+      (void)refused.Send(
+          {{"type", "error"},
+           {"message", "refused: uid " + std::to_string(peer.uid) + " may not use this daemon"}});
       continue;
     }
     uint64_t id;
@@ -414,8 +414,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
   return Error("unknown request `" + type + "`");
 }
 
-Result<json> Server::State::Preload(const std::string& path,
-                                    const protocol::Processing& processing,
+Result<json> Server::State::Preload(const std::string& path, const protocol::Processing& processing,
                                     const std::string& pin,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));

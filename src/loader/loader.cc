@@ -39,20 +39,20 @@ Status ReadHead(io::FileSystem& fs, const format::ShardRef& ref, OpenShard& out)
   WEIGHTD_RETURN_IF_ERROR(out.file->ReadExactly(
       0, std::as_writable_bytes(std::span(out.raw_header.data(), out.raw_header.size()))));
   WEIGHTD_ASSIGN_OR_RETURN(
-      uint64_t n, format::DecodeHeaderLength(
-                      ref.path, std::as_bytes(std::span(out.raw_header.data(), out.raw_header.size())),
-                      size));
+      uint64_t n,
+      format::DecodeHeaderLength(
+          ref.path, std::as_bytes(std::span(out.raw_header.data(), out.raw_header.size())), size));
   out.raw_header.resize(static_cast<size_t>(format::kHeaderLengthBytes + n));
   WEIGHTD_RETURN_IF_ERROR(out.file->ReadExactly(
       format::kHeaderLengthBytes,
-      std::as_writable_bytes(std::span(out.raw_header.data() + format::kHeaderLengthBytes,
-                                       static_cast<size_t>(n)))));
+      std::as_writable_bytes(
+          std::span(out.raw_header.data() + format::kHeaderLengthBytes, static_cast<size_t>(n)))));
   WEIGHTD_ASSIGN_OR_RETURN(
-      out.shard.header,
-      format::ParseHeader(ref.path,
-                          std::as_bytes(std::span(out.raw_header.data() + format::kHeaderLengthBytes,
-                                                  static_cast<size_t>(n))),
-                          size));
+      out.shard.header, format::ParseHeader(ref.path,
+                                            std::as_bytes(std::span(
+                                                out.raw_header.data() + format::kHeaderLengthBytes,
+                                                static_cast<size_t>(n))),
+                                            size));
   return OkStatus();
 }
 

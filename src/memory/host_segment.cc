@@ -124,8 +124,9 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
     huge = false;
     reserved = RoundUp(size, static_cast<uint64_t>(page));
     fd = MakeMemfd(label, reserved, false);
-    if (!fd.ok()) return Error("cannot create a host segment of " + std::to_string(size) +
-                               " bytes: " + fd.error().message());
+    if (!fd.ok())
+      return Error("cannot create a host segment of " + std::to_string(size) +
+                   " bytes: " + fd.error().message());
   }
   void* p = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_SHARED, fd->get(), 0);
   if (p == MAP_FAILED) return Error(Errno("cannot map a new host segment"));

@@ -36,6 +36,23 @@ struct Record {
 };
 static_assert(sizeof(Record) == kRecordBytes);
 
+// A dtype field: a name of letters, digits and '_', then zeros to the end.
+bool ValidDTypeField(const char (&field)[kDTypeField]) {
+  size_t n = 0;
+  while (n < kDTypeField && field[n] != '\0') {
+    const char c = field[n];
+    if (!((c >= 'A' && c <= 'Z') || (c >= 'a' && c <= 'z') || (c >= '0' && c <= '9') || c == '_')) {
+      return false;
+    }
+    ++n;
+  }
+  if (n == 0 || n == kDTypeField) return false;
+  for (size_t i = n; i < kDTypeField; ++i) {
+    if (field[i] != '\0') return false;
+  }
+  return true;
+}
+
 uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
 
 // a + b, or false on overflow.
@@ -120,6 +137,7 @@ Result<ManifestView> ReadManifest(std::span<const std::byte> segment) {
   Header h;
   std::memcpy(&h, segment.data(), sizeof h);
   if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) return Corrupt("wrong magic");
+  if (h.zero != 0) return Corrupt("a reserved field is set");
   const uint64_t size = segment.size();
   uint64_t records_bytes, dims_bytes, end;
   if (!Mul(h.tensor_count, kRecordBytes, &records_bytes) || !Mul(h.dims_count, 8, &dims_bytes) ||
@@ -149,9 +167,8 @@ Result<ManifestView> ReadManifest(std::span<const std::byte> segment) {
     uint64_t name_end, dims_end, tensor_end;
     if (!Add(r.name_offset, r.name_length, &name_end) || name_end > h.string_bytes ||
         !Add(r.first_dim, r.rank, &dims_end) || dims_end > h.dims_count ||
-        r.offset < h.data_offset || !Add(r.offset, r.bytes, &tensor_end) ||
-        tensor_end > data_end || r.offset % 8 != 0 ||
-        std::memchr(r.dtype, '\0', kDTypeField) == nullptr) {
+        r.offset < h.data_offset || !Add(r.offset, r.bytes, &tensor_end) || tensor_end > data_end ||
+        r.offset % 8 != 0 || !ValidDTypeField(r.dtype)) {
       return Corrupt("record " + std::to_string(i) + " points outside the segment");
     }
     TensorRecord& t = view.tensors[static_cast<size_t>(i)];

@@ -30,10 +30,14 @@ std::vector<FieldDifference> Compare(const CacheKey& held, const CacheKey& wante
 }
 
 nlohmann::json ToJson(const CacheKey& key) {
-  return {{"checkpoint", key.checkpoint}, {"dtype", key.dtype},
-          {"quant", key.quant},           {"shard_plan", key.shard_plan},
-          {"plan_digest", key.plan_digest}, {"tp_size", key.tp_size},
-          {"tp_rank", key.tp_rank},       {"device", key.device},
+  return {{"checkpoint", key.checkpoint},
+          {"dtype", key.dtype},
+          {"quant", key.quant},
+          {"shard_plan", key.shard_plan},
+          {"plan_digest", key.plan_digest},
+          {"tp_size", key.tp_size},
+          {"tp_rank", key.tp_rank},
+          {"device", key.device},
           {"format", key.format}};
 }
 
@@ -54,7 +58,8 @@ Result<CacheKey> KeyFromJson(const nlohmann::json& j) {
       return Error(std::string("key field `") + field + "` is missing or not an integer");
     }
     const auto v = it->get<int64_t>();
-    if (v < 0 || v > 1'000'000) return Error(std::string("key field `") + field + "` is out of range");
+    if (v < 0 || v > 1'000'000)
+      return Error(std::string("key field `") + field + "` is out of range");
     *out = static_cast<int>(v);
     return OkStatus();
   };
@@ -75,7 +80,8 @@ Status CheckSupported(const Processing& p) {
     return Error("--tp-rank " + std::to_string(p.tp_rank) + " is not below --tp-size " +
                  std::to_string(p.tp_size));
   }
-  if (p.tp_size != 1) return Error("--tp-size above 1 needs tensor-parallel sharding, not built yet");
+  if (p.tp_size != 1)
+    return Error("--tp-size above 1 needs tensor-parallel sharding, not built yet");
   if (p.dtype != "keep") return Error("--dtype " + p.dtype + " needs dtype casts, not built yet");
   if (p.quant != "none") return Error("--quant " + p.quant + " needs quantization, not built yet");
   if (p.shard_plan != "replicate") {
@@ -113,8 +119,8 @@ Result<Processing> ProcessingFromJson(const nlohmann::json& j) {
       (field == "tp_size" ? p.tp_size : p.tp_rank) = static_cast<int>(v);
     } else if (field == "dtype" || field == "quant" || field == "shard_plan" || field == "device") {
       if (!value.is_string()) return Error("`" + field + "` is not a string");
-      std::string& out = field == "dtype"   ? p.dtype
-                         : field == "quant" ? p.quant
+      std::string& out = field == "dtype"        ? p.dtype
+                         : field == "quant"      ? p.quant
                          : field == "shard_plan" ? p.shard_plan
                                                  : p.device;
       out = value.get<std::string>();

@@ -72,7 +72,8 @@ Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds,
     }
     if (msg.msg_flags & MSG_CTRUNC) return Error("frame carried more descriptors than allowed");
     if (r == 0) {
-      return Error(got == 0 && first ? Channel::kClosed : "connection closed halfway through a frame");
+      return Error(got == 0 && first ? Channel::kClosed
+                                     : "connection closed halfway through a frame");
     }
     got += static_cast<size_t>(r);
   }

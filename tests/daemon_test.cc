@@ -1,0 +1,408 @@
+// The daemon and engines as separate processes over a real socket: what an
+// inference cluster relies on. Every test starts its own daemon on its own
+// socket directory.
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <memory>
+#include <nlohmann/json.hpp>
+
+#include "format/synthetic.h"
+#include "memory/segment.h"
+#include "protocol/channel.h"
+#include "test_util.h"
+
+namespace weightd {
+namespace {
+
+using nlohmann::json;
+using testing::CommandResult;
+using testing::Eventually;
+using testing::Process;
+using testing::RunWeightd;
+using testing::TempDir;
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ::setenv("WEIGHTD_CACHE_DIR", dir_.Join("cache").c_str(), 1);
+    sock_ = dir_.Join("sock");
+  }
+
+  std::string MakeModel(const std::string& name, bool finetune = false,
+                        uint64_t bytes = 4 << 20) {
+    const std::string path = dir_.Join(name);
+    auto plan = format::WriteSyntheticCheckpoint(
+        path, {.preset = "llama", .finetune = finetune, .size_bytes = bytes});
+    EXPECT_TRUE(plan.ok()) << plan.error().message();
+    return path;
+  }
+
+  std::unique_ptr<Process> StartDaemon(std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"serve", "--socket-dir", sock_};
+    args.insert(args.end(), extra.begin(), extra.end());
+    auto p = std::make_unique<Process>(args);
+    EXPECT_TRUE(p->WaitForOutput("ready")) << p->err();
+    return p;
+  }
+
+  CommandResult Run(std::vector<std::string> args) {
+    args.push_back("--socket-dir");
+    args.push_back(sock_);
+    return RunWeightd(args);
+  }
+
+  json Load(const std::string& path, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"load", path, "--json", "--checksum"};
+    args.insert(args.end(), extra.begin(), extra.end());
+    CommandResult r = Run(args);
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return r.exit_code == 0 ? json::parse(r.out) : json::object();
+  }
+
+  // What an engine gets with no daemon at all.
+  std::string DiskChecksum(const std::string& path) {
+    CommandResult r = RunWeightd(
+        {"load", path, "--json", "--checksum", "--socket-dir", dir_.Join("no-daemon-here")});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    auto j = json::parse(r.out);
+    EXPECT_EQ(j["source"], "disk");
+    return j["checksum"];
+  }
+
+  json Status() {
+    CommandResult r = Run({"status", "--json"});
+    EXPECT_EQ(r.exit_code, 0) << r.err;
+    return r.exit_code == 0 ? json::parse(r.out) : json::object();
+  }
+
+  void Preload(const std::string& path, std::vector<std::string> extra = {}) {
+    std::vector<std::string> args = {"preload", path};
+    args.insert(args.end(), extra.begin(), extra.end());
+    CommandResult r = Run(args);
+    ASSERT_EQ(r.exit_code, 0) << r.err;
+  }
+
+  int TotalLeases() {
+    int n = 0;
+    const json status = Status();
+    for (const auto& m : status["models"]) n += m["leases"].get<int>();
+    return n;
+  }
+
+  TempDir dir_;
+  std::string sock_;
+};
+
+TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
+  const std::string a = MakeModel("a"), b = MakeModel("b", /*finetune=*/true);
+  auto daemon = StartDaemon();
+  Preload(a);
+
+  json warm = Load(a);
+  EXPECT_EQ(warm["source"], "daemon") << warm.dump();
+  EXPECT_EQ(warm["checksum"], DiskChecksum(a));
+
+  // The stale-weights case: same layout, other values.
+  json other = Load(b);
+  EXPECT_EQ(other["source"], "disk") << other.dump();
+  EXPECT_EQ(other["mismatch"], json::array({"checkpoint"})) << other.dump();
+  EXPECT_EQ(other["checksum"], DiskChecksum(b));
+  EXPECT_NE(other["checksum"], warm["checksum"]);
+  EXPECT_NE(daemon->err().find("acquire miss"), std::string::npos) << daemon->err();
+  EXPECT_NE(daemon->err().find("checkpoint: daemon has"), std::string::npos) << daemon->err();
+
+  // --no-fallback turns the miss into an error naming the field.
+  CommandResult strict = Run({"load", b, "--no-fallback"});
+  EXPECT_EQ(strict.exit_code, 1);
+  EXPECT_NE(strict.err.find("checkpoint: daemon has"), std::string::npos) << strict.err;
+
+  // Copy mode gives the same bytes and no lease.
+  json copied = Load(a, {"--mode", "copy"});
+  EXPECT_EQ(copied["source"], "daemon");
+  EXPECT_EQ(copied["checksum"], warm["checksum"]);
+  EXPECT_EQ(TotalLeases(), 0);
+}
+
+TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
+  const std::string a = MakeModel("a");
+  const std::string copy = dir_.Join("elsewhere/copy");
+  std::filesystem::create_directories(dir_.Join("elsewhere"));
+  std::filesystem::copy(a, copy);
+  auto daemon = StartDaemon();
+  Preload(a);
+  json j = Load(copy);
+  EXPECT_EQ(j["source"], "daemon") << j.dump();
+}
+
+TEST_F(DaemonTest, OtherProcessingIsAMissThatNamesTheField) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  Preload(a);
+  // Processing is not built yet: the request is refused before any daemon
+  // lookup, naming the flag.
+  CommandResult r = Run({"load", a, "--tp-size", "2"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("--tp-size"), std::string::npos) << r.err;
+}
+
+TEST_F(DaemonTest, EngineKeepsItsWeightsWhenTheDaemonIsKilled) {
+  const std::string a = MakeModel("a");
+  const std::string expected = DiskChecksum(a);
+  auto daemon = StartDaemon();
+  Preload(a);
+  Process engine({"load", a, "--checksum", "--hold", "3", "--socket-dir", sock_});
+  ASSERT_TRUE(engine.WaitForOutput("checksum: ")) << engine.err();
+  EXPECT_NE(engine.out().find("source: daemon"), std::string::npos) << engine.out();
+  ASSERT_TRUE(Eventually([&] { return TotalLeases() == 1; }));
+  daemon->Signal(SIGKILL);
+  daemon->Wait();
+  EXPECT_EQ(engine.Wait(), 0) << engine.err();
+  EXPECT_NE(engine.out().find("checksum after hold: " + expected), std::string::npos)
+      << engine.out();
+
+  // A new daemon takes over the directory and its stale socket.
+  auto second = StartDaemon();
+  EXPECT_EQ(Status()["models"].size(), 0u);
+}
+
+TEST_F(DaemonTest, KilledEngineReleasesItsLease) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  Preload(a);
+  Process engine({"load", a, "--hold", "60", "--socket-dir", sock_});
+  ASSERT_TRUE(engine.WaitForOutput("source: daemon")) << engine.err();
+  ASSERT_TRUE(Eventually([&] { return TotalLeases() == 1; }));
+  engine.Signal(SIGKILL);
+  engine.Wait();
+  EXPECT_TRUE(Eventually([&] { return TotalLeases() == 0; })) << Status().dump();
+}
+
+TEST_F(DaemonTest, SecondDaemonOnTheSameDirectoryExitsNamingTheFirst) {
+  auto daemon = StartDaemon();
+  CommandResult r = RunWeightd({"serve", "--socket-dir", sock_});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("pid " + std::to_string(daemon->pid())), std::string::npos) << r.err;
+  EXPECT_EQ(Status()["models"].size(), 0u);  // the first still serves
+}
+
+TEST_F(DaemonTest, SocketDirectoryMustBeOursAlone) {
+  ::mkdir(sock_.c_str(), 0755);
+  CommandResult loose = RunWeightd({"serve", "--socket-dir", sock_});
+  EXPECT_EQ(loose.exit_code, 1);
+  EXPECT_NE(loose.err.find("must be 0700"), std::string::npos) << loose.err;
+  const std::string link = dir_.Join("link");
+  ::chmod(sock_.c_str(), 0700);
+  ASSERT_EQ(::symlink(sock_.c_str(), link.c_str()), 0);
+  CommandResult linked = RunWeightd({"serve", "--socket-dir", link});
+  EXPECT_EQ(linked.exit_code, 1);
+  EXPECT_NE(linked.err.find("symlink"), std::string::npos) << linked.err;
+}
+
+TEST_F(DaemonTest, SigtermRemovesTheSocket) {
+  auto daemon = StartDaemon();
+  struct stat st;
+  ASSERT_EQ(::stat((sock_ + "/weightd.sock").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->Wait(), 0) << daemon->err();
+  EXPECT_NE(::stat((sock_ + "/weightd.sock").c_str(), &st), 0);
+}
+
+// Raw bytes on the daemon's socket, as a hostile or broken peer sends them.
+class RawPeer {
+ public:
+  explicit RawPeer(const std::string& socket_path) {
+    fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::snprintf(addr.sun_path, sizeof addr.sun_path, "%s", socket_path.c_str());
+    connected_ = ::connect(fd_, reinterpret_cast<sockaddr*>(&addr), sizeof addr) == 0;
+  }
+  ~RawPeer() { ::close(fd_); }
+  bool connected() const { return connected_; }
+  void Send(const std::string& bytes, int fds = 0) {
+    iovec iov{const_cast<char*>(bytes.data()), bytes.size()};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+    std::vector<int> opened;
+    if (fds > 0) {
+      msg.msg_control = control;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * static_cast<size_t>(fds));
+      cmsghdr* c = CMSG_FIRSTHDR(&msg);
+      c->cmsg_level = SOL_SOCKET;
+      c->cmsg_type = SCM_RIGHTS;
+      c->cmsg_len = CMSG_LEN(sizeof(int) * static_cast<size_t>(fds));
+      for (int i = 0; i < fds; ++i) {
+        opened.push_back(::open("/dev/null", O_RDONLY));
+        std::memcpy(CMSG_DATA(c) + i * sizeof(int), &opened.back(), sizeof(int));
+      }
+    }
+    (void)::sendmsg(fd_, &msg, MSG_NOSIGNAL);
+    for (int f : opened) ::close(f);
+  }
+  void ShutdownWrite() { ::shutdown(fd_, SHUT_WR); }
+  // Everything the daemon sends until it closes the connection.
+  std::string ReadUntilClosed() {
+    std::string all;
+    char buf[4096];
+    for (ssize_t n; (n = ::read(fd_, buf, sizeof buf)) > 0;) all.append(buf, static_cast<size_t>(n));
+    return all;
+  }
+
+ private:
+  int fd_ = -1;
+  bool connected_ = false;
+};
+
+TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  Preload(a);
+  const std::string path = sock_ + "/weightd.sock";
+  const std::string body = R"({"type":"status"})";
+  struct Case {
+    const char* what;
+    std::string bytes;
+    int fds;
+    bool half_close;
+  };
+  const std::vector<Case> cases = {
+      {"garbage", "this is not a frame at all", 0, false},
+      {"oversized", protocol::FrameHeader(1u << 30, 0), 0, false},
+      {"truncated body", protocol::FrameHeader(100, 0) + "{\"ty", 0, true},
+      {"truncated header", std::string("WDP1\x01\0", 6), 0, true},
+      {"wrong version", protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0, 99) + body,
+       0, false},
+      {"descriptor not announced", protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) +
+                                       body,
+       1, false},
+      {"too many descriptors", protocol::FrameHeader(static_cast<uint32_t>(body.size()), 1) + body,
+       3, false},
+      {"not json", protocol::FrameHeader(5, 0) + "{{{{{", 0, false},
+      {"no type", protocol::FrameHeader(2, 0) + "{}", 0, false},
+      {"unknown request", protocol::FrameHeader(19, 0) + R"({"type":"launch!!"})", 0, false},
+      {"bad key", protocol::FrameHeader(30, 0) + R"({"type":"acquire","key":[1,2]})", 0, false},
+  };
+  // Someone else is attached all along and must not notice.
+  Process engine({"load", a, "--checksum", "--hold", "5", "--socket-dir", sock_});
+  ASSERT_TRUE(engine.WaitForOutput("source: daemon")) << engine.err();
+  for (const Case& c : cases) {
+    RawPeer peer(path);
+    ASSERT_TRUE(peer.connected());
+    peer.Send(c.bytes, c.fds);
+    if (c.half_close) peer.ShutdownWrite();
+    const std::string reply = peer.ReadUntilClosed();  // the daemon closes: we get here at all
+    if (!c.half_close) EXPECT_NE(reply.find("error"), std::string::npos) << c.what;
+    EXPECT_EQ(Status()["models"].size(), 1u) << c.what;
+  }
+  EXPECT_EQ(engine.Wait(), 0) << engine.err();
+  EXPECT_EQ(TotalLeases(), 0);
+}
+
+TEST_F(DaemonTest, SixtyFourEnginesAtOnceGetTheSameBytes) {
+  const std::string a = MakeModel("a");
+  const std::string expected = DiskChecksum(a);
+  auto daemon = StartDaemon();
+  Preload(a);
+  std::vector<std::unique_ptr<Process>> engines;
+  for (int i = 0; i < 64; ++i) {
+    engines.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"load", a, "--json", "--checksum", "--socket-dir", sock_}));
+  }
+  for (auto& e : engines) {
+    ASSERT_EQ(e->Wait(), 0) << e->err();
+    json j = json::parse(e->out());
+    EXPECT_EQ(j["source"], "daemon") << j.dump();
+    EXPECT_EQ(j["checksum"], expected);
+  }
+}
+
+TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
+  const std::string a = MakeModel("a"), b = MakeModel("b", true), c = MakeModel("c");
+  uint64_t model_bytes = 0;
+  for (const auto& f : std::filesystem::directory_iterator(a)) model_bytes += f.file_size();
+  // Room for one model (a segment rounds up to 2 MiB at most) but not two.
+  const uint64_t budget = model_bytes * 16 / 10 + (4 << 20);
+  auto daemon = StartDaemon({"--budget", "host=" + std::to_string(budget)});
+  Preload(a);
+  CommandResult second = Run({"preload", b});
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  EXPECT_NE(second.out.find("evicted to make room"), std::string::npos) << second.out;
+  json s = Status();
+  ASSERT_EQ(s["models"].size(), 1u);
+  EXPECT_NE(s["models"][0]["path"].get<std::string>().find("/b"), std::string::npos);
+  EXPECT_NE(daemon->err().find("evicted"), std::string::npos);
+
+  // b is leased: no room for c.
+  Process engine({"load", b, "--hold", "60", "--socket-dir", sock_});
+  ASSERT_TRUE(engine.WaitForOutput("source: daemon")) << engine.err();
+  CommandResult third = Run({"preload", c});
+  EXPECT_EQ(third.exit_code, 1);
+  EXPECT_NE(third.err.find("out of budget"), std::string::npos) << third.err;
+  EXPECT_EQ(Status()["models"].size(), 1u);
+}
+
+TEST_F(DaemonTest, TruncatedCheckpointPublishesNothing) {
+  const std::string a = MakeModel("a");
+  const std::string shard = a + "/model-00001-of-00004.safetensors";
+  std::filesystem::resize_file(shard, std::filesystem::file_size(shard) - 100);
+  auto daemon = StartDaemon();
+  CommandResult r = Run({"preload", a});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("model-00001-of-00004.safetensors"), std::string::npos) << r.err;
+  EXPECT_EQ(Status()["models"].size(), 0u);
+  EXPECT_EQ(Status()["devices"][0]["reserved"], 0);
+}
+
+TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
+  const std::string a = MakeModel("a"), b = MakeModel("b", true);
+  auto daemon = StartDaemon();
+  Preload(a, {"--pin", "prod"});
+  // b differs in content; trusted, it is served a's weights, and says so.
+  CommandResult r = Run({"load", b, "--trust", "prod", "--json", "--checksum"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  json j = json::parse(r.out);
+  EXPECT_EQ(j["source"], "daemon");
+  EXPECT_EQ(j["checksum"], DiskChecksum(a));
+  EXPECT_NE(r.err.find("TRUSTING"), std::string::npos) << r.err;
+  EXPECT_NE(daemon->err().find("TRUSTED"), std::string::npos);
+  // Other fields are still checked; an unknown name is a miss.
+  json unknown = Load(a, {"--trust", "staging"});
+  EXPECT_EQ(unknown["source"], "disk");
+}
+
+TEST_F(DaemonTest, PeerWithAnotherUidIsRefusedAndOthersAreServed) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to run the daemon as another user";
+  if (::access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "setpriv is not installed";
+  // The daemon runs as nobody, in a directory nobody owns; root can reach
+  // the socket (it ignores the 0700) and is the peer to refuse.
+  const std::string home = dir_.Join("nobody");
+  ::mkdir(home.c_str(), 0700);
+  ASSERT_EQ(::chown(home.c_str(), 65534, 65534), 0);
+  ::chmod(dir_.path().c_str(), 0755);
+  const std::string socket_dir = home + "/sock";
+  const std::vector<std::string> as_nobody = {"setpriv", "--reuid=65534", "--regid=65534",
+                                              "--clear-groups"};
+  ::setenv("WEIGHTD_CACHE_DIR", (home + "/cache").c_str(), 1);
+  Process daemon({"serve", "--socket-dir", socket_dir}, as_nobody);
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  CommandResult refused = RunWeightd({"status", "--socket-dir", socket_dir});
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_NE(refused.err.find("refused"), std::string::npos) << refused.err;
+  EXPECT_NE(daemon.err().find("uid 0"), std::string::npos) << daemon.err();
+  Process own({"status", "--json", "--socket-dir", socket_dir}, as_nobody);
+  EXPECT_EQ(own.Wait(), 0) << own.err();
+  EXPECT_NE(own.out().find("\"models\""), std::string::npos) << own.out();
+}
+
+}  // namespace
+}  // namespace weightd

@@ -1,0 +1,211 @@
+// Segments, manifests, the cache key, the wire, and the loader, in process.
+#include <gtest/gtest.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <csignal>
+#include <cstring>
+
+#include "fingerprint/fingerprint.h"
+#include "format/checkpoint.h"
+#include "format/synthetic.h"
+#include "io/file.h"
+#include "loader/loader.h"
+#include "memory/manifest.h"
+#include "memory/segment.h"
+#include "protocol/cache_key.h"
+#include "protocol/channel.h"
+#include "test_util.h"
+
+namespace weightd {
+namespace {
+
+using testing::TempDir;
+
+TEST(HostSegment, SealedSegmentsAreReadOnlyEverywhere) {
+  auto seg = memory::CreateHostSegment(10000, "test");
+  ASSERT_TRUE(seg.ok()) << seg.error().message();
+  auto w = (*seg)->writable();
+  ASSERT_EQ(w.size(), 10000u);
+  std::memset(w.data(), 7, w.size());
+  EXPECT_FALSE((*seg)->Export().ok());  // not before sealing
+  ASSERT_TRUE((*seg)->Seal().ok());
+  EXPECT_TRUE((*seg)->writable().empty());
+  auto fd = (*seg)->Export();
+  ASSERT_TRUE(fd.ok());
+  // The descriptor refuses writes and resizing.
+  const char x = 1;
+  EXPECT_EQ(::pwrite(fd->get(), &x, 1, 0), -1);
+  EXPECT_NE(::ftruncate(fd->get(), 0), 0);
+  EXPECT_EQ(::mmap(nullptr, 4096, PROT_READ | PROT_WRITE, MAP_SHARED, fd->get(), 0), MAP_FAILED);
+  auto map = memory::MapHostSegment(*fd, 10000);
+  ASSERT_TRUE(map.ok()) << map.error().message();
+  EXPECT_EQ((*map)->bytes()[9999], std::byte{7});
+  EXPECT_FALSE(memory::MapHostSegment(*fd, 1 << 30).ok());  // more than it holds
+}
+
+TEST(HostSegment, UnsealedDescriptorsAreRefused) {
+  memory::UniqueFd fd(::memfd_create("loose", MFD_CLOEXEC));
+  ASSERT_TRUE(fd.valid());
+  ASSERT_EQ(::ftruncate(fd.get(), 4096), 0);
+  auto map = memory::MapHostSegment(fd, 4096);
+  ASSERT_FALSE(map.ok());
+  EXPECT_NE(map.error().message().find("not sealed"), std::string::npos);
+}
+
+TEST(HostSegment, WritingThroughAMappingFaults) {
+  auto seg = memory::CreateHostSegment(4096, "test");
+  ASSERT_TRUE(seg.ok());
+  ASSERT_TRUE((*seg)->Seal().ok());
+  auto fd = (*seg)->Export();
+  auto map = memory::MapHostSegment(*fd, 4096);
+  ASSERT_TRUE(map.ok());
+  const pid_t child = ::fork();
+  if (child == 0) {
+    ::signal(SIGSEGV, SIG_DFL);  // not the sanitizer's report: the plain fault
+    const_cast<std::byte*>((*map)->bytes().data())[0] = std::byte{1};
+    ::_exit(0);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  ASSERT_TRUE(WIFSIGNALED(status)) << "a write into a sealed mapping went through";
+  EXPECT_EQ(WTERMSIG(status), SIGSEGV);
+}
+
+TEST(Manifest, RoundTripsAndAlignsEveryTensor) {
+  std::vector<memory::TensorLayout> tensors = {
+      {"b", "BF16", {3, 5}, 30, 0}, {"a", "F32", {}, 4, 0}, {"c", "U8", {7}, 7, 0}};
+  auto plan = memory::PlanSegment(tensors);
+  ASSERT_TRUE(plan.ok());
+  std::vector<std::byte> seg(plan->total_bytes + 4096);
+  // Page-aligned, as a mapping is.
+  std::byte* base = reinterpret_cast<std::byte*>(
+      (reinterpret_cast<uintptr_t>(seg.data()) + 4095) / 4096 * 4096);
+  std::span<std::byte> view(base, plan->total_bytes);
+  memory::WriteManifest(*plan, view);
+  auto m = memory::ReadManifest(view);
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  ASSERT_EQ(m->tensors.size(), 3u);
+  EXPECT_EQ(m->tensors[0].name, "a");
+  EXPECT_EQ(m->tensors[1].dtype, "BF16");
+  EXPECT_EQ(std::vector<uint64_t>(m->tensors[1].shape.begin(), m->tensors[1].shape.end()),
+            (std::vector<uint64_t>{3, 5}));
+  for (const auto& t : m->tensors) EXPECT_EQ(t.offset % memory::kTensorAlignment, 0u);
+  EXPECT_FALSE(memory::PlanSegment({{"x", "F32", {}, 4, 0}, {"x", "F32", {}, 4, 0}}).ok());
+}
+
+TEST(Manifest, CorruptTablesAreErrorsNotCrashes) {
+  auto plan = memory::PlanSegment({{"w", "F32", {2}, 8, 0}});
+  ASSERT_TRUE(plan.ok());
+  std::vector<uint64_t> words(plan->total_bytes / 8 + 1);
+  std::span<std::byte> seg(reinterpret_cast<std::byte*>(words.data()), plan->total_bytes);
+  memory::WriteManifest(*plan, seg);
+  ASSERT_TRUE(memory::ReadManifest(seg).ok());
+  // Every 8-byte word of the header and the record, set to huge values.
+  for (size_t word = 1; word < (64 + 56) / 8; ++word) {
+    std::vector<std::byte> broken(seg.begin(), seg.end());
+    std::vector<uint64_t> aligned(broken.size() / 8 + 1);
+    std::memcpy(aligned.data(), broken.data(), broken.size());
+    aligned[word] = ~0ull - 3;
+    auto m = memory::ReadManifest(
+        std::span(reinterpret_cast<const std::byte*>(aligned.data()), broken.size()));
+    EXPECT_FALSE(m.ok()) << "word " << word;
+  }
+  EXPECT_FALSE(memory::ReadManifest(seg.first(10)).ok());
+}
+
+TEST(CacheKey, DifferencesAreNamedAndTrustSkipsOnlyTheContent) {
+  protocol::CacheKey held = protocol::MakeKey("xxh3-128:aa", {});
+  protocol::CacheKey wanted = held;
+  EXPECT_TRUE(protocol::Compare(held, wanted).empty());
+  wanted.checkpoint = "xxh3-128:bb";
+  wanted.tp_rank = 1;
+  auto diff = protocol::Compare(held, wanted);
+  ASSERT_EQ(diff.size(), 2u);
+  EXPECT_EQ(diff[0].Describe(), "checkpoint: daemon has xxh3-128:aa, engine wants xxh3-128:bb");
+  EXPECT_EQ(diff[1].Describe(), "tp_rank: daemon has 0, engine wants 1");
+  EXPECT_EQ(protocol::Compare(held, wanted, /*skip_checkpoint=*/true).size(), 1u);
+  auto back = protocol::KeyFromJson(protocol::ToJson(wanted));
+  ASSERT_TRUE(back.ok());
+  EXPECT_EQ(*back, wanted);
+  auto j = protocol::ToJson(wanted);
+  j["tp_size"] = "two";
+  EXPECT_FALSE(protocol::KeyFromJson(j).ok());
+  j.erase("tp_size");
+  EXPECT_FALSE(protocol::KeyFromJson(j).ok());
+}
+
+TEST(Channel, CarriesMessagesAndOneDescriptor) {
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+  protocol::Channel a{memory::UniqueFd(fds[0])}, b{memory::UniqueFd(fds[1])};
+  auto seg = memory::CreateHostSegment(4096, "test");
+  ASSERT_TRUE(seg.ok());
+  (*seg)->writable()[0] = std::byte{42};
+  ASSERT_TRUE((*seg)->Seal().ok());
+  auto handle = (*seg)->Export();
+  ASSERT_TRUE(a.Send({{"type", "acquired"}, {"bytes", 4096}}, &*handle).ok());
+  ASSERT_TRUE(a.Send({{"type", "status"}}).ok());
+  auto m = b.Receive(1000);
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->type(), "acquired");
+  ASSERT_EQ(m->fds.size(), 1u);
+  auto map = memory::MapHostSegment(m->fds[0], 4096);
+  ASSERT_TRUE(map.ok());
+  EXPECT_EQ((*map)->bytes()[0], std::byte{42});
+  auto second = b.Receive(1000);
+  ASSERT_TRUE(second.ok());
+  EXPECT_TRUE(second->fds.empty());
+  EXPECT_FALSE(b.Receive(50).ok());  // nothing more: a timeout, not a hang
+}
+
+TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
+  TempDir dir;
+  const std::string path = dir.Join("m");
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 4 << 20})
+                  .ok());
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, {.max_inflight = 4,
+                                                                    .chunk_bytes = 4096});
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message();
+  auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, {});
+  ASSERT_TRUE(fp.ok());
+  EXPECT_EQ(loaded->checkpoint_digest, fp->digest);
+  EXPECT_EQ(loaded->tensors, fp->tensors);
+
+  auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), path);
+  ASSERT_TRUE(ckpt.ok());
+  auto m = memory::ReadManifest(loaded->segment->readable());
+  ASSERT_TRUE(m.ok());
+  for (const auto& shard : ckpt->shards) {
+    auto bytes = testing::ReadFileBytes(shard.path);
+    for (const auto& t : shard.header.tensors) {
+      auto it = std::find_if(m->tensors.begin(), m->tensors.end(),
+                             [&](const memory::TensorRecord& r) { return r.name == t.name; });
+      ASSERT_NE(it, m->tensors.end());
+      ASSERT_EQ(it->bytes, t.bytes());
+      EXPECT_EQ(std::memcmp(loaded->segment->readable().data() + it->offset,
+                            bytes.data() + shard.header.data_offset() + t.begin, t.bytes()),
+                0)
+          << t.name;
+    }
+  }
+}
+
+TEST(Loader, AnAllocationRefusedIsAnErrorAndNothingIsRead) {
+  TempDir dir;
+  const std::string path = dir.Join("m");
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(path, {.preset = "tiny"}).ok());
+  loader::LoadOptions o;
+  o.allocate = [](uint64_t) -> Result<std::unique_ptr<memory::Segment>> {
+    return Error("out of budget");
+  };
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_EQ(loaded.error().message(), "out of budget");
+}
+
+}  // namespace
+}  // namespace weightd
