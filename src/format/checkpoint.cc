@@ -155,7 +155,8 @@ Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_
     }
     entries.emplace_back(std::string(field.key), std::string(shard));
   }
-  std::sort(entries.begin(), entries.end());
+  // Index files are usually written sorted already.
+  if (!std::is_sorted(entries.begin(), entries.end())) std::sort(entries.begin(), entries.end());
   for (size_t i = 1; i < entries.size(); ++i) {
     if (entries[i].first == entries[i - 1].first) {
       return fail("tensor `" + entries[i].first + "` listed twice");
@@ -265,29 +266,59 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   return listing;
 }
 
+std::vector<std::pair<size_t, size_t>> TensorsByName(const std::vector<Shard>& shards) {
+  // A k-way merge: each header's tensors are already sorted by name.
+  using Cursor = std::pair<size_t, size_t>;  // shard, position
+  auto name = [&](const Cursor& c) -> const std::string& {
+    return shards[c.first].header.tensors[c.second].name;
+  };
+  auto later = [&](const Cursor& a, const Cursor& b) { return name(b) < name(a); };
+  std::vector<Cursor> heap;
+  size_t total = 0;
+  for (size_t s = 0; s < shards.size(); ++s) {
+    total += shards[s].header.tensors.size();
+    if (!shards[s].header.tensors.empty()) heap.push_back({s, 0});
+  }
+  std::make_heap(heap.begin(), heap.end(), later);
+  std::vector<std::pair<size_t, size_t>> out;
+  out.reserve(total);
+  while (!heap.empty()) {
+    std::pop_heap(heap.begin(), heap.end(), later);
+    Cursor c = heap.back();
+    heap.pop_back();
+    out.push_back(c);
+    if (++c.second < shards[c.first].header.tensors.size()) {
+      heap.push_back(c);
+      std::push_heap(heap.begin(), heap.end(), later);
+    }
+  }
+  return out;
+}
+
 Status CheckAcrossShards(
     const std::string& path, const std::vector<Shard>& shards,
     const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map) {
+  auto name = [&](const std::pair<size_t, size_t>& t) -> const std::string& {
+    return shards[t.first].header.tensors[t.second].name;
+  };
   // A tensor name may appear in one shard only.
-  std::vector<std::pair<std::string_view, size_t>> all;
-  for (size_t s = 0; s < shards.size(); ++s) {
-    for (const TensorInfo& t : shards[s].header.tensors) all.emplace_back(t.name, s);
-  }
-  std::sort(all.begin(), all.end());
+  const std::vector<std::pair<size_t, size_t>> all = TensorsByName(shards);
   for (size_t i = 1; i < all.size(); ++i) {
-    if (all[i].first == all[i - 1].first) {
-      return Error(path + ": tensor `" + std::string(all[i].first) +
+    if (name(all[i]) == name(all[i - 1])) {
+      return Error(path + ": tensor `" + name(all[i]) +
                    "`: " + std::string(rules::kTensorInTwoShards) + " (" +
-                   shards[all[i - 1].second].name + " and " + shards[all[i].second].name + ")");
+                   shards[all[i - 1].first].name + " and " + shards[all[i].first].name + ")");
     }
   }
 
+  // Each tensor the index maps is in the shard it names: both lists are
+  // sorted by tensor name, so one walk checks them all.
   if (weight_map) {
     const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
+    size_t at = 0;
     for (const auto& [tensor, shard_name] : *weight_map) {
-      auto it = std::lower_bound(shards.begin(), shards.end(), shard_name,
-                                 [](const Shard& s, const std::string& n) { return s.name < n; });
-      if (it == shards.end() || it->name != shard_name || it->header.Find(tensor) == nullptr) {
+      while (at < all.size() && name(all[at]) < tensor) ++at;
+      if (at == all.size() || name(all[at]) != tensor || shards[all[at].first].name != shard_name) {
         return Error(index_path + ": tensor `" + tensor +
                      "`: " + std::string(rules::kIndexTensorMissing) + " (" + shard_name + ")");
       }

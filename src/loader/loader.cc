@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
+#include <mutex>
 #include <optional>
 
 #include "fingerprint/fingerprint.h"
@@ -56,6 +58,81 @@ Status ReadHead(io::FileSystem& fs, const format::ShardRef& ref, OpenShard& out)
   return OkStatus();
 }
 
+// Tensors below this size are read in runs through a buffer.
+constexpr uint64_t kSmallTensorBytes = 256 << 10;
+constexpr uint64_t kRunBytes = 1 << 20;
+
+// One read: a chunk of a big tensor into the segment at `dst_offset`, or
+// (with pieces) a run of small tensors, each copied to its place.
+struct ReadJob {
+  size_t shard;
+  uint64_t file_offset;
+  uint64_t bytes;
+  uint64_t dst_offset;  // direct reads only
+  struct Piece {
+    uint64_t run_offset;
+    uint64_t bytes;
+    uint64_t dst_offset;
+  };
+  std::vector<Piece> pieces;
+};
+
+Status RunJobs(const std::vector<ReadJob>& jobs, const std::vector<OpenShard>& shards,
+               std::span<std::byte> dst, uint64_t total, const LoadOptions& options,
+               io::ReadStats* stats) {
+  std::atomic<size_t> next{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;  // guards error, progress and stats
+  std::optional<Error> error;
+  uint64_t done = 0, reported = 0;
+  const int workers = static_cast<int>(
+      std::min<size_t>(jobs.size(), static_cast<size_t>(std::max(options.max_inflight, 1))));
+  io::RunTeam(workers, [&](int) {
+    // Not zeroed: every byte used is read first.
+    std::unique_ptr<std::byte[]> buffer;
+    uint64_t buffer_bytes = 0;
+    for (size_t i; !failed.load() && (i = next.fetch_add(1)) < jobs.size();) {
+      const ReadJob& job = jobs[i];
+      const io::RandomAccessFile& file = *shards[job.shard].file;
+      Status read;
+      uint64_t useful = job.bytes;
+      if (job.pieces.empty()) {
+        read = file.ReadExactly(job.file_offset, dst.subspan(static_cast<size_t>(job.dst_offset),
+                                                             static_cast<size_t>(job.bytes)));
+      } else {
+        if (buffer_bytes < job.bytes) {
+          buffer.reset(new std::byte[job.bytes]);
+          buffer_bytes = job.bytes;
+        }
+        read = file.ReadExactly(job.file_offset,
+                                std::span(buffer.get(), static_cast<size_t>(job.bytes)));
+        useful = 0;
+        for (const ReadJob::Piece& p : job.pieces) {
+          if (!read.ok()) break;
+          std::memcpy(dst.data() + p.dst_offset, buffer.get() + p.run_offset,
+                      static_cast<size_t>(p.bytes));
+          useful += p.bytes;
+        }
+      }
+      std::lock_guard lock(mu);
+      if (!read.ok()) {
+        if (!error) error = read.error();
+        failed.store(true);
+        return;
+      }
+      ++stats->reads;
+      stats->bytes += job.bytes;
+      done += useful;
+      if (options.progress && (done - reported >= kProgressBatchBytes || done == total)) {
+        reported = done;
+        options.progress(done, total);
+      }
+    }
+  });
+  if (error) return *error;
+  return OkStatus();
+}
+
 Result<std::unique_ptr<memory::Segment>> DefaultAllocate(uint64_t bytes, const std::string& name) {
   return memory::CreateHostSegment(bytes, name);
 }
@@ -79,29 +156,35 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   for (auto& e : errors) {
     if (e) return *e;
   }
-  {
-    std::vector<format::Shard> headers;
-    for (const OpenShard& s : shards) headers.push_back(s.shard);
-    WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map));
-  }
 
-  // The segment's layout: every tensor of every shard, by name.
-  std::vector<memory::TensorLayout> layout;
+  // The segment's layout: every tensor of every shard, by name. order[i] is
+  // where plan.tensors[i] comes from.
+  std::vector<format::Shard> headers;
+  headers.reserve(shards.size());
+  for (OpenShard& s : shards) headers.push_back(std::move(s.shard));
+  WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map));
   struct Source {
     size_t shard;
-    uint64_t file_offset;
+    size_t tensor;
   };
-  std::vector<std::pair<std::string, Source>> sources;
-  for (size_t s = 0; s < shards.size(); ++s) {
-    const format::ShardHeader& h = shards[s].shard.header;
-    for (const format::TensorInfo& t : h.tensors) {
-      layout.push_back({t.name, std::string(format::DTypeName(t.dtype)), t.shape, t.bytes(), 0});
-      sources.push_back({t.name, {s, h.data_offset() + t.begin}});
-    }
+  std::vector<Source> order;
+  for (const auto& [s, t] : format::TensorsByName(headers)) order.push_back({s, t});
+  auto info = [&](const Source& src) -> const format::TensorInfo& {
+    return headers[src.shard].header.tensors[src.tensor];
+  };
+  std::vector<memory::TensorLayout> layout;
+  layout.reserve(order.size());
+  for (const Source& src : order) {
+    const format::TensorInfo& t = info(src);
+    layout.push_back({t.name, std::string(format::DTypeName(t.dtype)), t.shape, t.bytes(), 0});
   }
-  std::sort(sources.begin(), sources.end(),
-            [](const auto& a, const auto& b) { return a.first < b.first; });
   WEIGHTD_ASSIGN_OR_RETURN(memory::SegmentPlan plan, memory::PlanSegment(std::move(layout)));
+  // Where each shard's tensors (header order) went in the segment.
+  std::vector<std::vector<uint64_t>> placed(shards.size());
+  for (size_t s = 0; s < shards.size(); ++s) placed[s].resize(headers[s].header.tensors.size());
+  for (size_t i = 0; i < order.size(); ++i) {
+    placed[order[i].shard][order[i].tensor] = plan.tensors[i].offset;
+  }
 
   auto allocated = options.allocate ? options.allocate(plan.total_bytes)
                                     : DefaultAllocate(plan.total_bytes, options.segment_name);
@@ -111,40 +194,53 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   std::span<std::byte> dst = segment->writable();
   memory::WriteManifest(plan, dst);
 
-  // Every tensor's bytes, straight into place.
-  std::vector<io::ReadRequest> requests;
+  // Every tensor's bytes, straight into place: big tensors in chunks read
+  // directly into the segment; runs of small neighbours (in file order) in
+  // one read through a small per-worker buffer, since one read per small
+  // tensor costs more than the copy.
+  std::vector<ReadJob> jobs;
   uint64_t total = 0;
-  for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    const memory::TensorLayout& t = plan.tensors[i];
-    const Source& from = sources[i].second;
-    for (uint64_t at = 0; at < t.bytes; at += options.chunk_bytes) {
-      const uint64_t n = std::min(options.chunk_bytes, t.bytes - at);
-      requests.push_back({shards[from.shard].file.get(), from.file_offset + at,
-                          dst.subspan(static_cast<size_t>(t.offset + at), static_cast<size_t>(n))});
+  for (const memory::TensorLayout& t : plan.tensors) total += t.bytes;
+  for (size_t s = 0; s < shards.size(); ++s) {
+    const format::ShardHeader& h = headers[s].header;
+    std::vector<size_t> by_offset(h.tensors.size());
+    for (size_t t = 0; t < by_offset.size(); ++t) by_offset[t] = t;
+    std::sort(by_offset.begin(), by_offset.end(),
+              [&](size_t a, size_t b) { return h.tensors[a].begin < h.tensors[b].begin; });
+    for (size_t k = 0; k < by_offset.size();) {
+      const format::TensorInfo& t = h.tensors[by_offset[k]];
+      if (t.bytes() >= kSmallTensorBytes) {
+        for (uint64_t at = 0; at < t.bytes(); at += options.chunk_bytes) {
+          jobs.push_back({s,
+                          h.data_offset() + t.begin + at,
+                          std::min(options.chunk_bytes, t.bytes() - at),
+                          placed[s][by_offset[k]] + at,
+                          {}});
+        }
+        ++k;
+        continue;
+      }
+      ReadJob run{s, h.data_offset() + t.begin, 0, 0, {}};
+      while (k < by_offset.size()) {
+        const format::TensorInfo& small = h.tensors[by_offset[k]];
+        const uint64_t end = h.data_offset() + small.end;
+        if (small.bytes() >= kSmallTensorBytes || end - run.file_offset > kRunBytes) break;
+        run.pieces.push_back({h.data_offset() + small.begin - run.file_offset, small.bytes(),
+                              placed[s][by_offset[k]]});
+        run.bytes = end - run.file_offset;
+        ++k;
+      }
+      jobs.push_back(std::move(run));
     }
-    total += t.bytes;
   }
   io::ReadStats stats;
-  uint64_t done = 0;
-  for (size_t begin = 0; begin < requests.size();) {
-    size_t end = begin;
-    uint64_t batch = 0;
-    while (end < requests.size() && (end == begin || batch < kProgressBatchBytes)) {
-      batch += requests[end].dst.size();
-      ++end;
-    }
-    WEIGHTD_RETURN_IF_ERROR(io::ReadMany(std::span(requests).subspan(begin, end - begin),
-                                         {.max_inflight = options.max_inflight}, &stats));
-    done += batch;
-    if (options.progress) options.progress(done, total);
-    begin = end;
-  }
+  WEIGHTD_RETURN_IF_ERROR(RunJobs(jobs, shards, dst, total, options, &stats));
 
   // The files must be what they were when their headers were read.
-  for (const OpenShard& s : shards) {
-    WEIGHTD_ASSIGN_OR_RETURN(io::StatSignature now, s.file->Stat());
-    if (!(now == s.signature)) {
-      return Error(s.shard.path + ": changed while being loaded; nothing was published");
+  for (size_t s = 0; s < shards.size(); ++s) {
+    WEIGHTD_ASSIGN_OR_RETURN(io::StatSignature now, shards[s].file->Stat());
+    if (!(now == shards[s].signature)) {
+      return Error(headers[s].path + ": changed while being loaded; nothing was published");
     }
   }
 
@@ -153,21 +249,20 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   std::vector<fingerprint::ShardFingerprint> digests;
   for (size_t s = 0; s < shards.size(); ++s) {
     std::vector<std::span<const std::byte>> samples;
-    for (const format::TensorInfo& t : shards[s].shard.header.tensors) {
-      auto it = std::lower_bound(
-          plan.tensors.begin(), plan.tensors.end(), t.name,
-          [](const memory::TensorLayout& l, const std::string& n) { return l.name < n; });
-      samples.push_back(dst.subspan(static_cast<size_t>(it->offset),
-                                    static_cast<size_t>(std::min(kSampleBytes, t.bytes()))));
+    const auto& tensors = headers[s].header.tensors;
+    for (size_t t = 0; t < tensors.size(); ++t) {
+      samples.push_back(
+          dst.subspan(static_cast<size_t>(placed[s][t]),
+                      static_cast<size_t>(std::min(kSampleBytes, tensors[t].bytes()))));
     }
     fingerprint::ShardFingerprint f;
-    f.name = shards[s].shard.name;
+    f.name = headers[s].name;
     f.digest = fingerprint::SampledShardDigest(
-        shards[s].shard.file_size,
+        headers[s].file_size,
         std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size())),
         samples);
     digests.push_back(std::move(f));
-    model.tensors += shards[s].shard.header.tensors.size();
+    model.tensors += headers[s].header.tensors.size();
   }
   model.checkpoint_digest = fingerprint::CombineSampledShards(digests);
   WEIGHTD_RETURN_IF_ERROR(segment->Seal());

@@ -5,7 +5,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <optional>
 
 #include "memory/segment.h"
 
@@ -82,10 +84,29 @@ Result<UniqueFd> MakeMemfd(const std::string& name, uint64_t bytes, bool huge) {
   UniqueFd fd(::memfd_create(name.c_str(), flags));
   if (!fd.valid()) return Error(Errno("memfd_create"));
   if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) return Error(Errno("ftruncate"));
-  if (::fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes)) != 0) {
-    return Error(Errno("cannot reserve " + std::to_string(bytes) + " bytes of memory"));
+  // Huge pages are a fixed pool: take them now, so a short pool falls back
+  // to normal pages here instead of failing halfway through the fill.
+  if (huge && ::fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes)) != 0) {
+    return Error(Errno("cannot reserve " + std::to_string(bytes) + " bytes of huge pages"));
   }
   return fd;
+}
+
+// MemAvailable from /proc/meminfo, in bytes; nullopt where it cannot be read.
+std::optional<uint64_t> AvailableMemory() {
+  FILE* f = std::fopen("/proc/meminfo", "r");
+  if (f == nullptr) return std::nullopt;
+  char line[256];
+  std::optional<uint64_t> out;
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) {
+      out = static_cast<uint64_t>(kib) * 1024;
+      break;
+    }
+  }
+  std::fclose(f);
+  return out;
 }
 
 }  // namespace
@@ -115,6 +136,15 @@ Result<UniqueFd> UniqueFd::Duplicate() const {
 Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::string& name,
                                                    const HostSegmentOptions& options) {
   if (size == 0) size = 1;  // an empty model still gets a mappable segment
+  // Normal pages are allocated as the fill touches them, by every reading
+  // thread at once (allocating them up front costs a single-threaded pass
+  // over the whole size). What would not fit in the memory the kernel says
+  // is available is refused now, with a message, rather than ending in the
+  // OOM killer halfway through.
+  if (auto available = AvailableMemory(); available && size > *available) {
+    return Error("cannot create a host segment of " + std::to_string(size) + " bytes: only " +
+                 std::to_string(*available) + " bytes of memory are available (MemAvailable)");
+  }
   const std::string label = "weightd:" + name;
   const long page = ::sysconf(_SC_PAGESIZE);
   bool huge = options.try_huge_pages && size >= kHugePageBytes;

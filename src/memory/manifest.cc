@@ -64,8 +64,10 @@ Error Corrupt(const std::string& why) { return Error("segment manifest is corrup
 }  // namespace
 
 Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors) {
-  std::sort(tensors.begin(), tensors.end(),
-            [](const TensorLayout& a, const TensorLayout& b) { return a.name < b.name; });
+  auto by_name = [](const TensorLayout& a, const TensorLayout& b) { return a.name < b.name; };
+  if (!std::is_sorted(tensors.begin(), tensors.end(), by_name)) {
+    std::sort(tensors.begin(), tensors.end(), by_name);
+  }
   SegmentPlan plan;
   uint64_t dims = 0, strings = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {

@@ -83,9 +83,9 @@ struct HostSegmentOptions {
   bool try_huge_pages = true;
 };
 
-// A memfd of `size` bytes, its memory reserved at once (fallocate), so that
-// running out of memory is an error here and not a SIGBUS while filling.
-// `name` shows in /proc/PID/maps, for whoever debugs.
+// A memfd of `size` bytes. A size beyond the memory the kernel reports
+// available is refused here with a message; pages are allocated as the fill
+// touches them. `name` shows in /proc/PID/maps, for whoever debugs.
 Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::string& name,
                                                    const HostSegmentOptions& options = {});
 

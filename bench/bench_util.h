@@ -1,0 +1,90 @@
+// What the benchmark programs share: dying with a message, medians, timing,
+// and running other programs (weightd itself, cp, dd) as child processes.
+#pragma once
+
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdlib>
+#include <iostream>
+#include <string>
+#include <vector>
+
+namespace bench {
+
+[[noreturn]] inline void Die(const std::string& program, const std::string& what) {
+  std::cerr << program << ": error: " << what << "\n";
+  std::exit(1);
+}
+
+inline double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[v.size() / 2];
+}
+
+// The p-th percentile (0..100), nearest rank.
+inline double Percentile(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  if (v.empty()) return 0;
+  size_t rank = static_cast<size_t>(p / 100.0 * static_cast<double>(v.size()) + 0.999999);
+  return v[std::clamp<size_t>(rank, 1, v.size()) - 1];
+}
+
+template <typename F>
+double TimeIt(F&& f) {
+  const auto start = std::chrono::steady_clock::now();
+  f();
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+// A child running argv, its stdout in a pipe; stderr goes to /dev/null
+// unless `keep_stderr`.
+struct Child {
+  pid_t pid = -1;
+  int out = -1;
+};
+
+inline Child Spawn(const std::vector<std::string>& argv, bool keep_stderr = false) {
+  int pipe_fds[2];
+  if (::pipe(pipe_fds) != 0) Die("bench", "pipe");
+  Child c;
+  c.pid = ::fork();
+  if (c.pid == 0) {
+    ::dup2(pipe_fds[1], 1);
+    ::close(pipe_fds[0]);
+    if (!keep_stderr) {
+      int null = ::open("/dev/null", O_WRONLY);
+      ::dup2(null, 2);
+    }
+    std::vector<char*> args;
+    std::vector<std::string> copy = argv;
+    for (auto& a : copy) args.push_back(a.data());
+    args.push_back(nullptr);
+    ::execvp(args[0], args.data());
+    ::_exit(127);
+  }
+  ::close(pipe_fds[1]);
+  c.out = pipe_fds[0];
+  return c;
+}
+
+// Waits for the child; its stdout, or death if it failed.
+inline std::string Finish(Child c, const std::string& what) {
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(c.out, buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  ::close(c.out);
+  int status = 0;
+  ::waitpid(c.pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) Die("bench", what + " failed");
+  return out;
+}
+
+inline std::string RunCapture(const std::vector<std::string>& argv) {
+  return Finish(Spawn(argv), argv[0]);
+}
+
+}  // namespace bench

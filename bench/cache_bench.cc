@@ -1,0 +1,260 @@
+// The resident weight cache against what an engine does without it, all in
+// one run on the same generated files. Writes a markdown section to stdout.
+//
+//   cache_bench WORKDIR --weightd BIN [--big-gb 8] [--repeats 5]
+//
+// 1. Warm attach (`weightd load`, zero_copy, from a running daemon) of a
+//    70,000-tensor many-tensors model and of 1 GB and 8 GB llama models,
+//    against a cold load of each from disk (the engine's fallback), page
+//    cache warm and evicted.
+// 2. Preload throughput (the daemon's loader filling a segment) against
+//    `cp` of the same files into /dev/shm, page cache warm and evicted with
+//    posix_fadvise(DONTNEED); `dd` to /dev/null beside.
+// 3. 64 engines attaching at once against one alone: p50 and p99.
+// Every figure is measured by the program doing the work (`seconds` in
+// weightd's JSON; wall time of cp and dd), so process start-up is left out
+// of weightd's numbers and included in cp's and dd's (about a millisecond).
+#include <fcntl.h>
+#include <signal.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+#include "format/synthetic.h"
+
+namespace {
+
+using namespace weightd;
+using nlohmann::json;
+namespace fs = std::filesystem;
+
+[[noreturn]] void Die(const std::string& what) { bench::Die("cache_bench", what); }
+
+std::string weightd_bin;
+std::string socket_dir;
+std::string no_daemon_dir;
+int repeats = 5;
+
+uint64_t DirBytes(const std::string& dir) {
+  uint64_t n = 0;
+  for (const auto& f : fs::directory_iterator(dir)) n += f.file_size();
+  return n;
+}
+
+// Drops the files' clean pages from the page cache.
+void EvictPageCache(const std::string& dir) {
+  for (const auto& f : fs::directory_iterator(dir)) {
+    int fd = ::open(f.path().c_str(), O_RDONLY);
+    if (fd < 0) Die("open " + f.path().string());
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
+}
+
+json Weightd(std::vector<std::string> args) {
+  args.insert(args.begin(), weightd_bin);
+  return json::parse(bench::RunCapture(args));
+}
+
+double LoadSeconds(const std::string& model, const std::string& sock, const std::string& source) {
+  json j = Weightd({"load", model, "--json", "--socket-dir", sock});
+  if (j["source"] != source) Die("load of " + model + " came from " + j["source"].dump());
+  return j["seconds"];
+}
+
+double PreloadSeconds(const std::string& model) {
+  Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
+  json j = Weightd({"preload", model, "--json", "--socket-dir", socket_dir});
+  return j["seconds"];
+}
+
+double CopyToShm(const std::string& model) {
+  const std::string dst = "/dev/shm/weightd-bench-copy";
+  fs::remove_all(dst);
+  const double s = bench::TimeIt([&] { bench::RunCapture({"cp", "-r", model, dst}); });
+  fs::remove_all(dst);
+  return s;
+}
+
+double DdToNull(const std::string& model) {
+  return bench::TimeIt([&] {
+    for (const auto& f : fs::directory_iterator(model)) {
+      bench::RunCapture({"dd", "if=" + f.path().string(), "of=/dev/null", "bs=4M"});
+    }
+  });
+}
+
+// Runs `f` `n` times (page cache evicted first when `evict`), median.
+template <typename F>
+double Repeat(int n, const std::string& model, bool evict, F&& f) {
+  std::vector<double> v;
+  for (int i = 0; i < n; ++i) {
+    if (evict) EvictPageCache(model);
+    v.push_back(f());
+  }
+  return bench::Median(v);
+}
+
+std::string Ms(double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.1f ms", s * 1e3);
+  return buf;
+}
+
+std::string Gbps(uint64_t bytes, double s) {
+  char buf[32];
+  std::snprintf(buf, sizeof buf, "%.2f GB/s", static_cast<double>(bytes) / s / 1e9);
+  return buf;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc < 2) Die("usage: cache_bench WORKDIR --weightd BIN [--big-gb 8] [--repeats 5]");
+  const std::string work = argv[1];
+  int big_gb = 8;
+  for (int i = 2; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    if (flag == "--weightd") weightd_bin = argv[i + 1];
+    if (flag == "--big-gb") big_gb = std::atoi(argv[i + 1]);
+    if (flag == "--repeats") repeats = std::atoi(argv[i + 1]);
+  }
+  if (weightd_bin.empty()) Die("--weightd is required");
+  fs::create_directories(work);
+  socket_dir = work + "/sock";
+  no_daemon_dir = work + "/no-daemon";
+  ::setenv("WEIGHTD_CACHE_DIR", (work + "/cache-attach").c_str(), 1);
+
+  struct Model {
+    std::string label;
+    std::string path;
+    format::SyntheticOptions options;
+  };
+  std::vector<Model> models = {
+      {"many-tensors (70,000 tensors)", work + "/many-tensors", {.preset = "many-tensors"}},
+      {"llama 1 GB", work + "/llama-1g", {.preset = "llama", .size_bytes = 1ull << 30}},
+  };
+  if (big_gb > 0) {
+    models.push_back({"llama " + std::to_string(big_gb) + " GB",
+                      work + "/llama-" + std::to_string(big_gb) + "g",
+                      {.preset = "llama", .size_bytes = static_cast<uint64_t>(big_gb) << 30}});
+  }
+  for (const Model& m : models) {
+    if (fs::exists(m.path)) continue;
+    std::cerr << "generating " << m.path << "\n";
+    auto plan = format::WriteSyntheticCheckpoint(m.path, m.options);
+    if (!plan.ok()) Die(plan.error().message());
+  }
+
+  // The daemon, with room for the biggest model only.
+  fs::create_directories(socket_dir);
+  ::chmod(socket_dir.c_str(), 0700);
+  const uint64_t budget = (static_cast<uint64_t>(std::max(big_gb, 1)) + 2) << 30;
+  bench::Child daemon = bench::Spawn({weightd_bin, "serve", "--socket-dir", socket_dir,
+                                      "--budget", "host=" + std::to_string(budget)});
+  {
+    char c;
+    std::string line;
+    while (::read(daemon.out, &c, 1) == 1 && c != '\n') line += c;
+    if (line.find("ready") == std::string::npos) Die("the daemon did not start");
+  }
+
+  std::printf("## Resident weight cache (host memory)\n\n");
+  std::printf(
+      "Written by `make bench` (bench/cache_bench.cc): a `weightd serve` daemon and `weightd`\n"
+      "engines as separate processes. Times are what each program measures itself (`seconds`\n"
+      "in weightd's JSON, so process start-up is not in them; wall time for cp and dd). Medians\n"
+      "of %d unless said otherwise; 8 GB figures are medians of fewer runs.\n\n",
+      repeats);
+
+  std::printf("### Warm attach against a cold load from disk\n\n");
+  std::printf(
+      "| model | bytes | warm attach (daemon, zero_copy) | cold load, page cache warm | cold "
+      "load, page cache evicted | attach vs cold (warm cache) |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: |\n");
+  struct Throughput {
+    std::string label;
+    uint64_t bytes;
+    double preload_warm, preload_cold, cp_warm, cp_cold, dd_cold;
+  };
+  std::vector<Throughput> throughput;
+  for (const Model& m : models) {
+    std::cerr << "model " << m.label << "\n";
+    const bool big = m.label.find(std::to_string(big_gb) + " GB") != std::string::npos && big_gb > 1;
+    const int n = big ? std::max(1, repeats / 2) : repeats;
+    const uint64_t bytes = DirBytes(m.path);
+    Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
+    Throughput t{m.label, bytes, 0, 0, 0, 0, 0};
+    t.cp_warm = Repeat(n, m.path, false, [&] { return CopyToShm(m.path); });
+    t.cp_cold = Repeat(n, m.path, true, [&] { return CopyToShm(m.path); });
+    t.dd_cold = Repeat(n, m.path, true, [&] { return DdToNull(m.path); });
+    const double disk_warm =
+        Repeat(n, m.path, false, [&] { return LoadSeconds(m.path, no_daemon_dir, "disk"); });
+    const double disk_cold =
+        Repeat(n, m.path, true, [&] { return LoadSeconds(m.path, no_daemon_dir, "disk"); });
+    t.preload_cold = Repeat(n, m.path, true, [&] { return PreloadSeconds(m.path); });
+    t.preload_warm = Repeat(n, m.path, false, [&] { return PreloadSeconds(m.path); });
+    // Resident now (the last preload); the first attach fills the stat cache.
+    LoadSeconds(m.path, socket_dir, "daemon");
+    const double attach =
+        Repeat(repeats, m.path, false, [&] { return LoadSeconds(m.path, socket_dir, "daemon"); });
+    std::printf("| %s | %.2f GB | %s | %s | %s | %.0fx faster |\n", m.label.c_str(),
+                static_cast<double>(bytes) / 1e9, Ms(attach).c_str(), Ms(disk_warm).c_str(),
+                Ms(disk_cold).c_str(), disk_warm / attach);
+    throughput.push_back(t);
+  }
+
+  std::printf("\n### Preload throughput against cp into /dev/shm\n\n");
+  std::printf(
+      "| model | preload, cache warm | cp, cache warm | preload vs cp (warm) | preload, cache "
+      "evicted | cp, cache evicted | preload vs cp (evicted) | dd to /dev/null, evicted |\n");
+  std::printf("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |\n");
+  for (const Throughput& t : throughput) {
+    std::printf("| %s | %s | %s | %.2fx | %s | %s | %.2fx | %s |\n", t.label.c_str(),
+                Gbps(t.bytes, t.preload_warm).c_str(), Gbps(t.bytes, t.cp_warm).c_str(),
+                t.cp_warm / t.preload_warm, Gbps(t.bytes, t.preload_cold).c_str(),
+                Gbps(t.bytes, t.cp_cold).c_str(), t.cp_cold / t.preload_cold,
+                Gbps(t.bytes, t.dd_cold).c_str());
+  }
+
+  // 64 engines at once on the 1 GB model.
+  std::cerr << "64 engines\n";
+  const std::string model = models[1].path;
+  Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
+  Weightd({"preload", model, "--json", "--socket-dir", socket_dir});
+  LoadSeconds(model, socket_dir, "daemon");
+  std::vector<double> alone;
+  for (int i = 0; i < repeats; ++i) alone.push_back(LoadSeconds(model, socket_dir, "daemon"));
+  std::vector<bench::Child> engines;
+  for (int i = 0; i < 64; ++i) {
+    engines.push_back(
+        bench::Spawn({weightd_bin, "load", model, "--json", "--socket-dir", socket_dir}));
+  }
+  std::vector<double> together;
+  for (auto& e : engines) {
+    json j = json::parse(bench::Finish(e, "a concurrent load"));
+    if (j["source"] != "daemon") Die("a concurrent engine loaded from " + j["source"].dump());
+    together.push_back(j["seconds"]);
+  }
+  const double single = bench::Median(alone);
+  std::printf("\n### 64 engines attaching at once\n\n");
+  std::printf("| | time | vs one alone |\n| --- | ---: | ---: |\n");
+  std::printf("| one engine alone (median) | %s | 1.0x |\n", Ms(single).c_str());
+  std::printf("| 64 at once, p50 | %s | %.1fx |\n", Ms(bench::Percentile(together, 50)).c_str(),
+              bench::Percentile(together, 50) / single);
+  std::printf("| 64 at once, p99 | %s | %.1fx |\n\n", Ms(bench::Percentile(together, 99)).c_str(),
+              bench::Percentile(together, 99) / single);
+  std::printf("All 64 were served by the daemon.\n\n");
+
+  Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
+  ::kill(daemon.pid, SIGTERM);
+  bench::Finish(daemon, "the daemon");
+  return 0;
+}
