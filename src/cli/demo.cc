@@ -1,8 +1,11 @@
-// `weightd demo`: the story so far on a generated model. Until the daemon
-// lands it shows what exists: generate a checkpoint, validate it, and time a
-// full read against `cat` of the same files.
+// `weightd demo`: the whole story on a generated model, each step a real
+// `weightd` process: a daemon, an engine's cold start from disk, a preload,
+// a warm restart that maps the resident model, and a fine-tune on disk that
+// the engine catches and loads from disk instead.
 #include <fcntl.h>
+#include <signal.h>
 #include <spawn.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -14,52 +17,124 @@
 #include "cli/output.h"
 #include "format/checkpoint.h"
 #include "format/synthetic.h"
-#include "io/read_many.h"
+#include "io/file.h"
 
 namespace weightd::cli {
 namespace {
 
 struct DemoOptions {
   std::string dir;
-  std::string size = "512M";
+  std::string size = "1G";
   bool keep = false;
 };
 
-// `cat FILES > /dev/null`, without a shell (paths may hold any character).
-bool RunCat(const std::vector<std::string>& paths) {
+// A child `weightd` process with its stdout on a pipe.
+struct Child {
+  pid_t pid = -1;
+  int out = -1;
+};
+
+Result<Child> SpawnSelf(const std::vector<std::string>& args, bool quiet_stderr) {
+  int fds[2];
+  if (::pipe2(fds, O_CLOEXEC) != 0) return Error("pipe failed");
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_addopen(&actions, 1, "/dev/null", O_WRONLY, 0);
-  std::vector<std::string> args = {"cat"};
-  args.insert(args.end(), paths.begin(), paths.end());
+  posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
+  if (quiet_stderr) posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  std::vector<std::string> all = {"weightd"};
+  all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
+  for (auto& a : all) argv.push_back(a.data());
   argv.push_back(nullptr);
-  pid_t pid;
-  const int err = posix_spawnp(&pid, "cat", &actions, nullptr, argv.data(), environ);
+  Child c;
+  const int err = posix_spawn(&c.pid, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
   posix_spawn_file_actions_destroy(&actions);
-  if (err != 0) return false;
-  int status = 0;
-  return ::waitpid(pid, &status, 0) == pid && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  ::close(fds[1]);
+  if (err != 0) {
+    ::close(fds[0]);
+    return Error("cannot start weightd " + args[0]);
+  }
+  c.out = fds[0];
+  return c;
 }
 
-// Removes the generated checkpoint when the demo ends, however it ends.
-class RemoveOnExit {
+// Runs `weightd ARGS` to the end; its stdout parsed as JSON.
+Result<nlohmann::json> RunSelf(const std::vector<std::string>& args) {
+  WEIGHTD_ASSIGN_OR_RETURN(Child c, SpawnSelf(args, true));
+  std::string out;
+  char buf[4096];
+  for (ssize_t n; (n = ::read(c.out, buf, sizeof buf)) > 0;)
+    out.append(buf, static_cast<size_t>(n));
+  ::close(c.out);
+  int status = 0;
+  ::waitpid(c.pid, &status, 0);
+  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+    return Error("weightd " + args[0] + " failed (run it by hand to see why)");
+  }
+  auto j = nlohmann::json::parse(out, nullptr, false);
+  if (j.is_discarded()) return Error("weightd " + args[0] + " printed no JSON");
+  return j;
+}
+
+// The demo's folders and daemon, removed and stopped however the demo ends.
+class Cleanup {
  public:
-  RemoveOnExit(std::string dir, bool keep) : dir_(std::move(dir)), keep_(keep) {}
-  RemoveOnExit(const RemoveOnExit&) = delete;
-  RemoveOnExit& operator=(const RemoveOnExit&) = delete;
-  ~RemoveOnExit() {
-    if (!keep_) io::RemoveFlatDirectory(dir_);
+  Cleanup(std::vector<std::string> dirs, bool keep_first)
+      : dirs_(std::move(dirs)), keep_(keep_first) {}
+  Cleanup(const Cleanup&) = delete;
+  Cleanup& operator=(const Cleanup&) = delete;
+  ~Cleanup() {
+    StopDaemon();
+    for (size_t i = keep_ ? 1 : 0; i < dirs_.size(); ++i) io::RemoveFlatDirectory(dirs_[i]);
+  }
+  void SetDaemon(Child d) { daemon_ = d; }
+  bool StopDaemon() {
+    if (daemon_.pid <= 0) return true;
+    ::kill(daemon_.pid, SIGTERM);
+    int status = 0;
+    ::waitpid(daemon_.pid, &status, 0);
+    ::close(daemon_.out);
+    daemon_.pid = -1;
+    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
   }
 
  private:
-  std::string dir_;
+  std::vector<std::string> dirs_;
   bool keep_;
+  Child daemon_;
 };
 
-double Rate(uint64_t bytes, double seconds) {
-  return seconds > 0 ? static_cast<double>(bytes) / seconds / 1e9 : 0;
+std::string Seconds(double s) {
+  char buf[32];
+  if (s < 0.1) {
+    std::snprintf(buf, sizeof buf, "%.1f ms", s * 1e3);
+  } else {
+    std::snprintf(buf, sizeof buf, "%.2f s", s);
+  }
+  return buf;
+}
+
+// Rewrites the first KiB of one tensor in place: same layout, other values.
+Status FineTuneOneTensor(const std::string& dir, std::string* which) {
+  WEIGHTD_ASSIGN_OR_RETURN(format::Checkpoint ckpt,
+                           format::OpenCheckpoint(io::PosixFileSystem(), dir));
+  for (const format::Shard& shard : ckpt.shards) {
+    for (const format::TensorInfo& t : shard.header.tensors) {
+      if (t.bytes() < 1024 || t.name.find("mlp") == std::string::npos) continue;
+      std::vector<char> bytes(1024);
+      const int fd = ::open(shard.path.c_str(), O_RDWR | O_CLOEXEC);
+      if (fd < 0) return Error("cannot open " + shard.path);
+      const off_t at = static_cast<off_t>(shard.header.data_offset() + t.begin);
+      bool ok = ::pread(fd, bytes.data(), bytes.size(), at) == 1024;
+      for (char& b : bytes) b = static_cast<char>(b ^ 0x01);  // nudge every value a little
+      ok = ok && ::pwrite(fd, bytes.data(), bytes.size(), at) == 1024;
+      ::close(fd);
+      if (!ok) return Error("cannot rewrite " + shard.path);
+      *which = t.name + " in " + shard.name;
+      return OkStatus();
+    }
+  }
+  return Error("no tensor to fine-tune");
 }
 
 int RunDemo(const DemoOptions& o) {
@@ -71,51 +146,87 @@ int RunDemo(const DemoOptions& o) {
     const char* tmp = std::getenv("TMPDIR");
     dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/weightd-demo-" + std::to_string(::getpid());
   }
+  const std::string socket_dir = dir + ".sock", cache_dir = dir + ".cache";
+  // The demo's own socket and stat cache: it touches nothing of a real setup.
+  ::setenv("WEIGHTD_CACHE_DIR", cache_dir.c_str(), 1);
+  Cleanup cleanup({dir, socket_dir, cache_dir}, o.keep);
 
   std::cout << "1. generate a llama-shaped checkpoint of about " << FormatBytes(*size) << " in "
             << dir << "\n";
   format::SyntheticOptions synthetic;
   synthetic.preset = "llama";
   synthetic.size_bytes = *size;
-  auto start = std::chrono::steady_clock::now();
   auto plan = format::WriteSyntheticCheckpoint(dir, synthetic);
   if (!plan.ok()) return ReportError("demo", plan.error().message());
-  RemoveOnExit cleanup(dir, o.keep);
   std::cout << "   " << plan->tensor_count << " tensors, " << FormatBytes(plan->data_bytes)
-            << " in " << plan->shards.size() << " shards, " << SecondsSince(start) << " s\n";
+            << " in " << plan->shards.size() << " shards\n";
 
-  std::cout << "2. inspect: read and validate every header\n";
-  start = std::chrono::steady_clock::now();
-  auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), dir);
-  if (!ckpt.ok()) return ReportError("demo", ckpt.error().message());
-  std::cout << "   valid: " << ckpt->tensor_count() << " tensors in " << ckpt->shards.size()
-            << " shards, index checked, " << SecondsSince(start) * 1e3 << " ms\n";
-
-  std::vector<std::string> paths;
-  for (const auto& s : ckpt->shards) {
-    paths.push_back(s.path);
+  std::cout << "2. start the daemon: weightd serve --socket-dir " << socket_dir << "\n";
+  if (::mkdir(socket_dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return ReportError("demo", "cannot create " + socket_dir);
   }
-
-  std::cout << "3. full read, page cache warm (the floor under any cold load)\n";
-  io::ReadStats stats;
-  start = std::chrono::steady_clock::now();
-  Status read = io::ReadFilesFully(io::PosixFileSystem(), paths, io::StreamOptions{}, &stats);
-  const double ours = SecondsSince(start);
-  if (!read.ok()) return ReportError("demo", read.error().message());
-  start = std::chrono::steady_clock::now();
-  const bool cat_ok = RunCat(paths);
-  const double theirs = SecondsSince(start);
-  std::cout << "   weightd io: " << FormatBytes(stats.bytes) << " in " << stats.reads << " reads, "
-            << ours << " s (" << Rate(stats.bytes, ours) << " GB/s)\n";
-  if (cat_ok) {
-    std::cout << "   cat:        " << theirs << " s (" << Rate(stats.bytes, theirs)
-              << " GB/s); weightd/cat throughput ratio " << theirs / ours << "\n";
+  auto daemon = SpawnSelf({"serve", "--socket-dir", socket_dir}, true);
+  if (!daemon.ok()) return ReportError("demo", daemon.error().message());
+  cleanup.SetDaemon(*daemon);
+  {
+    std::string line;
+    char c;
+    while (::read(daemon->out, &c, 1) == 1 && c != '\n') line += c;
+    if (line.find("ready") == std::string::npos)
+      return ReportError("demo", "the daemon did not start");
+    std::cout << "   " << line << "\n";
   }
+  const std::vector<std::string> engine = {"load",         dir,       "--json", "--checksum",
+                                           "--socket-dir", socket_dir};
+
+  std::cout << "3. cold start: an engine asks, nothing is resident, it loads from disk\n";
+  auto cold = RunSelf(engine);
+  if (!cold.ok()) return ReportError("demo", cold.error().message());
+  const double cold_s = (*cold)["seconds"];
+  std::cout << "   source: " << (*cold)["source"].get<std::string>() << " ("
+            << (*cold)["reason"].get<std::string>() << "), " << Seconds(cold_s) << "\n"
+            << "   checksum " << (*cold)["checksum"].get<std::string>() << "\n";
+
+  std::cout << "4. preload: the daemon reads the checkpoint once into a sealed memory segment\n";
+  auto preload = RunSelf({"preload", dir, "--json", "--socket-dir", socket_dir});
+  if (!preload.ok()) return ReportError("demo", preload.error().message());
+  std::cout << "   resident: " << FormatBytes((*preload)["bytes"]) << " in "
+            << Seconds((*preload)["seconds"]) << "\n";
 
   std::cout
-      << "\nNext (not built yet): `weightd serve` keeps this model resident, and a restarting\n"
-         "engine maps it in milliseconds instead of reading it again.\n";
+      << "5. warm restart: the engine proves the checkpoint is the one resident, and maps it\n";
+  auto warm = RunSelf(engine);
+  if (!warm.ok()) return ReportError("demo", warm.error().message());
+  const double warm_s = (*warm)["seconds"];
+  const bool same = (*warm)["checksum"] == (*cold)["checksum"];
+  std::cout << "   source: " << (*warm)["source"].get<std::string>() << ", " << Seconds(warm_s)
+            << " instead of " << Seconds(cold_s) << ": " << static_cast<int>(cold_s / warm_s)
+            << "x faster\n"
+            << "   checksum " << (*warm)["checksum"].get<std::string>()
+            << (same ? " (the same bytes as from disk)" : " (DIFFERENT from disk!)") << "\n";
+
+  std::string tuned;
+  if (Status s = FineTuneOneTensor(dir, &tuned); !s.ok())
+    return ReportError("demo", s.error().message());
+  std::cout << "6. fine-tune on disk: new values in " << tuned << ", same layout; restart\n";
+  auto changed = RunSelf(engine);
+  if (!changed.ok()) return ReportError("demo", changed.error().message());
+  std::cout << "   source: " << (*changed)["source"].get<std::string>() << ", "
+            << Seconds((*changed)["seconds"])
+            << "\n   why: " << Printable((*changed)["reason"].get<std::string>())
+            << "\n   checksum " << (*changed)["checksum"].get<std::string>()
+            << " (the fine-tune's, not the "
+            << "resident model's)\n";
+
+  std::cout << "7. stop the daemon (SIGTERM); engines keep what they mapped\n";
+  const bool stopped = cleanup.StopDaemon();
+  std::cout << "   " << (stopped ? "stopped" : "the daemon did not stop cleanly") << "\n";
   if (o.keep) std::cout << "kept " << dir << "\n";
+  const bool caught =
+      (*changed)["source"] == "disk" && (*changed)["checksum"] != (*cold)["checksum"];
+  if (!same || !caught || !stopped || (*warm)["source"] != "daemon") {
+    return ReportError("demo", "the story did not go as it should (see above)");
+  }
   return kExitOk;
 }
 
@@ -123,10 +234,14 @@ int RunDemo(const DemoOptions& o) {
 
 Command AddDemoCommand(CLI::App& root) {
   auto o = std::make_shared<DemoOptions>();
-  CLI::App* app = root.add_subcommand("demo", "Show what weightd does, on a generated model.");
+  CLI::App* app = root.add_subcommand(
+      "demo",
+      "Show what weightd does, on a generated model: a daemon, a cold start from disk, a\n"
+      "warm restart from memory, and a changed checkpoint caught. Everything it creates is\n"
+      "removed at the end, and its daemon stopped.");
   app->add_option("--dir", o->dir,
                   "where to generate the model (default: a new folder under $TMPDIR)");
-  app->add_option("--size", o->size, "model size (default 512M)");
+  app->add_option("--size", o->size, "model size (default 1G)");
   app->add_flag("--keep", o->keep, "keep the generated model");
   return {app, [o] { return RunDemo(*o); }};
 }
