@@ -1,8 +1,8 @@
 // The daemon and engines as separate processes over a real socket: what an
 // inference cluster relies on. Every test starts its own daemon on its own
 // socket directory.
-#include <gtest/gtest.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -35,8 +35,7 @@ class DaemonTest : public ::testing::Test {
     sock_ = dir_.Join("sock");
   }
 
-  std::string MakeModel(const std::string& name, bool finetune = false,
-                        uint64_t bytes = 4 << 20) {
+  std::string MakeModel(const std::string& name, bool finetune = false, uint64_t bytes = 4 << 20) {
     const std::string path = dir_.Join(name);
     auto plan = format::WriteSyntheticCheckpoint(
         path, {.preset = "llama", .finetune = finetune, .size_bytes = bytes});
@@ -254,7 +253,8 @@ class RawPeer {
   std::string ReadUntilClosed() {
     std::string all;
     char buf[4096];
-    for (ssize_t n; (n = ::read(fd_, buf, sizeof buf)) > 0;) all.append(buf, static_cast<size_t>(n));
+    for (ssize_t n; (n = ::read(fd_, buf, sizeof buf)) > 0;)
+      all.append(buf, static_cast<size_t>(n));
     return all;
   }
 
@@ -280,11 +280,10 @@ TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
       {"oversized", protocol::FrameHeader(1u << 30, 0), 0, false},
       {"truncated body", protocol::FrameHeader(100, 0) + "{\"ty", 0, true},
       {"truncated header", std::string("WDP1\x01\0", 6), 0, true},
-      {"wrong version", protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0, 99) + body,
-       0, false},
-      {"descriptor not announced", protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) +
-                                       body,
-       1, false},
+      {"wrong version", protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0, 99) + body, 0,
+       false},
+      {"descriptor not announced",
+       protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) + body, 1, false},
       {"too many descriptors", protocol::FrameHeader(static_cast<uint32_t>(body.size()), 1) + body,
        3, false},
       {"not json", protocol::FrameHeader(5, 0) + "{{{{{", 0, false},
@@ -301,7 +300,9 @@ TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
     peer.Send(c.bytes, c.fds);
     if (c.half_close) peer.ShutdownWrite();
     const std::string reply = peer.ReadUntilClosed();  // the daemon closes: we get here at all
-    if (!c.half_close) EXPECT_NE(reply.find("error"), std::string::npos) << c.what;
+    if (!c.half_close) {
+      EXPECT_NE(reply.find("error"), std::string::npos) << c.what;
+    }
     EXPECT_EQ(Status()["models"].size(), 1u) << c.what;
   }
   EXPECT_EQ(engine.Wait(), 0) << engine.err();
@@ -378,6 +379,45 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   // Other fields are still checked; an unknown name is a miss.
   json unknown = Load(a, {"--trust", "staging"});
   EXPECT_EQ(unknown["source"], "disk");
+}
+
+TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
+  const std::string a = MakeModel("a");
+  const std::string config = dir_.Join("weightd.toml");
+  testing::WriteFileText(
+      config, "[budget]\nhost = \"1G\"\n[[model]]\npath = \"" + a + "\"\npin = \"prod\"\n");
+  auto daemon = StartDaemon({"--config", config});
+  ASSERT_TRUE(Eventually([&] { return Status()["models"].size() == 1; })) << daemon->err();
+  json s = Status();
+  EXPECT_EQ(s["models"][0]["name"], "prod");
+  EXPECT_EQ(s["devices"][0]["budget"], 1u << 30);
+  EXPECT_EQ(Load(a)["source"], "daemon");
+
+  testing::WriteFileText(config, "[[model]]\npath = \"" + a + "\"\ntp_size = 2\n");
+  CommandResult bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("tp_size"), std::string::npos) << bad.err;
+}
+
+TEST_F(DaemonTest, PopulateAsksTheDaemonToPreloadWhatWasMissed) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  json first = Load(a, {"--populate"});
+  EXPECT_EQ(first["source"], "disk");
+  ASSERT_TRUE(Eventually([&] { return Status()["models"].size() == 1; })) << daemon->err();
+  json second = Load(a);
+  EXPECT_EQ(second["source"], "daemon");
+  EXPECT_EQ(second["checksum"], first["checksum"]);
+}
+
+TEST_F(DaemonTest, AnEngineCanWaitForADaemonThatIsStarting) {
+  const std::string a = MakeModel("a");
+  Process engine({"load", a, "--json", "--wait-for-daemon", "60", "--socket-dir", sock_});
+  ::usleep(300'000);
+  auto daemon = StartDaemon();
+  ASSERT_EQ(engine.Wait(), 0) << engine.err();
+  // It reached the daemon (nothing resident) instead of giving up on it.
+  EXPECT_EQ(json::parse(engine.out())["reason"], "no model is resident") << engine.out();
 }
 
 TEST_F(DaemonTest, PeerWithAnotherUidIsRefusedAndOthersAreServed) {

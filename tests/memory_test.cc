@@ -82,8 +82,8 @@ TEST(Manifest, RoundTripsAndAlignsEveryTensor) {
   ASSERT_TRUE(plan.ok());
   std::vector<std::byte> seg(plan->total_bytes + 4096);
   // Page-aligned, as a mapping is.
-  std::byte* base = reinterpret_cast<std::byte*>(
-      (reinterpret_cast<uintptr_t>(seg.data()) + 4095) / 4096 * 4096);
+  std::byte* base =
+      reinterpret_cast<std::byte*>((reinterpret_cast<uintptr_t>(seg.data()) + 4095) / 4096 * 4096);
   std::span<std::byte> view(base, plan->total_bytes);
   memory::WriteManifest(*plan, view);
   auto m = memory::ReadManifest(view);
@@ -165,10 +165,12 @@ TEST(Channel, CarriesMessagesAndOneDescriptor) {
 TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
   TempDir dir;
   const std::string path = dir.Join("m");
-  ASSERT_TRUE(format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 4 << 20})
-                  .ok());
-  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, {.max_inflight = 4,
-                                                                    .chunk_bytes = 4096});
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 4 << 20}).ok());
+  loader::LoadOptions small_reads;
+  small_reads.max_inflight = 4;
+  small_reads.chunk_bytes = 4096;  // big tensors split into many reads
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, small_reads);
   ASSERT_TRUE(loaded.ok()) << loaded.error().message();
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, {});
   ASSERT_TRUE(fp.ok());

@@ -1,6 +1,7 @@
 // `weightd serve`, `preload`, `status`, `evict`: the daemon and the commands
 // an operator sends it.
 #include <signal.h>
+#include <toml++/toml.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -8,6 +9,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <thread>
 
 #include "cli/output.h"
 #include "client/admin.h"
@@ -44,10 +46,80 @@ uint64_t HalfOfMemory() {
 struct ServeOptions {
   std::string socket_dir;
   std::vector<std::string> budgets;
+  std::string config;
   bool no_cache = false;
 };
 
-int RunServe(const ServeOptions& o) {
+struct ConfigModel {
+  std::string path;
+  std::string pin;
+};
+
+// The --config file:
+//
+//   socket_dir = "/run/weightd"          # optional; --socket-dir wins
+//   [budget]
+//   host = "64G"                         # optional; --budget wins
+//   [[model]]                            # preloaded at start, in this order
+//   path = "/models/llama-3-8b"
+//   pin = "llama3"                       # optional
+//
+// Unknown keys are errors, so a typo does not silently do nothing.
+Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigModel>& models) {
+  toml::table t;
+  try {
+    t = toml::parse_file(file);
+  } catch (const toml::parse_error& e) {
+    const auto& where = e.source().begin;
+    return Error(file + ":" + std::to_string(where.line) + ":" + std::to_string(where.column) +
+                 ": " + std::string(e.description()));
+  }
+  auto fail = [&](const std::string& why) { return Error(file + ": " + why); };
+  for (const auto& [key, value] : t) {
+    const std::string k(key.str());
+    if (k == "socket_dir") {
+      if (!value.is_string()) return fail("socket_dir must be a string");
+      if (o.socket_dir.empty()) o.socket_dir = *value.value<std::string>();
+    } else if (k == "budget") {
+      if (!value.is_table()) return fail("[budget] must be a table");
+      for (const auto& [device, size] : *value.as_table()) {
+        if (!size.is_string() && !size.is_integer()) {
+          return fail("budget." + std::string(device.str()) + " must be a size like \"64G\"");
+        }
+        const std::string text =
+            size.is_string() ? *size.value<std::string>() : std::to_string(*size.value<int64_t>());
+        if (o.budgets.empty() || std::string(device.str()) != "host") {
+          o.budgets.push_back(std::string(device.str()) + "=" + text);
+        }
+      }
+    } else if (k == "model") {
+      if (!value.is_array_of_tables()) return fail("model must be [[model]] tables");
+      for (const auto& entry : *value.as_array()) {
+        ConfigModel m;
+        for (const auto& [field, v] : *entry.as_table()) {
+          const std::string f(field.str());
+          if ((f != "path" && f != "pin") || !v.is_string()) {
+            return fail("[[model]] takes path and pin (strings), not `" + f + "`");
+          }
+          (f == "path" ? m.path : m.pin) = *v.value<std::string>();
+        }
+        if (m.path.empty()) return fail("a [[model]] without a path");
+        models.push_back(m);
+      }
+    } else {
+      return fail("unknown key `" + k + "`");
+    }
+  }
+  return OkStatus();
+}
+
+int RunServe(ServeOptions o) {
+  std::vector<ConfigModel> preloads;
+  if (!o.config.empty()) {
+    if (Status s = ReadConfig(o.config, o, preloads); !s.ok()) {
+      return ReportError("serve", s.error().message(), kExitUsage);
+    }
+  }
   daemon::ServerOptions so;
   so.socket_dir = protocol::SocketDirectory(o.socket_dir);
   so.host_budget = HalfOfMemory();
@@ -77,7 +149,17 @@ int RunServe(const ServeOptions& o) {
   ::signal(SIGPIPE, SIG_IGN);
   std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
             << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
+  // Models from the config load in the background: engines may ask (and
+  // fall back) meanwhile.
+  std::thread preloader([&server, &so, preloads] {
+    for (const ConfigModel& m : preloads) {
+      auto r = server.Preload({m.path, m.pin}, {});
+      if (!r.ok())
+        so.log("preload of " + m.path + " from the config failed: " + r.error().message());
+    }
+  });
   server.Run();
+  preloader.join();
   running_server = nullptr;
   return kExitOk;
 }
@@ -118,6 +200,9 @@ Command AddServeCommand(CLI::App& root) {
   app->add_option("--budget", o->budgets,
                   "memory the daemon may hold per device, e.g. host=64G (default: half of RAM)");
   app->add_flag("--no-cache", o->no_cache, "preloads do not use the fingerprint's stat cache");
+  app->add_option("--config", o->config,
+                  "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path/pin to preload "
+                  "at start (see docs/cli.md)");
   return {app, [o] { return RunServe(*o); }};
 }
 
