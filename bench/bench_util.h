@@ -75,7 +75,8 @@ inline Child Spawn(const std::vector<std::string>& argv, bool keep_stderr = fals
 inline std::string Finish(Child c, const std::string& what) {
   std::string out;
   char buf[4096];
-  for (ssize_t n; (n = ::read(c.out, buf, sizeof buf)) > 0;) out.append(buf, static_cast<size_t>(n));
+  for (ssize_t n; (n = ::read(c.out, buf, sizeof buf)) > 0;)
+    out.append(buf, static_cast<size_t>(n));
   ::close(c.out);
   int status = 0;
   ::waitpid(c.pid, &status, 0);

@@ -157,8 +157,8 @@ int main(int argc, char** argv) {
   fs::create_directories(socket_dir);
   ::chmod(socket_dir.c_str(), 0700);
   const uint64_t budget = (static_cast<uint64_t>(std::max(big_gb, 1)) + 2) << 30;
-  bench::Child daemon = bench::Spawn({weightd_bin, "serve", "--socket-dir", socket_dir,
-                                      "--budget", "host=" + std::to_string(budget)});
+  bench::Child daemon = bench::Spawn({weightd_bin, "serve", "--socket-dir", socket_dir, "--budget",
+                                      "host=" + std::to_string(budget)});
   {
     char c;
     std::string line;
@@ -187,7 +187,8 @@ int main(int argc, char** argv) {
   std::vector<Throughput> throughput;
   for (const Model& m : models) {
     std::cerr << "model " << m.label << "\n";
-    const bool big = m.label.find(std::to_string(big_gb) + " GB") != std::string::npos && big_gb > 1;
+    const bool big =
+        m.label.find(std::to_string(big_gb) + " GB") != std::string::npos && big_gb > 1;
     const int n = big ? std::max(1, repeats / 2) : repeats;
     const uint64_t bytes = DirBytes(m.path);
     Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});

@@ -350,6 +350,33 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
   EXPECT_EQ(third.exit_code, 1);
   EXPECT_NE(third.err.find("out of budget"), std::string::npos) << third.err;
   EXPECT_EQ(Status()["models"].size(), 1u);
+
+  // Evicted while leased: gone from the registry, but its bytes count until
+  // the engine lets go, since the daemon still holds them.
+  ASSERT_EQ(Run({"evict", "all"}).exit_code, 0);
+  json after = Status();
+  EXPECT_EQ(after["models"].size(), 0u);
+  EXPECT_GT(after["devices"][0]["used"].get<uint64_t>(), 0u);
+  engine.Signal(SIGKILL);
+  engine.Wait();
+  EXPECT_TRUE(Eventually([&] { return Status()["devices"][0]["used"] == 0; }));
+}
+
+TEST_F(DaemonTest, ConcurrentPreloadsOfOneModelLoadItOnce) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  std::vector<std::unique_ptr<Process>> preloads;
+  for (int i = 0; i < 4; ++i) {
+    preloads.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"preload", a, "--json", "--socket-dir", sock_}));
+  }
+  int loaded = 0;
+  for (auto& p : preloads) {
+    ASSERT_EQ(p->Wait(), 0) << p->err();
+    if (!json::parse(p->out())["already_resident"].get<bool>()) ++loaded;
+  }
+  EXPECT_EQ(loaded, 1);
+  EXPECT_EQ(Status()["models"].size(), 1u);
 }
 
 TEST_F(DaemonTest, TruncatedCheckpointPublishesNothing) {
@@ -435,10 +462,21 @@ TEST_F(DaemonTest, PeerWithAnotherUidIsRefusedAndOthersAreServed) {
   ::setenv("WEIGHTD_CACHE_DIR", (home + "/cache").c_str(), 1);
   Process daemon({"serve", "--socket-dir", socket_dir}, as_nobody);
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
-  CommandResult refused = RunWeightd({"status", "--socket-dir", socket_dir});
-  EXPECT_EQ(refused.exit_code, 1);
-  EXPECT_NE(refused.err.find("refused"), std::string::npos) << refused.err;
-  EXPECT_NE(daemon.err().find("uid 0"), std::string::npos) << daemon.err();
+  // The daemon refuses root's connection and logs it.
+  {
+    RawPeer peer(socket_dir + "/weightd.sock");
+    ASSERT_TRUE(peer.connected());
+    const std::string body = R"({"type":"status"})";
+    peer.Send(protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) + body);
+    EXPECT_NE(peer.ReadUntilClosed().find("refused"), std::string::npos);
+  }
+  EXPECT_TRUE(Eventually([&] { return daemon.err().find("uid 0") != std::string::npos; }))
+      << daemon.err();
+  // And root's engine refuses a daemon that is not root's: it would map
+  // weights someone else chose.
+  CommandResult engine = RunWeightd({"status", "--socket-dir", socket_dir});
+  EXPECT_EQ(engine.exit_code, 1);
+  EXPECT_NE(engine.err.find("not by this user"), std::string::npos) << engine.err;
   Process own({"status", "--json", "--socket-dir", socket_dir}, as_nobody);
   EXPECT_EQ(own.Wait(), 0) << own.err();
   EXPECT_NE(own.out().find("\"models\""), std::string::npos) << own.out();

@@ -126,7 +126,7 @@ int RunServe(ServeOptions o) {
   so.use_stat_cache = !o.no_cache;
   for (const std::string& b : o.budgets) {
     const size_t eq = b.find('=');
-    const std::string device = eq == std::string::npos ? "" : b.substr(0, eq);
+    const std::string device = eq == std::string::npos ? "host" : b.substr(0, eq);
     auto size = ParseSize(eq == std::string::npos ? b : b.substr(eq + 1));
     if (device != "host" || !size) {
       return ReportError("serve", "--budget " + b + ": expected host=SIZE (e.g. host=64G)",
@@ -153,6 +153,7 @@ int RunServe(ServeOptions o) {
   // fall back) meanwhile.
   std::thread preloader([&server, &so, preloads] {
     for (const ConfigModel& m : preloads) {
+      if (server.stopping()) break;
       auto r = server.Preload({m.path, m.pin}, {});
       if (!r.ok())
         so.log("preload of " + m.path + " from the config failed: " + r.error().message());
@@ -198,7 +199,8 @@ Command AddServeCommand(CLI::App& root) {
   app->add_option("--socket-dir", o->socket_dir,
                   "default: $WEIGHTD_SOCKET_DIR, $XDG_RUNTIME_DIR/weightd, /tmp/weightd-$UID");
   app->add_option("--budget", o->budgets,
-                  "memory the daemon may hold per device, e.g. host=64G (default: half of RAM)");
+                  "memory the daemon may hold per device: host=64G, or 64G for the host (default: "
+                  "half of RAM)");
   app->add_flag("--no-cache", o->no_cache, "preloads do not use the fingerprint's stat cache");
   app->add_option("--config", o->config,
                   "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path/pin to preload "

@@ -11,13 +11,13 @@ namespace weightd::client {
 Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::json& request,
                                const std::function<void(const nlohmann::json&)>& on_progress,
                                double wait_for_daemon_seconds) {
-  const std::string socket = protocol::SocketPath(protocol::SocketDirectory(socket_dir));
+  const std::string dir = protocol::SocketDirectory(socket_dir);
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_for_daemon_seconds);
-  auto ch = protocol::Connect(socket);
+  auto ch = protocol::ConnectToDaemon(dir);
   while (!ch.ok() && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    ch = protocol::Connect(socket);
+    ch = protocol::ConnectToDaemon(dir);
   }
   if (!ch.ok()) return Error("no daemon: " + ch.error().message());
   WEIGHTD_RETURN_IF_ERROR(ch->Send(request));

@@ -11,6 +11,7 @@
 #include <thread>
 
 #include "fingerprint/fingerprint.h"
+#include "format/dtype.h"
 #include "io/file.h"
 #include "loader/loader.h"
 #include "memory/manifest.h"
@@ -75,6 +76,20 @@ class WeightsImpl final : public Weights {
     WEIGHTD_ASSIGN_OR_RETURN(memory::ManifestView view, memory::ReadManifest(bytes));
     tensors_.reserve(view.tensors.size());
     for (const memory::TensorRecord& r : view.tensors) {
+      // The engine will index the data by shape: shape and dtype must
+      // account for exactly the bytes the record gives.
+      auto dtype = format::ParseDType(r.dtype);
+      if (!dtype) return Error("segment tensor `" + std::string(r.name) + "`: unknown dtype");
+      uint64_t elements = 1;
+      for (uint64_t d : r.shape) {
+        if (__builtin_mul_overflow(elements, d, &elements)) elements = UINT64_MAX;
+      }
+      uint64_t bits;
+      if (__builtin_mul_overflow(elements, format::DTypeBits(*dtype), &bits) ||
+          (bits + 7) / 8 != r.bytes) {
+        return Error("segment tensor `" + std::string(r.name) + "`: its shape does not match its " +
+                     std::to_string(r.bytes) + " bytes");
+      }
       tensors_.push_back(
           {r.name, r.dtype, r.shape,
            bytes.subspan(static_cast<size_t>(r.offset), static_cast<size_t>(r.bytes))});
@@ -103,11 +118,11 @@ struct Miss {
   bool daemon_reachable = false;
 };
 
-Result<protocol::Channel> ConnectWaiting(const std::string& socket, double wait_seconds) {
+Result<protocol::Channel> ConnectWaiting(const std::string& socket_dir, double wait_seconds) {
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_seconds);
   while (true) {
-    auto ch = protocol::Connect(socket);
+    auto ch = protocol::ConnectToDaemon(socket_dir);
     if (ch.ok() || std::chrono::steady_clock::now() >= deadline) return ch;
     std::this_thread::sleep_for(kConnectRetry);
   }
@@ -129,8 +144,7 @@ Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want)
 // Asks the daemon; on a hit returns the weights, else fills `miss`.
 std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const AcquireOptions& o,
                                        Miss& miss) {
-  const std::string socket = protocol::SocketPath(protocol::SocketDirectory(o.socket_dir));
-  auto ch = ConnectWaiting(socket, o.wait_for_daemon_seconds);
+  auto ch = ConnectWaiting(protocol::SocketDirectory(o.socket_dir), o.wait_for_daemon_seconds);
   if (!ch.ok()) {
     miss.reason = "no daemon: " + ch.error().message();
     return nullptr;
@@ -152,13 +166,17 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   if (!reply.ok()) return fail("protocol error", reply.error());
   const json& body = reply->body;
   if (reply->type() == "miss") {
-    miss.reason = body.value("reason", std::string("miss"));
-    for (const auto& d : body.value("mismatch", json::array())) {
-      if (d.is_string()) miss.mismatch.push_back(d.get<std::string>());
-    }
-    for (const auto& f : body.value("fields", json::array())) {
-      if (f.is_string()) miss.fields.push_back(f.get<std::string>());
-    }
+    auto strings = [&](const char* field, std::vector<std::string>& out) {
+      auto it = body.find(field);
+      if (it == body.end() || !it->is_array()) return;
+      for (const auto& v : *it) {
+        if (v.is_string()) out.push_back(v.get<std::string>());
+      }
+    };
+    auto reason = body.find("reason");
+    miss.reason = reason != body.end() && reason->is_string() ? reason->get<std::string>() : "miss";
+    strings("mismatch", miss.mismatch);
+    strings("fields", miss.fields);
     if (!miss.mismatch.empty()) {
       miss.reason += ": ";
       for (size_t i = 0; i < miss.mismatch.size(); ++i) {
@@ -203,7 +221,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
 void AskToPopulate(const LoadSpec& spec, const protocol::Processing& p, const AcquireOptions& o,
                    const std::function<void(const std::string&)>& log) {
   auto real = io::PosixFileSystem().RealPath(spec.path);
-  auto ch = protocol::Connect(protocol::SocketPath(protocol::SocketDirectory(o.socket_dir)));
+  auto ch = protocol::ConnectToDaemon(protocol::SocketDirectory(o.socket_dir));
   if (!real.ok() || !ch.ok()) return;
   if (ch->Send({{"type", "preload"}, {"path", *real}, {"processing", protocol::ToJson(p)}}).ok()) {
     log("asked the daemon to preload " + *real + " for the next start");
@@ -282,7 +300,6 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     return std::unique_ptr<Weights>(std::move(hit));
   }
   if (!options.fallback) return Error("not served by the daemon: " + miss.reason);
-  if (options.populate && miss.daemon_reachable) AskToPopulate(spec, processing, options, log);
   log("loading " + spec.path + " from disk: " + miss.reason);
 
   loader::LoadOptions lo;
@@ -297,6 +314,8 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   w->digest_ = loaded.checkpoint_digest;
   w->segment = std::move(loaded.segment);
   WEIGHTD_RETURN_IF_ERROR(w->Index(w->segment->readable()));
+  // After our own load, so the two do not read the checkpoint at once.
+  if (options.populate && miss.daemon_reachable) AskToPopulate(spec, processing, options, log);
   return std::unique_ptr<Weights>(std::move(w));
 }
 

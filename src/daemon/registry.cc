@@ -17,7 +17,10 @@ Eviction Registry::EvictLocked(size_t index) {
   std::shared_ptr<ResidentModel> m = models_[index];
   models_.erase(models_.begin() + static_cast<std::ptrdiff_t>(index));
   const uint64_t bytes = m->segment->reserved_bytes();
-  used_ -= bytes;
+  // Leased: the daemon holds the segment until the last lease ends, and
+  // counts it until then (Release).
+  m->evicted = true;
+  if (m->leases == 0) used_ -= bytes;
   return {m->id, protocol::ShortDescription(m->key) + (m->name.empty() ? "" : " (" + m->name + ")"),
           bytes};
 }
@@ -28,14 +31,15 @@ Status Registry::Reserve(uint64_t bytes, std::vector<Eviction>* evicted) {
     // The idle model used least recently goes first.
     size_t victim = models_.size();
     for (size_t i = 0; i < models_.size(); ++i) {
-      if (models_[i]->leases > 0) continue;
+      if (models_[i]->leases > 0 || !models_[i]->name.empty()) continue;
       if (victim == models_.size() || models_[i]->last_used < models_[victim]->last_used)
         victim = i;
     }
     if (victim == models_.size()) {
       return Error("out of budget on host: the model needs " + Gib(bytes) + ", the budget is " +
                    Gib(budget_) + ", and " + Gib(used_ + reserved_) +
-                   " are held by models in use or being loaded; evict one or raise --budget");
+                   " are held by models in use, pinned or being loaded; evict one or raise "
+                   "--budget");
     }
     Eviction e = EvictLocked(victim);
     if (evicted != nullptr) evicted->push_back(std::move(e));
@@ -59,6 +63,7 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
       break;
     }
   }
+  if (!model->name.empty()) TakeNameLocked(model->name);
   model->id = next_id_++;
   model->last_used = std::chrono::steady_clock::now();
   used_ += model->segment->reserved_bytes();
@@ -102,6 +107,7 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
 void Registry::Release(const std::shared_ptr<ResidentModel>& model) {
   std::lock_guard lock(mu_);
   if (model->leases > 0) --model->leases;
+  if (model->evicted && model->leases == 0) used_ -= model->segment->reserved_bytes();
   model->last_used = std::chrono::steady_clock::now();
 }
 
@@ -110,17 +116,52 @@ bool Registry::Has(const protocol::CacheKey& key) const {
   return std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->key == key; });
 }
 
+void Registry::TakeNameLocked(const std::string& name) {
+  for (auto& m : models_) {
+    if (m->name == name) m->name.clear();
+  }
+}
+
+bool Registry::Pin(const protocol::CacheKey& key, const std::string& name) {
+  std::lock_guard lock(mu_);
+  for (auto& m : models_) {
+    if (m->key == key) {
+      TakeNameLocked(name);
+      m->name = name;
+      return true;
+    }
+  }
+  return false;
+}
+
+void Registry::BeginLoad(const protocol::CacheKey& key) {
+  std::unique_lock lock(mu_);
+  load_done_.wait(
+      lock, [&] { return std::find(loading_.begin(), loading_.end(), key) == loading_.end(); });
+  loading_.push_back(key);
+}
+
+void Registry::EndLoad(const protocol::CacheKey& key) {
+  std::lock_guard lock(mu_);
+  auto it = std::find(loading_.begin(), loading_.end(), key);
+  if (it != loading_.end()) loading_.erase(it);
+  load_done_.notify_all();
+}
+
 std::vector<Eviction> Registry::Evict(const std::string& what) {
   std::lock_guard lock(mu_);
   std::vector<Eviction> out;
+  // A digest prefix counts without its algorithm tag and needs 8 hex
+  // characters: "xxh3-128" alone must not match every model.
+  const size_t colon = what.find(':');
+  const std::string bare_what = colon == std::string::npos ? what : what.substr(colon + 1);
   for (size_t i = models_.size(); i-- > 0;) {
     const ResidentModel& m = *models_[i];
     const std::string& digest = m.key.checkpoint;
-    const size_t colon = digest.find(':');
-    const std::string bare = colon == std::string::npos ? digest : digest.substr(colon + 1);
-    const bool match =
-        what == "all" || (!m.name.empty() && m.name == what) ||
-        (what.size() >= 8 && (digest.rfind(what, 0) == 0 || bare.rfind(what, 0) == 0));
+    const size_t at = digest.find(':');
+    const std::string bare = at == std::string::npos ? digest : digest.substr(at + 1);
+    const bool match = what == "all" || (!m.name.empty() && m.name == what) ||
+                       (bare_what.size() >= 8 && bare.rfind(bare_what, 0) == 0);
     if (match) out.push_back(EvictLocked(i));
   }
   return out;

@@ -5,14 +5,17 @@
 // for a preload is reserved before it starts reading (so concurrent
 // preloads cannot overshoot the budget together): idle models (no lease)
 // are evicted least recently used first; when leased models alone leave no
-// room, the reservation fails with a message that says so. Evicting a model
-// drops the daemon's handle; engines that map it keep their bytes, and the
-// memory goes when the last of them lets go.
+// room, the reservation fails with a message that says so. Pinned models
+// (named with --pin) are evicted only on request. Evicting a model takes it
+// out of the registry; engines that map it keep their bytes, and its bytes
+// stay counted against the budget until its last lease ends (the daemon
+// holds the segment until then).
 //
 // Thread safety: every member may be called from any thread.
 #pragma once
 
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -35,6 +38,7 @@ struct ResidentModel {
   double load_seconds = 0;
   // Guarded by the registry's mutex.
   int leases = 0;
+  bool evicted = false;  // out of the registry, its bytes counted until the last lease ends
   std::chrono::steady_clock::time_point last_used;
 };
 
@@ -73,6 +77,15 @@ class Registry {
   // Whether a model with exactly this key is resident.
   bool Has(const protocol::CacheKey& key) const;
 
+  // Names the resident model with `key` (taking the name from any other);
+  // false when none is resident.
+  bool Pin(const protocol::CacheKey& key, const std::string& name);
+
+  // One load per key at a time: BeginLoad waits while another load of
+  // `key` is in flight, then marks it in flight; EndLoad clears the mark.
+  void BeginLoad(const protocol::CacheKey& key);
+  void EndLoad(const protocol::CacheKey& key);
+
   // Evicts models matching `what`: "all", a pinned name, or a prefix (at
   // least 8 characters) of the checkpoint digest.
   std::vector<Eviction> Evict(const std::string& what);
@@ -90,8 +103,12 @@ class Registry {
  private:
   // REQUIRES: mu_ held.
   Eviction EvictLocked(size_t index);
+  // REQUIRES: mu_ held.
+  void TakeNameLocked(const std::string& name);
 
   mutable std::mutex mu_;
+  std::condition_variable load_done_;
+  std::vector<protocol::CacheKey> loading_;
   std::vector<std::shared_ptr<ResidentModel>> models_;
   uint64_t budget_;
   uint64_t used_ = 0;

@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/file.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -34,30 +35,13 @@ constexpr auto kProgressEvery = std::chrono::milliseconds(100);
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-// The socket directory must be ours alone: a real directory, owned by this
-// user, closed to everyone else.
-Status CheckDirectory(const std::string& dir) {
-  struct stat st;
-  if (::lstat(dir.c_str(), &st) != 0) {
-    if (errno != ENOENT) return Error(Errno("socket directory " + dir));
-    if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
-      return Error(Errno("cannot create the socket directory " + dir));
-    }
-    if (::lstat(dir.c_str(), &st) != 0) return Error(Errno("socket directory " + dir));
+// Creates the socket directory (0700) when missing, then checks it is ours
+// alone.
+Status ClaimDirectory(const std::string& dir) {
+  if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
+    return Error(Errno("cannot create the socket directory " + dir));
   }
-  if (S_ISLNK(st.st_mode)) return Error("socket directory " + dir + " is a symlink; refusing it");
-  if (!S_ISDIR(st.st_mode)) return Error("socket directory " + dir + " is not a directory");
-  if (st.st_uid != ::geteuid()) {
-    return Error("socket directory " + dir + " is owned by uid " + std::to_string(st.st_uid) +
-                 ", not by this user (uid " + std::to_string(::geteuid()) + ")");
-  }
-  if ((st.st_mode & 077) != 0) {
-    char mode[8];
-    std::snprintf(mode, sizeof mode, "%04o", st.st_mode & 07777);
-    return Error("socket directory " + dir + " has mode " + mode + "; it must be 0700 (chmod 700 " +
-                 dir + ")");
-  }
-  return OkStatus();
+  return protocol::CheckSocketDirectory(dir);
 }
 
 std::string ReadSmallFile(int fd) {
@@ -119,10 +103,19 @@ void Server::RequestStop() {
   }
 }
 
+bool Server::stopping() const { return state_->stopping.load(); }
+
 Status Server::Start() {
   State& s = *state_;
+  // A preload holds every shard open and each engine a connection: take
+  // all the descriptors the system allows this process.
+  rlimit files{};
+  if (::getrlimit(RLIMIT_NOFILE, &files) == 0 && files.rlim_cur < files.rlim_max) {
+    files.rlim_cur = files.rlim_max;
+    ::setrlimit(RLIMIT_NOFILE, &files);
+  }
   const std::string& dir = s.options.socket_dir;
-  WEIGHTD_RETURN_IF_ERROR(CheckDirectory(dir));
+  WEIGHTD_RETURN_IF_ERROR(ClaimDirectory(dir));
 
   const std::string lock_path = dir + "/" + protocol::kLockName;
   s.lock_fd.Reset(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
@@ -186,9 +179,20 @@ void Server::Run() {
     if ((fds[0].revents & POLLIN) == 0) continue;
     memory::UniqueFd conn(::accept4(s.listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC));
     if (!conn.valid()) {
-      if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) s.Log(Errno("accept"));
+      if (errno == EMFILE || errno == ENFILE) {
+        // Out of descriptors: the listening socket stays readable, so wait
+        // for some to be closed instead of spinning.
+        s.Log(Errno("accept (waiting a moment)"));
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      } else if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) {
+        s.Log(Errno("accept"));
+      }
       continue;
     }
+    // A peer that stops reading must not hold a connection thread (or a
+    // preload's progress) forever.
+    const timeval send_timeout{10, 0};
+    ::setsockopt(conn.get(), SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof send_timeout);
     ucred peer{};
     socklen_t len = sizeof peer;
     if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0) {
@@ -206,10 +210,11 @@ void Server::Run() {
       continue;
     }
     uint64_t id;
+    const int raw_fd = conn.get();
     {
       std::lock_guard lock(s.conn_mu);
       id = s.next_connection++;
-      s.open_sockets.insert(conn.get());
+      s.open_sockets.insert(raw_fd);
       ++s.live_connections;
     }
     try {
@@ -217,8 +222,10 @@ void Server::Run() {
         s.Serve(id, std::move(fd), peer);
       }).detach();
     } catch (const std::system_error&) {
+      // The descriptor went with the lambda that never ran.
       std::lock_guard lock(s.conn_mu);
       --s.live_connections;
+      s.open_sockets.erase(raw_fd);
       s.Log("refused a connection: out of threads");
     }
   }
@@ -428,15 +435,28 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
   if (!fp.ok()) return fp.error();
   if (cache) (void)cache->Save();
-  if (pin.empty() && registry.Has(protocol::MakeKey(fp->digest, processing))) {
-    return json{{"already_resident", true},
-                {"key", protocol::ToJson(protocol::MakeKey(fp->digest, processing))}};
+  const protocol::CacheKey expected = protocol::MakeKey(fp->digest, processing);
+  // Engines that all missed may ask for the same model at once: one load,
+  // the others wait for it and find it resident.
+  registry.BeginLoad(expected);
+  struct EndLoad {
+    Registry& r;
+    const protocol::CacheKey& k;
+    ~EndLoad() { r.EndLoad(k); }
+  } end_load{registry, expected};
+  if (registry.Has(expected)) {
+    if (!pin.empty()) {
+      registry.Pin(expected, pin);
+      Log("pinned " + protocol::ShortDescription(expected) + " as `" + pin + "`");
+    }
+    return json{{"already_resident", true}, {"key", protocol::ToJson(expected)}};
   }
 
   uint64_t reserved = 0;
   std::vector<Eviction> evicted;
   loader::LoadOptions lo;
   lo.progress = progress;
+  lo.cancel = &stopping;
   lo.segment_name = io::BaseName(path);
   lo.allocate = [&](uint64_t bytes) -> Result<std::unique_ptr<memory::Segment>> {
     const uint64_t want = (bytes + kReserveRounding - 1) / kReserveRounding * kReserveRounding;

@@ -53,6 +53,7 @@ class Server {
 
   // Async-signal-safe.
   void RequestStop();
+  bool stopping() const;
 
   // Preloads a model as a `preload` request would (for --config at start).
   struct PreloadRequest {

@@ -11,7 +11,6 @@
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <set>
 #include <thread>
 
 #include "format/checkpoint.h"
@@ -288,19 +287,26 @@ class EarlyHeads {
     }
     std::sort(names_.begin(), names_.end());
     work_.resize(names_.size());
+    taken_.assign(names_.size(), 0);
     pending_.resize(names_.size());
     stats_.resize(names_.size());
-    thread_ = std::jthread([this] {
-      std::atomic<size_t> next{0};
-      io::RunTeam(static_cast<int>(std::min<size_t>(work_.size(), std::max(o_.max_inflight, 1))),
-                  [&](int) {
-                    for (size_t i; (i = next.fetch_add(1)) < work_.size();) {
-                      const std::string path = io::JoinPath(dir_, names_[i]);
-                      work_[i].ref = {names_[i], path, path};
-                      OpenAndReadHead(fs_, o_, work_[i], stats_[i], pending_[i], i);
-                    }
-                  });
-    });
+    try {
+      thread_ = std::jthread([this] {
+        std::atomic<size_t> next{0};
+        io::RunTeam(static_cast<int>(std::min<size_t>(work_.size(), std::max(o_.max_inflight, 1))),
+                    [&](int) {
+                      for (size_t i; (i = next.fetch_add(1)) < work_.size();) {
+                        const std::string path = io::JoinPath(dir_, names_[i]);
+                        work_[i].ref = {names_[i], path, path};
+                        OpenAndReadHead(fs_, o_, work_[i], stats_[i], pending_[i], i);
+                      }
+                    });
+      });
+    } catch (const std::system_error&) {
+      // No thread to spare: the shards are opened after the index instead.
+      names_.clear();
+      work_.clear();
+    }
   }
 
   // Waits for the early work; afterwards Take may be called.
@@ -318,11 +324,11 @@ class EarlyHeads {
     if (it == names_.end() || *it != ref.name) return false;
     const size_t i = static_cast<size_t>(it - names_.begin());
     ShardWork& early = work_[i];
-    if (early.error || taken_.contains(i)) return false;
+    if (early.error || taken_[i]) return false;
     if (ref.resolved != io::JoinPath(real_dir, ref.name)) return false;
     auto now = fs_.Stat(ref.resolved);
     if (!now.ok() || !(*now == early.signature)) return false;
-    taken_.insert(i);
+    taken_[i] = 1;
     w = std::move(early);
     w.ref = ref;
     stats = stats_[i];
@@ -337,7 +343,7 @@ class EarlyHeads {
   io::ReadStats Unused() const {
     io::ReadStats unused;
     for (size_t i = 0; i < work_.size(); ++i) {
-      if (taken_.contains(i)) continue;
+      if (taken_[i]) continue;
       unused.reads += stats_[i].reads;
       unused.bytes += stats_[i].bytes;
     }
@@ -352,7 +358,9 @@ class EarlyHeads {
   std::vector<ShardWork> work_;
   std::vector<std::vector<PendingSample>> pending_;
   std::vector<io::ReadStats> stats_;
-  std::set<size_t> taken_;
+  // One flag per early shard; each is touched by the one worker that takes
+  // that shard's name (names are unique).
+  std::vector<char> taken_;
   std::jthread thread_;
 };
 
@@ -362,23 +370,20 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
   std::vector<ShardWork> work(refs.size());
   std::vector<std::vector<PendingSample>> pending(work.size());
   std::vector<io::ReadStats> head_stats(work.size());
-  std::vector<size_t> todo;
-  for (size_t i = 0; i < refs.size(); ++i) {
-    if (!early.Take(refs[i], listing.real_dir, i, work[i], head_stats[i], pending[i])) {
-      work[i].ref = refs[i];
-      todo.push_back(i);
-    }
-  }
-
-  // Stage 1: every shard at once.
+  // Every shard at once: each either takes the work started from the
+  // listing (one stat, usually answered from the attribute cache, to check
+  // it is the same file) or opens and reads its head now.
   std::atomic<size_t> next{0};
-  io::RunTeam(static_cast<int>(std::min<size_t>(todo.size(), std::max(o.max_inflight, 1))),
-              [&](int) {
-                for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
-                  const size_t i = todo[k];
-                  OpenAndReadHead(fs, o, work[i], head_stats[i], pending[i], i);
-                }
-              });
+  io::RunTeam(
+      static_cast<int>(std::min<size_t>(refs.size(), std::max(o.max_inflight, 1))), [&](int) {
+        for (size_t i; (i = next.fetch_add(1)) < refs.size();) {
+          if (early.Take(refs[i], listing.real_dir, i, work[i], head_stats[i], pending[i])) {
+            continue;
+          }
+          work[i].ref = refs[i];
+          OpenAndReadHead(fs, o, work[i], head_stats[i], pending[i], i);
+        }
+      });
   Fingerprint fp;
   uint64_t slowest_shard = 0;
   std::vector<PendingSample> all_pending;

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <chrono>
 #include <optional>
+#include <system_error>
 #include <thread>
 
 #include "format/rules.h"
@@ -189,10 +190,14 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   std::optional<Result<std::vector<io::DirEntry>>> entries;
   std::jthread lister;
   auto list_now = [&] {
-    lister = std::jthread([&] {
-      entries = fs.ListDirectory(path);
-      if (entries->ok() && options.on_early_listing) options.on_early_listing(entries->value());
-    });
+    try {
+      lister = std::jthread([&] {
+        entries = fs.ListDirectory(path);
+        if (entries->ok() && options.on_early_listing) options.on_early_listing(entries->value());
+      });
+    } catch (const std::system_error&) {
+      // No thread to spare: list later, if the listing is needed at all.
+    }
     if (options.reserve_workers > 0) io::WorkerPool::Shared().Reserve(options.reserve_workers);
   };
   if (remote) list_now();

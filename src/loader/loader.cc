@@ -92,6 +92,12 @@ Status RunJobs(const std::vector<ReadJob>& jobs, const std::vector<OpenShard>& s
     std::unique_ptr<std::byte[]> buffer;
     uint64_t buffer_bytes = 0;
     for (size_t i; !failed.load() && (i = next.fetch_add(1)) < jobs.size();) {
+      if (options.cancel != nullptr && options.cancel->load()) {
+        std::lock_guard lock(mu);
+        if (!error) error = Error("the load was cancelled");
+        failed.store(true);
+        return;
+      }
       const ReadJob& job = jobs[i];
       const io::RandomAccessFile& file = *shards[job.shard].file;
       Status read;

@@ -15,6 +15,7 @@
 // Thread safety: LoadCheckpoint may run concurrently with itself.
 #pragma once
 
+#include <atomic>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -34,6 +35,9 @@ struct LoadOptions {
   std::function<void(uint64_t done, uint64_t total)> progress;
   // Makes the segment once its size is known; by default a host segment.
   std::function<Result<std::unique_ptr<memory::Segment>>(uint64_t bytes)> allocate;
+  // When set and it turns true, the load stops with an error (a daemon
+  // shutting down). Not owned.
+  const std::atomic<bool>* cancel = nullptr;
   // Names the segment (shows in /proc/PID/maps).
   std::string segment_name = "model";
 };

@@ -182,10 +182,13 @@ Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd& fd, uint64_t siz
     return Error("the segment holds " + std::to_string(st.st_size) + " bytes, " +
                  std::to_string(size) + " were announced");
   }
-  if (size == 0) size = 1;
-  void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd.get(), 0);
+  // The whole memfd: its size is a multiple of the page size it was made
+  // with (2 MiB for huge pages), which munmap needs.
+  const auto length = static_cast<size_t>(st.st_size);
+  if (length == 0) return Error("the segment is empty");
+  void* p = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, fd.get(), 0);
   if (p == MAP_FAILED) return Error(Errno("cannot map the segment"));
-  return std::unique_ptr<Mapping>(new Mapping(static_cast<const std::byte*>(p), size));
+  return std::unique_ptr<Mapping>(new Mapping(static_cast<const std::byte*>(p), length));
 }
 
 }  // namespace weightd::memory

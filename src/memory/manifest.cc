@@ -86,7 +86,11 @@ Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors) {
   uint64_t at = plan.data_offset;
   for (TensorLayout& t : tensors) {
     t.offset = at;
-    at = RoundUp(at + t.bytes, kTensorAlignment);
+    // Sizes come from files: sparse ones can claim more than fits in 64 bits.
+    if (!Add(at, t.bytes, &at) || !Add(at, kTensorAlignment - 1, &at)) {
+      return Error("the tensors' sizes add up to more than a segment can hold");
+    }
+    at = at / kTensorAlignment * kTensorAlignment;
   }
   plan.total_bytes = at;
   plan.tensors = std::move(tensors);
@@ -162,7 +166,6 @@ Result<ManifestView> ReadManifest(std::span<const std::byte> segment) {
   ManifestView view;
   view.data_offset = h.data_offset;
   view.data_bytes = h.data_bytes;
-  view.tensors.resize(static_cast<size_t>(h.tensor_count));
   for (uint64_t i = 0; i < h.tensor_count; ++i) {
     Record r;
     std::memcpy(&r, base + kHeaderBytes + i * kRecordBytes, sizeof r);
@@ -173,7 +176,7 @@ Result<ManifestView> ReadManifest(std::span<const std::byte> segment) {
         r.offset % 8 != 0 || !ValidDTypeField(r.dtype)) {
       return Corrupt("record " + std::to_string(i) + " points outside the segment");
     }
-    TensorRecord& t = view.tensors[static_cast<size_t>(i)];
+    TensorRecord t;
     t.name = std::string_view(strings + r.name_offset, r.name_length);
     // Views point into the segment, not into the copy on this stack frame.
     const auto* dtype = reinterpret_cast<const char*>(base + kHeaderBytes + i * kRecordBytes +
@@ -182,9 +185,10 @@ Result<ManifestView> ReadManifest(std::span<const std::byte> segment) {
     t.shape = std::span(all_dims + r.first_dim, r.rank);
     t.offset = r.offset;
     t.bytes = r.bytes;
-    if (i > 0 && !(view.tensors[static_cast<size_t>(i - 1)].name < t.name)) {
+    if (i > 0 && !(view.tensors.back().name < t.name)) {
       return Corrupt("tensor names are not sorted and unique");
     }
+    view.tensors.push_back(t);
   }
   return view;
 }

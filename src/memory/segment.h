@@ -105,8 +105,8 @@ class Mapping {
   size_t size_;
 };
 
-// Maps an imported host segment read-only, after checking that it is sealed
-// against writes and resizing and holds at least `size` bytes. The
+// Maps an imported host segment read-only (all of it, at least `size`
+// bytes), after checking that it is sealed against writes and resizing. The
 // descriptor may be closed afterwards; the mapping keeps the memory.
 Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd& fd, uint64_t size);
 

@@ -5,9 +5,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+
+#include "protocol/paths.h"
 
 namespace weightd::protocol {
 namespace {
@@ -38,13 +41,22 @@ Result<bool> WaitReadable(int fd, int timeout_ms) {
   }
 }
 
+using Deadline = std::chrono::steady_clock::time_point;
+
 // Reads exactly `n` bytes into `dst`, collecting any descriptors that come
-// along. `first` tells whether a clean EOF before any byte is "closed".
+// along (more than kMaxDescriptors ends the frame at once). `first` tells
+// whether a clean EOF before any byte is "closed"; once a frame has started,
+// all of it must arrive before `deadline`.
 Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds, bool first,
-                int first_timeout_ms) {
+                int first_timeout_ms, Deadline& deadline) {
   size_t got = 0;
   while (got < n) {
-    const int timeout = got == 0 && first ? first_timeout_ms : Channel::kBodyTimeoutMs;
+    int timeout = first_timeout_ms;
+    if (!(got == 0 && first)) {
+      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
+          deadline - std::chrono::steady_clock::now());
+      timeout = static_cast<int>(std::max<int64_t>(left.count(), 0));
+    }
     WEIGHTD_ASSIGN_OR_RETURN(bool ready, WaitReadable(fd, timeout));
     if (!ready) {
       return Error(got == 0 && first ? "timed out waiting for a frame" : "frame timed out halfway");
@@ -70,10 +82,16 @@ Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds,
         fds.emplace_back(received);
       }
     }
-    if (msg.msg_flags & MSG_CTRUNC) return Error("frame carried more descriptors than allowed");
+    if ((msg.msg_flags & MSG_CTRUNC) || fds.size() > kMaxDescriptors) {
+      return Error("frame carried more descriptors than allowed");
+    }
     if (r == 0) {
       return Error(got == 0 && first ? Channel::kClosed
                                      : "connection closed halfway through a frame");
+    }
+    if (got == 0 && first) {
+      deadline =
+          std::chrono::steady_clock::now() + std::chrono::milliseconds(Channel::kBodyTimeoutMs);
     }
     got += static_cast<size_t>(r);
   }
@@ -134,7 +152,9 @@ Status Channel::Send(const nlohmann::json& body, const memory::UniqueFd* fd) {
 Result<Message> Channel::Receive(int timeout_ms) {
   Message m;
   char header[kFrameHeaderBytes];
-  WEIGHTD_RETURN_IF_ERROR(ReadFull(socket_.get(), header, sizeof header, m.fds, true, timeout_ms));
+  Deadline deadline{};
+  WEIGHTD_RETURN_IF_ERROR(
+      ReadFull(socket_.get(), header, sizeof header, m.fds, true, timeout_ms, deadline));
   if (std::memcmp(header, kMagic, sizeof kMagic) != 0) return Error("not a weightd frame");
   const uint32_t version = GetU32(header + 4), bytes = GetU32(header + 8),
                  descriptors = GetU32(header + 12);
@@ -148,7 +168,8 @@ Result<Message> Channel::Receive(int timeout_ms) {
   }
   if (descriptors > kMaxDescriptors) return Error("frame announces too many descriptors");
   std::string text(bytes, '\0');
-  WEIGHTD_RETURN_IF_ERROR(ReadFull(socket_.get(), text.data(), text.size(), m.fds, false, 0));
+  WEIGHTD_RETURN_IF_ERROR(
+      ReadFull(socket_.get(), text.data(), text.size(), m.fds, false, 0, deadline));
   if (m.fds.size() != descriptors) {
     return Error("frame announced " + std::to_string(descriptors) + " descriptors and carried " +
                  std::to_string(m.fds.size()));
@@ -171,7 +192,27 @@ Result<Channel> Connect(const std::string& socket_path) {
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     return Error(Errno("cannot connect to " + socket_path));
   }
+  // Whoever listens must be this user (the daemon checks us the same way):
+  // weights from anyone else are not to be mapped.
+  ucred peer{};
+  socklen_t len = sizeof peer;
+  if (::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0) {
+    return Error(Errno("cannot read the credentials of " + socket_path));
+  }
+  if (peer.uid != ::geteuid()) {
+    return Error(socket_path + " is served by uid " + std::to_string(peer.uid) +
+                 ", not by this user; refusing it");
+  }
   return Channel(std::move(fd));
+}
+
+}  // namespace weightd::protocol
+
+namespace weightd::protocol {
+
+Result<Channel> ConnectToDaemon(const std::string& socket_dir) {
+  WEIGHTD_RETURN_IF_ERROR(CheckSocketDirectory(socket_dir));
+  return Connect(SocketPath(socket_dir));
 }
 
 }  // namespace weightd::protocol

@@ -43,7 +43,7 @@ class Channel {
   Status Send(const nlohmann::json& body, const memory::UniqueFd* fd = nullptr);
 
   // Waits up to `timeout_ms` (-1: forever) for the next frame to start, and
-  // then at most kBodyTimeoutMs for the rest of it. A peer that closed
+  // then at most kBodyTimeoutMs for the whole of it. A peer that closed
   // cleanly between frames gives an error whose message is kClosed.
   Result<Message> Receive(int timeout_ms = -1);
 
@@ -56,8 +56,13 @@ class Channel {
   memory::UniqueFd socket_;
 };
 
-// Connects to the daemon's socket.
+// Connects to the daemon's socket and checks that its peer runs as this
+// user.
 Result<Channel> Connect(const std::string& socket_path);
+
+// Connects to the daemon behind `socket_dir` after checking the directory
+// (protocol::CheckSocketDirectory) and the peer.
+Result<Channel> ConnectToDaemon(const std::string& socket_dir);
 
 // Builds the header of a frame (for tests that send broken ones).
 std::string FrameHeader(uint32_t body_bytes, uint32_t descriptors,

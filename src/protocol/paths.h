@@ -6,6 +6,8 @@
 
 #include <string>
 
+#include "weightd/result.h"
+
 namespace weightd::protocol {
 
 inline constexpr const char* kSocketName = "weightd.sock";
@@ -15,5 +17,11 @@ inline constexpr const char* kLockName = "daemon.lock";
 std::string SocketDirectory(const std::string& flag = "");
 
 std::string SocketPath(const std::string& dir);
+
+// The directory must be this user's alone: a real directory (not a
+// symlink), owned by the effective uid, mode 0700 or stricter. The daemon
+// checks it before listening; engines before trusting what listens there
+// (/tmp/weightd-$UID could be made by anyone first).
+Status CheckSocketDirectory(const std::string& dir);
 
 }  // namespace weightd::protocol
