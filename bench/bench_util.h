@@ -47,12 +47,14 @@ struct Child {
   int out = -1;
 };
 
-inline Child Spawn(const std::vector<std::string>& argv, bool keep_stderr = false) {
+inline Child SpawnWithStdin(const std::vector<std::string>& argv, int stdin_fd,
+                            bool keep_stderr = false) {
   int pipe_fds[2];
   if (::pipe(pipe_fds) != 0) Die("bench", "pipe");
   Child c;
   c.pid = ::fork();
   if (c.pid == 0) {
+    if (stdin_fd >= 0) ::dup2(stdin_fd, 0);
     ::dup2(pipe_fds[1], 1);
     ::close(pipe_fds[0]);
     if (!keep_stderr) {
@@ -69,6 +71,10 @@ inline Child Spawn(const std::vector<std::string>& argv, bool keep_stderr = fals
   ::close(pipe_fds[1]);
   c.out = pipe_fds[0];
   return c;
+}
+
+inline Child Spawn(const std::vector<std::string>& argv, bool keep_stderr = false) {
+  return SpawnWithStdin(argv, -1, keep_stderr);
 }
 
 // Waits for the child; its stdout, or death if it failed.
