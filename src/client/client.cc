@@ -154,14 +154,16 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     miss.reason = what + ": " + e.message();
     return nullptr;
   };
+  // Hello and acquire go out together: one round trip, not two. A daemon
+  // that cannot speak our version answers the hello with an error.
+  json request = {{"type", "acquire"}, {"key", protocol::ToJson(key)}};
+  if (!o.trust.empty()) request["trust"] = o.trust;
   if (Status s = ch->Send({{"type", "hello"}, {"versions", {protocol::kProtocolVersion}}});
       !s.ok()) {
     return fail("protocol error", s.error());
   }
-  if (auto hello = Expect(*ch, "hello"); !hello.ok()) return fail("protocol error", hello.error());
-  json request = {{"type", "acquire"}, {"key", protocol::ToJson(key)}};
-  if (!o.trust.empty()) request["trust"] = o.trust;
   if (Status s = ch->Send(request); !s.ok()) return fail("protocol error", s.error());
+  if (auto hello = Expect(*ch, "hello"); !hello.ok()) return fail("protocol error", hello.error());
   auto reply = Expect(*ch, "acquired");
   if (!reply.ok()) return fail("protocol error", reply.error());
   const json& body = reply->body;

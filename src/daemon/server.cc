@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -32,6 +33,8 @@ using nlohmann::json;
 
 constexpr uint64_t kReserveRounding = 2ull << 20;  // a segment may round up to huge pages
 constexpr auto kProgressEvery = std::chrono::milliseconds(100);
+// Serving threads kept ready (each mostly an idle stack).
+constexpr int kKeptWorkers = 64;
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
@@ -77,6 +80,18 @@ struct Server::State {
   std::condition_variable conn_done;
   std::set<int> open_sockets;  // raw fds of live connections, to shut down on stop
   int live_connections = 0;
+  // Connections wait here for a serving thread. Threads are kept between
+  // connections (creating one per connection put a thread creation on every
+  // attach, one after another in the accept loop).
+  struct Pending {
+    uint64_t id;
+    memory::UniqueFd fd;
+    ucred peer;
+  };
+  std::deque<Pending> queue;
+  std::condition_variable work_ready;
+  int workers = 0;
+  int idle_workers = 0;
   uint64_t next_connection = 1;
 
   void Log(const std::string& line) {
@@ -84,6 +99,9 @@ struct Server::State {
   }
 
   void Serve(uint64_t id, memory::UniqueFd fd, ucred peer);
+  void WorkerLoop();
+  // Starts one more serving thread; false when the system refuses.
+  bool SpawnWorker();
   Status Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id, const ucred& peer,
                 std::vector<std::shared_ptr<ResidentModel>>& leases);
   Result<json> Preload(const std::string& path, const protocol::Processing& processing,
@@ -159,6 +177,11 @@ Status Server::Start() {
   if (::chmod(s.socket_path.c_str(), 0600) != 0) return Error(Errno("chmod " + s.socket_path));
   if (::listen(s.listen_fd.get(), 256) != 0) return Error(Errno("listen"));
 
+  // Threads ready for a burst of engines attaching at once.
+  for (int i = 0; i < kKeptWorkers; ++i) {
+    if (!s.SpawnWorker()) break;
+  }
+
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) return Error(Errno("pipe"));
   s.wake_read.Reset(pipe_fds[0]);
@@ -217,25 +240,75 @@ void Server::Run() {
       s.open_sockets.insert(raw_fd);
       ++s.live_connections;
     }
-    try {
-      std::thread([&s, id, fd = std::move(conn), peer]() mutable {
-        s.Serve(id, std::move(fd), peer);
-      }).detach();
-    } catch (const std::system_error&) {
-      // The descriptor went with the lambda that never ran.
+    bool need_worker;
+    {
       std::lock_guard lock(s.conn_mu);
-      --s.live_connections;
-      s.open_sockets.erase(raw_fd);
-      s.Log("refused a connection: out of threads");
+      s.queue.push_back({id, std::move(conn), peer});
+      need_worker = s.queue.size() > static_cast<size_t>(s.idle_workers);
+    }
+    if (!need_worker) {
+      s.work_ready.notify_one();
+    } else if (!s.SpawnWorker()) {
+      std::lock_guard lock(s.conn_mu);
+      if (s.workers == 0) {
+        // Nobody will ever serve it.
+        s.queue.pop_back();
+        --s.live_connections;
+        s.open_sockets.erase(raw_fd);
+        s.Log("refused a connection: out of threads");
+      }
     }
   }
   // Stop: no new connections, no socket to find, every connection ended.
   ::unlink(s.socket_path.c_str());
   s.listen_fd.Reset();
   std::unique_lock lock(s.conn_mu);
+  for (const State::Pending& p : s.queue) s.open_sockets.erase(p.fd.get());
+  s.live_connections -= static_cast<int>(s.queue.size());
+  s.queue.clear();
   for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
-  s.conn_done.wait(lock, [&] { return s.live_connections == 0; });
+  s.work_ready.notify_all();
+  s.conn_done.wait(lock, [&] { return s.live_connections == 0 && s.workers == 0; });
   s.Log("stopped");
+}
+
+bool Server::State::SpawnWorker() {
+  {
+    std::lock_guard lock(conn_mu);
+    ++workers;
+  }
+  try {
+    std::thread([this] { WorkerLoop(); }).detach();
+    return true;
+  } catch (const std::system_error&) {
+    std::lock_guard lock(conn_mu);
+    --workers;
+    conn_done.notify_all();
+    return false;
+  }
+}
+
+void Server::State::WorkerLoop() {
+  constexpr auto kIdleExit = std::chrono::seconds(60);
+  std::unique_lock lock(conn_mu);
+  while (!stopping.load()) {
+    if (queue.empty()) {
+      ++idle_workers;
+      const bool woken =
+          work_ready.wait_for(lock, kIdleExit, [&] { return !queue.empty() || stopping.load(); });
+      --idle_workers;
+      // Idle for a minute with others idle too: one fewer thread.
+      if (!woken && idle_workers >= kKeptWorkers) break;
+      continue;
+    }
+    Pending p = std::move(queue.front());
+    queue.pop_front();
+    lock.unlock();
+    Serve(p.id, std::move(p.fd), p.peer);
+    lock.lock();
+  }
+  --workers;
+  conn_done.notify_all();
 }
 
 void Server::State::Serve(uint64_t id, memory::UniqueFd fd, ucred peer) {

@@ -143,25 +143,31 @@ struct MergedRead {
 
 // Stage 1 for one shard: stat shortcut, or open, speculative first read,
 // header, and the samples that first read already holds.
-void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::ReadStats& stats,
-                     std::vector<PendingSample>& pending, size_t shard_index) {
+// The stat shortcut for one shard: true when the shard is done (its digest
+// came from the cache, or its stat failed and w.error says why).
+bool FromCache(io::FileSystem& fs, const Options& o, ShardWork& w) {
   w.result.name = w.ref.name;
-  const std::string kind = CacheKind(o);
-  if (o.cache != nullptr) {
-    auto sig = fs.Stat(w.ref.resolved);
-    ++w.round_trips;
-    if (!sig.ok()) {
-      w.error = sig.error();
-      return;
-    }
-    if (auto digest = o.cache->Lookup(kind, *sig)) {
-      w.signature = *sig;
-      w.result.digest = *digest;
-      w.result.file_bytes = sig->size;
-      w.result.cached = true;
-      return;
-    }
+  if (o.cache == nullptr) return false;
+  auto sig = fs.Stat(w.ref.resolved);
+  ++w.round_trips;
+  if (!sig.ok()) {
+    w.error = sig.error();
+    return true;
   }
+  auto digest = o.cache->Lookup(CacheKind(o), *sig);
+  if (!digest) return false;
+  w.signature = *sig;
+  w.result.digest = *digest;
+  w.result.file_bytes = sig->size;
+  w.result.cached = true;
+  return true;
+}
+
+void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::ReadStats& stats,
+                     std::vector<PendingSample>& pending, size_t shard_index,
+                     bool cache_checked = false) {
+  w.result.name = w.ref.name;
+  if (!cache_checked && FromCache(fs, o, w)) return;
   auto file = fs.Open(w.ref.resolved);
   w.round_trips += 2;  // lookup + open
   if (!file.ok()) {
@@ -370,18 +376,27 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
   std::vector<ShardWork> work(refs.size());
   std::vector<std::vector<PendingSample>> pending(work.size());
   std::vector<io::ReadStats> head_stats(work.size());
-  // Every shard at once: each either takes the work started from the
+  // On a local file system the stat shortcut goes first, on this thread: a
+  // warm fingerprint then starts no thread at all.
+  std::vector<size_t> todo;
+  for (size_t i = 0; i < refs.size(); ++i) {
+    work[i].ref = refs[i];
+    if (listing.remote || !FromCache(fs, o, work[i])) todo.push_back(i);
+  }
+  // The rest all at once: each either takes the work started from the
   // listing (one stat, usually answered from the attribute cache, to check
   // it is the same file) or opens and reads its head now.
   std::atomic<size_t> next{0};
   io::RunTeam(
-      static_cast<int>(std::min<size_t>(refs.size(), std::max(o.max_inflight, 1))), [&](int) {
-        for (size_t i; (i = next.fetch_add(1)) < refs.size();) {
+      static_cast<int>(std::min<size_t>(todo.size(), std::max(o.max_inflight, 1))), [&](int) {
+        for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
+          const size_t i = todo[k];
           if (early.Take(refs[i], listing.real_dir, i, work[i], head_stats[i], pending[i])) {
             continue;
           }
           work[i].ref = refs[i];
-          OpenAndReadHead(fs, o, work[i], head_stats[i], pending[i], i);
+          OpenAndReadHead(fs, o, work[i], head_stats[i], pending[i], i,
+                          /*cache_checked=*/!listing.remote && o.cache != nullptr);
         }
       });
   Fingerprint fp;

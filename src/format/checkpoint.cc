@@ -207,7 +207,11 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
   probe_start = std::chrono::steady_clock::now();
   WEIGHTD_ASSIGN_OR_RETURN(bool has_index, fs.Exists(index_path));
-  if (!remote && std::chrono::steady_clock::now() - probe_start > kRoundTripProbe) list_now();
+  if (!remote && std::chrono::steady_clock::now() - probe_start > kRoundTripProbe) {
+    remote = true;
+    list_now();
+  }
+  listing.remote = remote;
   listing.round_trips += 1;
   listing.has_index = has_index;
 
@@ -254,7 +258,10 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   listing.shards.resize(names.size());
   std::vector<std::optional<Error>> errors(names.size());
   std::atomic<size_t> next{0};
-  io::RunTeam(static_cast<int>(std::min<size_t>(names.size(), kMaxParallelPathChecks)), [&](int) {
+  // Where a check costs microseconds, threads would cost more than they save.
+  const size_t checkers =
+      listing.remote ? std::min<size_t>(names.size(), kMaxParallelPathChecks) : 1;
+  io::RunTeam(static_cast<int>(checkers), [&](int) {
     for (size_t i; (i = next.fetch_add(1)) < names.size();) {
       auto resolved = CheckShardPath(fs, path, real_dir, names[i]);
       if (!resolved.ok()) {

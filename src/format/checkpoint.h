@@ -56,6 +56,9 @@ struct Checkpoint {
 struct ShardListing {
   std::vector<ShardRef> shards;  // by name
   bool has_index = false;
+  // Whether a stat was seen to cost a round trip (a network or FUSE file
+  // system): callers then spread their per-shard work over many threads.
+  bool remote = false;
   // The directory with every symlink resolved (a file's own path for a
   // single-file checkpoint): a shard whose `resolved` is this joined with its
   // name is the regular file the listing saw, not a symlink.
