@@ -28,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "fingerprint/fingerprint.h"
 #include "format/checkpoint.h"
 #include "format/synthetic.h"
@@ -38,36 +39,9 @@ namespace {
 using namespace weightd;
 namespace fs = std::filesystem;
 
-[[noreturn]] void Die(const std::string& what) {
-  std::cerr << "fingerprint_bench: error: " << what << "\n";
-  std::exit(1);
-}
+[[noreturn]] void Die(const std::string& what) { bench::Die("fingerprint_bench", what); }
 
-std::string RunCapture(const std::vector<std::string>& argv) {
-  int pipe_fds[2];
-  if (::pipe(pipe_fds) != 0) Die("pipe");
-  const pid_t pid = ::fork();
-  if (pid == 0) {
-    ::dup2(pipe_fds[1], 1);
-    ::close(pipe_fds[0]);
-    std::vector<char*> args;
-    std::vector<std::string> copy = argv;
-    for (auto& a : copy) args.push_back(a.data());
-    args.push_back(nullptr);
-    ::execv(args[0], args.data());
-    ::_exit(127);
-  }
-  ::close(pipe_fds[1]);
-  std::string out;
-  char buf[4096];
-  for (ssize_t n; (n = ::read(pipe_fds[0], buf, sizeof buf)) > 0;)
-    out.append(buf, static_cast<size_t>(n));
-  ::close(pipe_fds[0]);
-  int status = 0;
-  ::waitpid(pid, &status, 0);
-  if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) Die(argv[0] + " failed");
-  return out;
-}
+using bench::RunCapture;
 
 // One latencyfs mount for the lifetime of the object.
 class Mount {
