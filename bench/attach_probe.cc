@@ -2,7 +2,7 @@
 // parent writes a byte on stdin (so 64 of them attach at the same moment,
 // with process start-up out of the picture), acquires the model through the
 // C++ API and prints the seconds the acquire took and where the weights came
-// from.
+// from, then holds the weights until it is sent SIGTERM.
 //
 //   attach_probe MODEL SOCKET_DIR
 #include <unistd.h>
@@ -31,5 +31,10 @@ int main(int argc, char** argv) {
     return 1;
   }
   std::printf("%.9f %s\n", seconds, std::string((*weights)->source()).c_str());
-  return 0;
+  // Stay attached, as an engine does, until the parent ends us (SIGTERM):
+  // the others' attaches should not share the cores with 63 process exits.
+  // (Reading stdin again would take the start bytes meant for the others.)
+  std::fflush(stdout);
+  ::close(1);
+  while (true) ::pause();
 }

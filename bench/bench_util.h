@@ -50,7 +50,8 @@ struct Child {
 inline Child SpawnWithStdin(const std::vector<std::string>& argv, int stdin_fd,
                             bool keep_stderr = false) {
   int pipe_fds[2];
-  if (::pipe(pipe_fds) != 0) Die("bench", "pipe");
+  // Close-on-exec: a later child must not hold this one's pipe open.
+  if (::pipe2(pipe_fds, O_CLOEXEC) != 0) Die("bench", "pipe");
   Child c;
   c.pid = ::fork();
   if (c.pid == 0) {
@@ -77,13 +78,20 @@ inline Child Spawn(const std::vector<std::string>& argv, bool keep_stderr = fals
   return SpawnWithStdin(argv, -1, keep_stderr);
 }
 
-// Waits for the child; its stdout, or death if it failed.
-inline std::string Finish(Child c, const std::string& what) {
+// Everything the child writes on stdout until it closes it.
+inline std::string ReadOutput(Child& c) {
   std::string out;
   char buf[4096];
   for (ssize_t n; (n = ::read(c.out, buf, sizeof buf)) > 0;)
     out.append(buf, static_cast<size_t>(n));
   ::close(c.out);
+  c.out = -1;
+  return out;
+}
+
+// Waits for the child; its stdout, or death if it failed.
+inline std::string Finish(Child c, const std::string& what) {
+  std::string out = ReadOutput(c);
   int status = 0;
   ::waitpid(c.pid, &status, 0);
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) Die("bench", what + " failed");

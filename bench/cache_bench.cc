@@ -18,6 +18,7 @@
 #include <fcntl.h>
 #include <signal.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
@@ -197,7 +198,7 @@ int main(int argc, char** argv) {
   std::vector<double> alone, together;
   auto attach_all = [&](const std::string& model, int n) {
     int go[2];
-    if (::pipe(go) != 0) Die("pipe");
+    if (::pipe2(go, O_CLOEXEC) != 0) Die("pipe");
     std::vector<bench::Child> engines;
     for (int i = 0; i < n; ++i) {
       engines.push_back(bench::SpawnWithStdin({probe_bin, model, socket_dir}, go[0]));
@@ -206,12 +207,17 @@ int main(int argc, char** argv) {
     ::usleep(500'000);  // every engine started and waiting
     const std::string bytes(static_cast<size_t>(n), 'x');
     if (::write(go[1], bytes.data(), bytes.size()) != n) Die("cannot release the engines");
-    ::close(go[1]);
     std::vector<double> seconds;
     for (auto& e : engines) {
-      const std::string out = bench::Finish(e, "attach_probe");
+      const std::string out = bench::ReadOutput(e);
       if (out.find("daemon") == std::string::npos) Die("an engine did not attach: " + out);
       seconds.push_back(std::stod(out));
+    }
+    // All attached and holding their weights; now let them go.
+    ::close(go[1]);
+    for (const auto& e : engines) {
+      ::kill(e.pid, SIGTERM);
+      ::waitpid(e.pid, nullptr, 0);
     }
     return seconds;
   };
