@@ -21,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_util.h"
 #include "format/checkpoint.h"
 #include "format/synthetic.h"
 #include "io/read_many.h"
@@ -28,24 +29,11 @@
 namespace {
 
 using namespace weightd;
-using Clock = std::chrono::steady_clock;
 
-[[noreturn]] void Die(const std::string& what) {
-  std::cerr << "weightd_bench: error: " << what << "\n";
-  std::exit(1);
-}
+[[noreturn]] void Die(const std::string& what) { bench::Die("weightd_bench", what); }
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
-
-template <typename F>
-double TimeIt(F&& f) {
-  const auto start = Clock::now();
-  f();
-  return std::chrono::duration<double>(Clock::now() - start).count();
-}
+using bench::Median;
+using bench::TimeIt;
 
 format::Checkpoint Generate(const std::string& dir, const format::SyntheticOptions& o) {
   if (!std::filesystem::exists(dir)) {

@@ -363,7 +363,8 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
 }
 
 TEST_F(DaemonTest, ConcurrentPreloadsOfOneModelLoadItOnce) {
-  const std::string a = MakeModel("a");
+  // Big enough that the four loads would overlap if they were not merged.
+  const std::string a = MakeModel("a", false, 64 << 20);
   auto daemon = StartDaemon();
   std::vector<std::unique_ptr<Process>> preloads;
   for (int i = 0; i < 4; ++i) {

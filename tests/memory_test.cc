@@ -196,7 +196,7 @@ TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
   }
 }
 
-TEST(Loader, AnAllocationRefusedIsAnErrorAndNothingIsRead) {
+TEST(Loader, AnAllocationRefusedIsTheLoadsError) {
   TempDir dir;
   const std::string path = dir.Join("m");
   ASSERT_TRUE(format::WriteSyntheticCheckpoint(path, {.preset = "tiny"}).ok());

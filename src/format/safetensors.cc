@@ -256,7 +256,8 @@ Result<ShardHeader> ParseHeader(std::string_view label, std::span<const std::byt
   return ParsePadded(label, padded, file_size);
 }
 
-Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::string_view label) {
+Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::string_view label,
+                                    std::string* raw) {
   std::byte prefix[kHeaderLengthBytes] = {};
   const uint64_t size = file.size();
   if (size >= kHeaderLengthBytes) WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(0, prefix));
@@ -265,6 +266,10 @@ Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::strin
   simdjson::padded_string json(static_cast<size_t>(n));
   WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(
       kHeaderLengthBytes, std::span(reinterpret_cast<std::byte*>(json.data()), json.size())));
+  if (raw != nullptr) {
+    raw->assign(reinterpret_cast<const char*>(prefix), sizeof prefix);
+    raw->append(json.data(), json.size());
+  }
   return ParsePadded(label, json, size);
 }
 

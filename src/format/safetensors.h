@@ -73,6 +73,9 @@ Result<ShardHeader> ParseHeader(std::string_view label, std::span<const std::byt
                                 uint64_t file_size);
 
 // Reads the prefix and the header of an open file and validates them.
-Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::string_view label);
+// `raw` (optional) receives the prefix and the JSON exactly as in the file
+// (what the sampled fingerprint hashes).
+Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::string_view label,
+                                    std::string* raw = nullptr);
 
 }  // namespace weightd::format

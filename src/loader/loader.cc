@@ -22,39 +22,23 @@ constexpr uint64_t kProgressBatchBytes = 256ull << 20;
 const uint64_t kSampleBytes = fingerprint::Options{}.sample_bytes;
 
 struct OpenShard {
-  format::Shard shard;
   std::unique_ptr<io::RandomAccessFile> file;
   io::StatSignature signature;
   std::string raw_header;  // length prefix and JSON, as in the file
 };
 
 // Opens one shard and reads its header, keeping the raw bytes for the digest.
-Status ReadHead(io::FileSystem& fs, const format::ShardRef& ref, OpenShard& out) {
-  out.shard.name = ref.name;
-  out.shard.path = ref.path;
+Status ReadHead(io::FileSystem& fs, const format::ShardRef& ref, OpenShard& out,
+                format::Shard& shard) {
+  shard.name = ref.name;
+  shard.path = ref.path;
   WEIGHTD_ASSIGN_OR_RETURN(out.file, fs.Open(ref.resolved));
   WEIGHTD_ASSIGN_OR_RETURN(out.signature, out.file->Stat());
-  const uint64_t size = out.file->size();
-  out.shard.file_size = size;
-  if (out.signature.size != size) return Error(ref.path + ": changed while being loaded");
-  out.raw_header.resize(static_cast<size_t>(std::min<uint64_t>(size, format::kHeaderLengthBytes)));
-  WEIGHTD_RETURN_IF_ERROR(out.file->ReadExactly(
-      0, std::as_writable_bytes(std::span(out.raw_header.data(), out.raw_header.size()))));
-  WEIGHTD_ASSIGN_OR_RETURN(
-      uint64_t n,
-      format::DecodeHeaderLength(
-          ref.path, std::as_bytes(std::span(out.raw_header.data(), out.raw_header.size())), size));
-  out.raw_header.resize(static_cast<size_t>(format::kHeaderLengthBytes + n));
-  WEIGHTD_RETURN_IF_ERROR(out.file->ReadExactly(
-      format::kHeaderLengthBytes,
-      std::as_writable_bytes(
-          std::span(out.raw_header.data() + format::kHeaderLengthBytes, static_cast<size_t>(n)))));
-  WEIGHTD_ASSIGN_OR_RETURN(
-      out.shard.header, format::ParseHeader(ref.path,
-                                            std::as_bytes(std::span(
-                                                out.raw_header.data() + format::kHeaderLengthBytes,
-                                                static_cast<size_t>(n))),
-                                            size));
+  shard.file_size = out.file->size();
+  if (out.signature.size != shard.file_size)
+    return Error(ref.path + ": changed while being loaded");
+  WEIGHTD_ASSIGN_OR_RETURN(shard.header,
+                           format::ReadShardHeader(*out.file, ref.path, &out.raw_header));
   return OkStatus();
 }
 
@@ -152,11 +136,14 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
 
   // Headers: every shard open, many at once.
   std::vector<OpenShard> shards(listing.shards.size());
+  std::vector<format::Shard> headers(shards.size());
   std::vector<std::optional<Error>> errors(shards.size());
   std::atomic<size_t> next{0};
   io::RunTeam(static_cast<int>(std::min<size_t>(shards.size(), kParallelHeaderReads)), [&](int) {
     for (size_t i; (i = next.fetch_add(1)) < shards.size();) {
-      if (Status s = ReadHead(fs, listing.shards[i], shards[i]); !s.ok()) errors[i] = s.error();
+      if (Status s = ReadHead(fs, listing.shards[i], shards[i], headers[i]); !s.ok()) {
+        errors[i] = s.error();
+      }
     }
   });
   for (auto& e : errors) {
@@ -165,9 +152,6 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
 
   // The segment's layout: every tensor of every shard, by name. order[i] is
   // where plan.tensors[i] comes from.
-  std::vector<format::Shard> headers;
-  headers.reserve(shards.size());
-  for (OpenShard& s : shards) headers.push_back(std::move(s.shard));
   WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map));
   struct Source {
     size_t shard;
