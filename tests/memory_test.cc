@@ -28,12 +28,13 @@ using testing::TempDir;
 TEST(HostSegment, SealedSegmentsAreReadOnlyEverywhere) {
   auto seg = memory::CreateHostSegment(10000, "test");
   ASSERT_TRUE(seg.ok()) << seg.error().message();
-  auto w = (*seg)->writable();
-  ASSERT_EQ(w.size(), 10000u);
-  std::memset(w.data(), 7, w.size());
-  EXPECT_FALSE((*seg)->Export().ok());  // not before sealing
+  std::vector<std::byte> sevens(10000, std::byte{7});
+  ASSERT_TRUE((*seg)->Write(0, sevens).ok());
+  EXPECT_FALSE((*seg)->Write(1, sevens).ok());  // past the end
+  EXPECT_FALSE((*seg)->Export().ok());          // not before sealing
+  EXPECT_TRUE((*seg)->readable().empty());
   ASSERT_TRUE((*seg)->Seal().ok());
-  EXPECT_TRUE((*seg)->writable().empty());
+  EXPECT_FALSE((*seg)->Write(0, std::span(sevens).first(1)).ok());
   auto fd = (*seg)->Export();
   ASSERT_TRUE(fd.ok());
   // The descriptor refuses writes and resizing.
@@ -45,6 +46,29 @@ TEST(HostSegment, SealedSegmentsAreReadOnlyEverywhere) {
   ASSERT_TRUE(map.ok()) << map.error().message();
   EXPECT_EQ((*map)->bytes()[9999], std::byte{7});
   EXPECT_FALSE(memory::MapHostSegment(*fd, 1 << 30).ok());  // more than it holds
+}
+
+TEST(HostSegment, GatheredWritesLandInOrder) {
+  // More pieces than one pwritev takes (IOV_MAX), some empty, at an offset.
+  constexpr size_t kPieces = 3000;
+  std::vector<std::byte> values(kPieces);
+  std::vector<std::span<const std::byte>> pieces;
+  for (size_t i = 0; i < kPieces; ++i) {
+    values[i] = static_cast<std::byte>(i * 7 + 1);
+    pieces.push_back(std::span(&values[i], i % 5 == 4 ? 0 : 1));
+  }
+  auto seg = memory::CreateHostSegment(8192, "test");
+  ASSERT_TRUE(seg.ok());
+  ASSERT_TRUE((*seg)->Write(100, pieces).ok());
+  ASSERT_TRUE((*seg)->Seal().ok());
+  auto bytes = (*seg)->readable();
+  size_t at = 100;
+  for (size_t i = 0; i < kPieces; ++i) {
+    if (i % 5 == 4) continue;
+    ASSERT_EQ(bytes[at++], values[i]) << "piece " << i;
+  }
+  EXPECT_EQ(bytes[at], std::byte{0});
+  EXPECT_EQ(bytes[99], std::byte{0});
 }
 
 TEST(HostSegment, UnsealedDescriptorsAreRefused) {
@@ -144,7 +168,8 @@ TEST(Channel, CarriesMessagesAndOneDescriptor) {
   protocol::Channel a{memory::UniqueFd(fds[0])}, b{memory::UniqueFd(fds[1])};
   auto seg = memory::CreateHostSegment(4096, "test");
   ASSERT_TRUE(seg.ok());
-  (*seg)->writable()[0] = std::byte{42};
+  const std::byte answer{42};
+  ASSERT_TRUE((*seg)->Write(0, std::span(&answer, 1)).ok());
   ASSERT_TRUE((*seg)->Seal().ok());
   auto handle = (*seg)->Export();
   ASSERT_TRUE(a.Send({{"type", "acquired"}, {"bytes", 4096}}, &*handle).ok());

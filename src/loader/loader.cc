@@ -42,17 +42,19 @@ Status ReadHead(io::FileSystem& fs, const format::ShardRef& ref, OpenShard& out,
   return OkStatus();
 }
 
-// Tensors below this size are read in runs through a buffer.
-constexpr uint64_t kSmallTensorBytes = 256 << 10;
-constexpr uint64_t kRunBytes = 1 << 20;
+// Every read goes through a per-worker buffer of this size and is written
+// into the segment from there: the buffer stays in the cache, and a segment
+// filled by writes is neither faulted nor zeroed page by page. Tensors
+// below this size are read in runs of neighbours, one read per run.
+constexpr uint64_t kStepBytes = 256 << 10;
 
-// One read: a chunk of a big tensor into the segment at `dst_offset`, or
-// (with pieces) a run of small tensors, each copied to its place.
+// One job: a range of a big tensor (read in steps), or a run of small
+// neighbours read at once and each written to its place.
 struct ReadJob {
   size_t shard;
   uint64_t file_offset;
   uint64_t bytes;
-  uint64_t dst_offset;  // direct reads only
+  uint64_t dst_offset;  // big tensors only
   struct Piece {
     uint64_t run_offset;
     uint64_t bytes;
@@ -61,8 +63,50 @@ struct ReadJob {
   std::vector<Piece> pieces;
 };
 
+// Writes a run's pieces, gathering neighbours that are neighbours in the
+// segment too (with their alignment padding) into one write.
+Status WriteRun(memory::Segment& segment, const ReadJob& job, const std::byte* run) {
+  static constexpr std::byte kZeros[memory::kTensorAlignment] = {};
+  std::vector<std::span<const std::byte>> gather;
+  uint64_t start = 0, end = 0;
+  for (const ReadJob::Piece& p : job.pieces) {
+    const uint64_t padding = p.dst_offset - end;
+    if (gather.empty() || p.dst_offset < end || padding >= sizeof kZeros) {
+      if (!gather.empty()) WEIGHTD_RETURN_IF_ERROR(segment.Write(start, gather));
+      gather.clear();
+      start = p.dst_offset;
+    } else if (padding > 0) {
+      gather.push_back(std::span(kZeros, static_cast<size_t>(padding)));
+    }
+    gather.push_back(std::span(run + p.run_offset, static_cast<size_t>(p.bytes)));
+    end = p.dst_offset + p.bytes;
+  }
+  if (gather.empty()) return OkStatus();
+  return segment.Write(start, gather);
+}
+
+// Reads a job into `buffer` (kStepBytes) and writes it into the segment.
+// Returns the tensor bytes it placed.
+Result<uint64_t> RunJob(const ReadJob& job, const io::RandomAccessFile& file,
+                        memory::Segment& segment, std::span<std::byte> buffer) {
+  if (job.pieces.empty()) {
+    for (uint64_t at = 0; at < job.bytes; at += kStepBytes) {
+      const auto n = static_cast<size_t>(std::min(kStepBytes, job.bytes - at));
+      WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(job.file_offset + at, buffer.first(n)));
+      WEIGHTD_RETURN_IF_ERROR(segment.Write(job.dst_offset + at, buffer.first(n)));
+    }
+    return job.bytes;
+  }
+  WEIGHTD_RETURN_IF_ERROR(
+      file.ReadExactly(job.file_offset, buffer.first(static_cast<size_t>(job.bytes))));
+  WEIGHTD_RETURN_IF_ERROR(WriteRun(segment, job, buffer.data()));
+  uint64_t placed = 0;
+  for (const ReadJob::Piece& p : job.pieces) placed += p.bytes;
+  return placed;
+}
+
 Status RunJobs(const std::vector<ReadJob>& jobs, const std::vector<OpenShard>& shards,
-               std::span<std::byte> dst, uint64_t total, const LoadOptions& options,
+               memory::Segment& segment, uint64_t total, const LoadOptions& options,
                io::ReadStats* stats) {
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
@@ -73,8 +117,7 @@ Status RunJobs(const std::vector<ReadJob>& jobs, const std::vector<OpenShard>& s
       std::min<size_t>(jobs.size(), static_cast<size_t>(std::max(options.max_inflight, 1))));
   io::RunTeam(workers, [&](int) {
     // Not zeroed: every byte used is read first.
-    std::unique_ptr<std::byte[]> buffer;
-    uint64_t buffer_bytes = 0;
+    std::unique_ptr<std::byte[]> buffer(new std::byte[kStepBytes]);
     for (size_t i; !failed.load() && (i = next.fetch_add(1)) < jobs.size();) {
       if (options.cancel != nullptr && options.cancel->load()) {
         std::lock_guard lock(mu);
@@ -83,36 +126,17 @@ Status RunJobs(const std::vector<ReadJob>& jobs, const std::vector<OpenShard>& s
         return;
       }
       const ReadJob& job = jobs[i];
-      const io::RandomAccessFile& file = *shards[job.shard].file;
-      Status read;
-      uint64_t useful = job.bytes;
-      if (job.pieces.empty()) {
-        read = file.ReadExactly(job.file_offset, dst.subspan(static_cast<size_t>(job.dst_offset),
-                                                             static_cast<size_t>(job.bytes)));
-      } else {
-        if (buffer_bytes < job.bytes) {
-          buffer.reset(new std::byte[job.bytes]);
-          buffer_bytes = job.bytes;
-        }
-        read = file.ReadExactly(job.file_offset,
-                                std::span(buffer.get(), static_cast<size_t>(job.bytes)));
-        useful = 0;
-        for (const ReadJob::Piece& p : job.pieces) {
-          if (!read.ok()) break;
-          std::memcpy(dst.data() + p.dst_offset, buffer.get() + p.run_offset,
-                      static_cast<size_t>(p.bytes));
-          useful += p.bytes;
-        }
-      }
+      Result<uint64_t> placed = RunJob(job, *shards[job.shard].file, segment,
+                                       std::span(buffer.get(), static_cast<size_t>(kStepBytes)));
       std::lock_guard lock(mu);
-      if (!read.ok()) {
-        if (!error) error = read.error();
+      if (!placed.ok()) {
+        if (!error) error = placed.error();
         failed.store(true);
         return;
       }
-      ++stats->reads;
+      stats->reads += job.pieces.empty() ? (job.bytes + kStepBytes - 1) / kStepBytes : 1;
       stats->bytes += job.bytes;
-      done += useful;
+      done += *placed;
       if (options.progress && (done - reported >= kProgressBatchBytes || done == total)) {
         reported = done;
         options.progress(done, total);
@@ -181,12 +205,14 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   if (!allocated.ok()) return allocated.error();
   std::unique_ptr<memory::Segment> segment = std::move(allocated).value();
   if (segment->size() < plan.total_bytes) return Error("the segment allocated is too small");
-  std::span<std::byte> dst = segment->writable();
-  memory::WriteManifest(plan, dst);
+  {
+    std::vector<std::byte> manifest(static_cast<size_t>(plan.manifest_bytes));
+    memory::WriteManifest(plan, manifest);
+    WEIGHTD_RETURN_IF_ERROR(segment->Write(0, manifest));
+  }
 
-  // Every tensor's bytes, straight into place: big tensors in chunks read
-  // directly into the segment; runs of small neighbours (in file order) in
-  // one read through a small per-worker buffer, since one read per small
+  // Every tensor's bytes, into place: big tensors in chunks, runs of small
+  // neighbours (in file order) in one read each, since one read per small
   // tensor costs more than the copy.
   std::vector<ReadJob> jobs;
   uint64_t total = 0;
@@ -199,7 +225,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
               [&](size_t a, size_t b) { return h.tensors[a].begin < h.tensors[b].begin; });
     for (size_t k = 0; k < by_offset.size();) {
       const format::TensorInfo& t = h.tensors[by_offset[k]];
-      if (t.bytes() >= kSmallTensorBytes) {
+      if (t.bytes() >= kStepBytes) {
         for (uint64_t at = 0; at < t.bytes(); at += options.chunk_bytes) {
           jobs.push_back({s,
                           h.data_offset() + t.begin + at,
@@ -214,7 +240,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       while (k < by_offset.size()) {
         const format::TensorInfo& small = h.tensors[by_offset[k]];
         const uint64_t end = h.data_offset() + small.end;
-        if (small.bytes() >= kSmallTensorBytes || end - run.file_offset > kRunBytes) break;
+        if (small.bytes() >= kStepBytes || end - run.file_offset > kStepBytes) break;
         run.pieces.push_back({h.data_offset() + small.begin - run.file_offset, small.bytes(),
                               placed[s][by_offset[k]]});
         run.bytes = end - run.file_offset;
@@ -224,7 +250,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     }
   }
   io::ReadStats stats;
-  WEIGHTD_RETURN_IF_ERROR(RunJobs(jobs, shards, dst, total, options, &stats));
+  WEIGHTD_RETURN_IF_ERROR(RunJobs(jobs, shards, *segment, total, options, &stats));
 
   // The files must be what they were when their headers were read.
   for (size_t s = 0; s < shards.size(); ++s) {
@@ -234,7 +260,10 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     }
   }
 
-  // The sampled fingerprint of what was loaded.
+  // The sampled fingerprint of what was loaded, read back from the sealed
+  // segment.
+  WEIGHTD_RETURN_IF_ERROR(segment->Seal());
+  const std::span<const std::byte> dst = segment->readable();
   LoadedModel model;
   std::vector<fingerprint::ShardFingerprint> digests;
   for (size_t s = 0; s < shards.size(); ++s) {
@@ -255,7 +284,6 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     model.tensors += headers[s].header.tensors.size();
   }
   model.checkpoint_digest = fingerprint::CombineSampledShards(digests);
-  WEIGHTD_RETURN_IF_ERROR(segment->Seal());
   model.segment = std::move(segment);
   model.shards = shards.size();
   model.data_bytes = total;

@@ -4,8 +4,9 @@
 //
 // Every header is read and checked first; then the segment is sized,
 // allocated (by the caller: the daemon checks its budget there) and its
-// manifest written; then every tensor's bytes are read straight into their
-// place in the segment, many reads in flight, with no intermediate copy.
+// manifest written; then every tensor's bytes are read and written into
+// their place in the segment, many reads in flight, each through a small
+// per-thread buffer (never a copy of the whole model).
 // The sampled fingerprint comes from the same bytes (headers and the first
 // KiB of each tensor, now in the segment), so the key a daemon publishes
 // describes exactly what it loaded. A shard that changed while it was read

@@ -2,12 +2,16 @@
 #include <linux/memfd.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <vector>
 
 #include "memory/segment.h"
 
@@ -23,6 +27,8 @@ uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
 
 class HostSegment final : public Segment {
  public:
+  // `map` is a writable mapping for huge-page segments (hugetlbfs takes no
+  // write(2)), null otherwise.
   HostSegment(UniqueFd fd, uint64_t size, uint64_t reserved, bool huge, std::byte* map)
       : fd_(std::move(fd)), size_(size), reserved_(reserved), huge_(huge), map_(map) {}
   ~HostSegment() override {
@@ -34,9 +40,22 @@ class HostSegment final : public Segment {
   uint64_t reserved_bytes() const override { return reserved_; }
   bool huge_pages() const override { return huge_; }
 
-  std::span<std::byte> writable() override {
-    if (sealed_) return {};
-    return {map_, static_cast<size_t>(size_)};
+  Status Write(uint64_t offset, std::span<const std::span<const std::byte>> pieces) override {
+    if (sealed_) return Error("segment written after it was sealed");
+    uint64_t total = 0;
+    for (const auto& p : pieces) total += p.size();
+    if (offset > size_ || total > size_ - offset) {
+      return Error("write of " + std::to_string(total) + " bytes at " + std::to_string(offset) +
+                   " passes the segment's end (" + std::to_string(size_) + ")");
+    }
+    if (map_ != nullptr) {
+      for (const auto& p : pieces) {
+        std::memcpy(map_ + offset, p.data(), p.size());
+        offset += p.size();
+      }
+      return OkStatus();
+    }
+    return WriteAll(offset, pieces);
   }
 
   std::span<const std::byte> readable() const override {
@@ -48,7 +67,9 @@ class HostSegment final : public Segment {
     if (sealed_) return OkStatus();
     // F_SEAL_WRITE is refused while a writable shared mapping exists: swap
     // ours for a read-only one first.
-    if (::munmap(map_, reserved_) != 0) return Error(Errno("cannot unmap the segment"));
+    if (map_ != nullptr && ::munmap(map_, reserved_) != 0) {
+      return Error(Errno("cannot unmap the segment"));
+    }
     map_ = nullptr;
     // Huge-page memfds do not take F_SEAL_WRITE on older kernels; they are
     // still sealed against resizing, and importers refuse them (below), so
@@ -69,6 +90,40 @@ class HostSegment final : public Segment {
   }
 
  private:
+  // pwritev, as many times as a short write or IOV_MAX makes it take.
+  Status WriteAll(uint64_t offset, std::span<const std::span<const std::byte>> pieces) {
+    std::vector<iovec> iov;
+    iov.reserve(std::min<size_t>(pieces.size(), IOV_MAX));
+    size_t next = 0;
+    while (next < pieces.size() || !iov.empty()) {
+      while (next < pieces.size() && iov.size() < IOV_MAX) {
+        if (!pieces[next].empty()) {
+          iov.push_back({const_cast<std::byte*>(pieces[next].data()), pieces[next].size()});
+        }
+        ++next;
+      }
+      if (iov.empty()) break;
+      const ssize_t n = ::pwritev(fd_.get(), iov.data(), static_cast<int>(iov.size()),
+                                  static_cast<off_t>(offset));
+      if (n < 0) {
+        if (errno == EINTR) continue;
+        return Error(Errno("cannot write into the segment"));
+      }
+      if (n == 0) return Error("cannot write into the segment: no progress");
+      offset += static_cast<uint64_t>(n);
+      // Drop what was written; keep the rest of a piece cut short.
+      auto left = static_cast<size_t>(n);
+      size_t done = 0;
+      while (done < iov.size() && left >= iov[done].iov_len) left -= iov[done++].iov_len;
+      iov.erase(iov.begin(), iov.begin() + static_cast<std::ptrdiff_t>(done));
+      if (left > 0) {
+        iov[0].iov_base = static_cast<char*>(iov[0].iov_base) + left;
+        iov[0].iov_len -= left;
+      }
+    }
+    return OkStatus();
+  }
+
   UniqueFd fd_;
   uint64_t size_;
   uint64_t reserved_;
@@ -158,12 +213,14 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
       return Error("cannot create a host segment of " + std::to_string(size) +
                    " bytes: " + fd.error().message());
   }
-  void* p = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_SHARED, fd->get(), 0);
-  if (p == MAP_FAILED) return Error(Errno("cannot map a new host segment"));
-  // Transparent huge pages for shmem, where the system allows them on request.
-  if (!huge) ::madvise(p, reserved, MADV_HUGEPAGE);
+  std::byte* map = nullptr;
+  if (huge) {
+    void* p = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_SHARED, fd->get(), 0);
+    if (p == MAP_FAILED) return Error(Errno("cannot map a new host segment"));
+    map = static_cast<std::byte*>(p);
+  }
   return std::unique_ptr<Segment>(
-      new HostSegment(std::move(fd).value(), size, reserved, huge, static_cast<std::byte*>(p)));
+      new HostSegment(std::move(fd).value(), size, reserved, huge, map));
 }
 
 Mapping::~Mapping() {

@@ -52,7 +52,7 @@ struct SegmentPlan {
 Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors);
 
 // Writes the manifest of `plan` into the start of `segment` (at least
-// plan.total_bytes long).
+// plan.manifest_bytes long).
 void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment);
 
 struct TensorRecord {
