@@ -149,6 +149,7 @@ Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_
     return fail("no weight_map object");
   }
   std::vector<std::pair<std::string, std::string>> entries;
+  entries.reserve(weight_map.size());
   for (auto field : weight_map) {
     std::string_view shard;
     if (field.value.get_string().get(shard) != simdjson::SUCCESS) {
@@ -229,7 +230,10 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
     WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map, ParseIndex(index_path, text));
     // Remember the list under the signature of the bytes actually read.
     if (index_signature && !(*index_signature == read_signature)) index_signature.reset();
-    for (const auto& [tensor, shard] : *listing.weight_map) names.push_back(shard);
+    // Neighbouring tensors mostly share a shard: sorted and made unique below.
+    for (const auto& [tensor, shard] : *listing.weight_map) {
+      if (names.empty() || names.back() != shard) names.push_back(shard);
+    }
     listing.round_trips += 2;  // open, read
     listing.reads = 1;
     listing.bytes_read = text.size();
