@@ -13,7 +13,6 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
-#include <deque>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -33,8 +32,10 @@ using nlohmann::json;
 
 constexpr uint64_t kReserveRounding = 2ull << 20;  // a segment may round up to huge pages
 constexpr auto kProgressEvery = std::chrono::milliseconds(100);
-// Serving threads kept ready (each mostly an idle stack).
+// Serving threads kept ready (each mostly an idle stack), and how long one
+// more than those waits for a connection before it ends.
 constexpr int kKeptWorkers = 64;
+constexpr auto kIdleExit = std::chrono::seconds(60);
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
@@ -80,18 +81,15 @@ struct Server::State {
   std::condition_variable conn_done;
   std::set<int> open_sockets;  // raw fds of live connections, to shut down on stop
   int live_connections = 0;
-  // Connections wait here for a serving thread. Threads are kept between
-  // connections (creating one per connection put a thread creation on every
-  // attach, one after another in the accept loop).
-  struct Pending {
-    uint64_t id;
-    memory::UniqueFd fd;
-    ucred peer;
-  };
-  std::deque<Pending> queue;
-  std::condition_variable work_ready;
+  // Serving threads accept connections themselves, each blocked in accept()
+  // (the kernel hands a connection to one of them), and serve what they
+  // accepted; one that takes the last idle place starts another first.
+  // Threads are kept between connections. A single accepting thread handing
+  // connections over put two wake-ups on every attach, one after another
+  // through that thread: with 64 engines busy on every core it was starved
+  // and the attaches queued behind it.
   int workers = 0;
-  int idle_workers = 0;
+  int idle_workers = 0;  // blocked in accept()
   uint64_t next_connection = 1;
 
   void Log(const std::string& line) {
@@ -100,6 +98,8 @@ struct Server::State {
 
   void Serve(uint64_t id, memory::UniqueFd fd, ucred peer);
   void WorkerLoop();
+  // Checks a new connection's peer; false (logged, answered) when refused.
+  bool Admit(memory::UniqueFd& conn, ucred* peer);
   // Starts one more serving thread; false when the system refuses.
   bool SpawnWorker();
   Status Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id, const ucred& peer,
@@ -176,11 +176,16 @@ Status Server::Start() {
   // The directory (0700) already keeps others out; the socket says so too.
   if (::chmod(s.socket_path.c_str(), 0600) != 0) return Error(Errno("chmod " + s.socket_path));
   if (::listen(s.listen_fd.get(), 256) != 0) return Error(Errno("listen"));
+  // accept() gives up after this long, so that a thread idle that long can
+  // end (when enough others are idle too).
+  const timeval accept_timeout{std::chrono::seconds(kIdleExit).count(), 0};
+  ::setsockopt(s.listen_fd.get(), SOL_SOCKET, SO_RCVTIMEO, &accept_timeout, sizeof accept_timeout);
 
   // Threads ready for a burst of engines attaching at once.
   for (int i = 0; i < kKeptWorkers; ++i) {
     if (!s.SpawnWorker()) break;
   }
+  if (s.workers == 0) return Error("cannot start any serving thread");
 
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) return Error(Errno("pipe"));
@@ -192,84 +197,46 @@ Status Server::Start() {
 void Server::Run() {
   State& s = *state_;
   while (!s.stopping.load()) {
-    pollfd fds[2] = {{s.listen_fd.get(), POLLIN, 0}, {s.wake_read.get(), POLLIN, 0}};
-    if (::poll(fds, 2, -1) < 0) {
-      if (errno == EINTR) continue;
+    pollfd wake{s.wake_read.get(), POLLIN, 0};
+    if (::poll(&wake, 1, -1) < 0 && errno != EINTR) {
       s.Log(Errno("poll"));
       break;
     }
-    if (fds[1].revents != 0) break;
-    if ((fds[0].revents & POLLIN) == 0) continue;
-    memory::UniqueFd conn(::accept4(s.listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!conn.valid()) {
-      if (errno == EMFILE || errno == ENFILE) {
-        // Out of descriptors: the listening socket stays readable, so wait
-        // for some to be closed instead of spinning.
-        s.Log(Errno("accept (waiting a moment)"));
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
-      } else if (errno != EINTR && errno != EAGAIN && errno != ECONNABORTED) {
-        s.Log(Errno("accept"));
-      }
-      continue;
-    }
-    // A peer that stops reading must not hold a connection thread (or a
-    // preload's progress) forever.
-    const timeval send_timeout{10, 0};
-    ::setsockopt(conn.get(), SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof send_timeout);
-    ucred peer{};
-    socklen_t len = sizeof peer;
-    if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, &peer, &len) != 0) {
-      s.Log(Errno("refused a connection: cannot read its credentials"));
-      continue;
-    }
-    if (peer.uid != ::geteuid()) {
-      s.Log("refused a connection from pid " + std::to_string(peer.pid) + ", uid " +
-            std::to_string(peer.uid) + ": only uid " + std::to_string(::geteuid()) +
-            " may use this daemon");
-      protocol::Channel refused(std::move(conn));
-      (void)refused.Send(
-          {{"type", "error"},
-           {"message", "refused: uid " + std::to_string(peer.uid) + " may not use this daemon"}});
-      continue;
-    }
-    uint64_t id;
-    const int raw_fd = conn.get();
-    {
-      std::lock_guard lock(s.conn_mu);
-      id = s.next_connection++;
-      s.open_sockets.insert(raw_fd);
-      ++s.live_connections;
-    }
-    bool need_worker;
-    {
-      std::lock_guard lock(s.conn_mu);
-      s.queue.push_back({id, std::move(conn), peer});
-      need_worker = s.queue.size() > static_cast<size_t>(s.idle_workers);
-    }
-    if (!need_worker) {
-      s.work_ready.notify_one();
-    } else if (!s.SpawnWorker()) {
-      std::lock_guard lock(s.conn_mu);
-      if (s.workers == 0) {
-        // Nobody will ever serve it.
-        s.queue.pop_back();
-        --s.live_connections;
-        s.open_sockets.erase(raw_fd);
-        s.Log("refused a connection: out of threads");
-      }
-    }
+    if (wake.revents != 0) break;
   }
-  // Stop: no new connections, no socket to find, every connection ended.
+  s.stopping.store(true);
+  // Stop: no new connections (every accept() returns at once), no socket to
+  // find, every connection ended.
+  ::shutdown(s.listen_fd.get(), SHUT_RDWR);
   ::unlink(s.socket_path.c_str());
-  s.listen_fd.Reset();
   std::unique_lock lock(s.conn_mu);
-  for (const State::Pending& p : s.queue) s.open_sockets.erase(p.fd.get());
-  s.live_connections -= static_cast<int>(s.queue.size());
-  s.queue.clear();
   for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
-  s.work_ready.notify_all();
   s.conn_done.wait(lock, [&] { return s.live_connections == 0 && s.workers == 0; });
+  s.listen_fd.Reset();
   s.Log("stopped");
+}
+
+bool Server::State::Admit(memory::UniqueFd& conn, ucred* peer) {
+  // A peer that stops reading must not hold a connection thread (or a
+  // preload's progress) forever.
+  const timeval send_timeout{10, 0};
+  ::setsockopt(conn.get(), SOL_SOCKET, SO_SNDTIMEO, &send_timeout, sizeof send_timeout);
+  socklen_t len = sizeof *peer;
+  if (::getsockopt(conn.get(), SOL_SOCKET, SO_PEERCRED, peer, &len) != 0) {
+    Log(Errno("refused a connection: cannot read its credentials"));
+    return false;
+  }
+  if (peer->uid != ::geteuid()) {
+    Log("refused a connection from pid " + std::to_string(peer->pid) + ", uid " +
+        std::to_string(peer->uid) + ": only uid " + std::to_string(::geteuid()) +
+        " may use this daemon");
+    protocol::Channel refused(std::move(conn));
+    (void)refused.Send(
+        {{"type", "error"},
+         {"message", "refused: uid " + std::to_string(peer->uid) + " may not use this daemon"}});
+    return false;
+  }
+  return true;
 }
 
 bool Server::State::SpawnWorker() {
@@ -289,24 +256,52 @@ bool Server::State::SpawnWorker() {
 }
 
 void Server::State::WorkerLoop() {
-  constexpr auto kIdleExit = std::chrono::seconds(60);
-  std::unique_lock lock(conn_mu);
   while (!stopping.load()) {
-    if (queue.empty()) {
+    {
+      std::lock_guard lock(conn_mu);
       ++idle_workers;
-      const bool woken =
-          work_ready.wait_for(lock, kIdleExit, [&] { return !queue.empty() || stopping.load(); });
+    }
+    memory::UniqueFd conn(::accept4(listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    const int error = errno;
+    bool spawn = false;
+    {
+      std::lock_guard lock(conn_mu);
       --idle_workers;
-      // Idle for a minute with others idle too: one fewer thread.
-      if (!woken && idle_workers >= kKeptWorkers) break;
+      // Idle for a while with enough others idle too: one fewer thread.
+      if (!conn.valid() && error == EAGAIN && idle_workers >= kKeptWorkers) break;
+      spawn = conn.valid() && idle_workers == 0;
+    }
+    // Someone must be in accept() while this thread serves. Where the
+    // system gives no thread, connections wait in the backlog for one.
+    if (spawn) SpawnWorker();
+    if (!conn.valid()) {
+      if (stopping.load()) break;
+      if (error == EMFILE || error == ENFILE) {
+        // Out of descriptors: waiting connections stay in the backlog; wait
+        // for some descriptors to be closed instead of spinning.
+        errno = error;
+        Log(Errno("accept (waiting a moment)"));
+        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+      } else if (error != EINTR && error != EAGAIN && error != ECONNABORTED) {
+        errno = error;
+        Log(Errno("accept"));
+        std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      }
       continue;
     }
-    Pending p = std::move(queue.front());
-    queue.pop_front();
-    lock.unlock();
-    Serve(p.id, std::move(p.fd), p.peer);
-    lock.lock();
+    ucred peer{};
+    if (!Admit(conn, &peer)) continue;
+    uint64_t id;
+    {
+      std::lock_guard lock(conn_mu);
+      if (stopping.load()) break;  // Run() shut the others down already
+      id = next_connection++;
+      open_sockets.insert(conn.get());
+      ++live_connections;
+    }
+    Serve(id, std::move(conn), peer);
   }
+  std::lock_guard lock(conn_mu);
   --workers;
   conn_done.notify_all();
 }
@@ -498,6 +493,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
                                     const std::string& pin,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
+  const auto start = std::chrono::steady_clock::now();
   // Cheap with the stat cache: a model already resident is not read again.
   std::unique_ptr<fingerprint::StatCache> cache;
   if (options.use_stat_cache) {
@@ -549,7 +545,9 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   model->name = pin;
   model->path = path;
   model->tensors = loaded->tensors;
-  model->load_seconds = loaded->seconds;
+  // What the asker waited for: the fingerprint first, then the load.
+  model->load_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   model->segment = std::move(loaded->segment);
   const uint64_t bytes = model->segment->size();
   auto published = registry.Publish(std::move(model), reserved);
