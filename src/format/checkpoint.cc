@@ -314,11 +314,17 @@ std::vector<std::pair<size_t, size_t>> TensorsByName(const std::vector<Shard>& s
 Status CheckAcrossShards(
     const std::string& path, const std::vector<Shard>& shards,
     const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map) {
+  return CheckAcrossShards(path, shards, weight_map, TensorsByName(shards));
+}
+
+Status CheckAcrossShards(
+    const std::string& path, const std::vector<Shard>& shards,
+    const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map,
+    const std::vector<std::pair<size_t, size_t>>& all) {
   auto name = [&](const std::pair<size_t, size_t>& t) -> const std::string& {
     return shards[t.first].header.tensors[t.second].name;
   };
   // A tensor name may appear in one shard only.
-  const std::vector<std::pair<size_t, size_t>> all = TensorsByName(shards);
   for (size_t i = 1; i < all.size(); ++i) {
     if (name(all[i]) == name(all[i - 1])) {
       return Error(path + ": tensor `" + name(all[i]) +

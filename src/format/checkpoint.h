@@ -115,6 +115,11 @@ std::vector<std::pair<size_t, size_t>> TensorsByName(const std::vector<Shard>& s
 Status CheckAcrossShards(
     const std::string& path, const std::vector<Shard>& shards,
     const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map);
+// The same, for a caller that has TensorsByName(shards) already.
+Status CheckAcrossShards(
+    const std::string& path, const std::vector<Shard>& shards,
+    const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map,
+    const std::vector<std::pair<size_t, size_t>>& by_name);
 
 // Lists the shards and reads and validates every header (many at once).
 // With an index, also checks that each tensor it maps is in the shard it

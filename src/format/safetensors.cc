@@ -122,10 +122,13 @@ Status ParseMetadata(std::string_view label, simdjson::dom::element value,
 Result<uint64_t> ValidateLayout(std::string_view label, std::vector<TensorInfo>& tensors) {
   std::vector<uint32_t> order(tensors.size());
   std::iota(order.begin(), order.end(), 0u);
-  std::sort(order.begin(), order.end(), [&](uint32_t a, uint32_t b) {
+  auto by_offset = [&](uint32_t a, uint32_t b) {
     return std::pair(tensors[a].begin, tensors[a].end) <
            std::pair(tensors[b].begin, tensors[b].end);
-  });
+  };
+  if (!std::is_sorted(order.begin(), order.end(), by_offset)) {
+    std::sort(order.begin(), order.end(), by_offset);
+  }
   uint64_t expected_begin = 0;
   for (uint32_t i : order) {
     TensorInfo& t = tensors[i];
@@ -198,8 +201,12 @@ Result<ShardHeader> ParsePadded(std::string_view label, const simdjson::padded_s
     header.tensors.push_back(std::move(info));
   }
 
-  std::sort(header.tensors.begin(), header.tensors.end(),
-            [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; });
+  // Writers mostly list tensors by name already; checking is cheaper than
+  // sorting 70,000 names again.
+  auto by_name = [](const TensorInfo& a, const TensorInfo& b) { return a.name < b.name; };
+  if (!std::is_sorted(header.tensors.begin(), header.tensors.end(), by_name)) {
+    std::sort(header.tensors.begin(), header.tensors.end(), by_name);
+  }
   for (size_t i = 1; i < header.tensors.size(); ++i) {
     if (header.tensors[i].name == header.tensors[i - 1].name) {
       return TensorError(label, header.tensors[i].name, rules::kDuplicateName);

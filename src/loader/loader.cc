@@ -6,6 +6,7 @@
 #include <cstring>
 #include <mutex>
 #include <optional>
+#include <thread>
 
 #include "fingerprint/fingerprint.h"
 #include "format/checkpoint.h"
@@ -176,13 +177,17 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
 
   // The segment's layout: every tensor of every shard, by name. order[i] is
   // where plan.tensors[i] comes from.
-  WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map));
   struct Source {
     size_t shard;
     size_t tensor;
   };
   std::vector<Source> order;
-  for (const auto& [s, t] : format::TensorsByName(headers)) order.push_back({s, t});
+  {
+    const std::vector<std::pair<size_t, size_t>> by_name = format::TensorsByName(headers);
+    WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map, by_name));
+    order.reserve(by_name.size());
+    for (const auto& [s, t] : by_name) order.push_back({s, t});
+  }
   auto info = [&](const Source& src) -> const format::TensorInfo& {
     return headers[src.shard].header.tensors[src.tensor];
   };
@@ -265,24 +270,28 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   WEIGHTD_RETURN_IF_ERROR(segment->Seal());
   const std::span<const std::byte> dst = segment->readable();
   LoadedModel model;
-  std::vector<fingerprint::ShardFingerprint> digests;
-  for (size_t s = 0; s < shards.size(); ++s) {
-    std::vector<std::span<const std::byte>> samples;
-    const auto& tensors = headers[s].header.tensors;
-    for (size_t t = 0; t < tensors.size(); ++t) {
-      samples.push_back(
-          dst.subspan(static_cast<size_t>(placed[s][t]),
-                      static_cast<size_t>(std::min(kSampleBytes, tensors[t].bytes()))));
+  std::vector<fingerprint::ShardFingerprint> digests(shards.size());
+  std::atomic<size_t> next_shard{0};
+  const int hashers = static_cast<int>(
+      std::min<size_t>(shards.size(), std::max(1u, std::thread::hardware_concurrency())));
+  io::RunTeam(hashers, [&](int) {
+    for (size_t s; (s = next_shard.fetch_add(1)) < shards.size();) {
+      std::vector<std::span<const std::byte>> samples;
+      const auto& tensors = headers[s].header.tensors;
+      samples.reserve(tensors.size());
+      for (size_t t = 0; t < tensors.size(); ++t) {
+        samples.push_back(
+            dst.subspan(static_cast<size_t>(placed[s][t]),
+                        static_cast<size_t>(std::min(kSampleBytes, tensors[t].bytes()))));
+      }
+      digests[s].name = headers[s].name;
+      digests[s].digest = fingerprint::SampledShardDigest(
+          headers[s].file_size,
+          std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size())),
+          samples);
     }
-    fingerprint::ShardFingerprint f;
-    f.name = headers[s].name;
-    f.digest = fingerprint::SampledShardDigest(
-        headers[s].file_size,
-        std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size())),
-        samples);
-    digests.push_back(std::move(f));
-    model.tensors += headers[s].header.tensors.size();
-  }
+  });
+  for (const format::Shard& h : headers) model.tensors += h.header.tensors.size();
   model.checkpoint_digest = fingerprint::CombineSampledShards(digests);
   model.segment = std::move(segment);
   model.shards = shards.size();
