@@ -1,0 +1,464 @@
+#include "transform/plan.h"
+
+#include <toml++/toml.h>
+#include <xxhash.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <fstream>
+
+#include "transform/convert.h"
+
+namespace weightd::transform {
+namespace {
+
+using format::DType;
+
+constexpr std::string_view kScaleSuffix = "_scale_inv";
+constexpr uint64_t kMaxPlanFileBytes = 1 << 20;
+
+bool EndsWith(std::string_view s, std::string_view suffix) {
+  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
+}
+
+// Llama, Mistral (Mixtral's experts too) and Qwen naming.
+std::vector<ShardRule> LlamaRules() {
+  return {
+      {R"((^|\.)(q_proj|k_proj|v_proj|gate_proj|up_proj)\.(weight|bias)$)", Split::kColumn},
+      {R"((^|\.)experts\.[0-9]+\.(w1|w3)\.weight$)", Split::kColumn},
+      {R"((^|\.)(o_proj|down_proj)\.weight$)", Split::kRow},
+      {R"((^|\.)experts\.[0-9]+\.w2\.weight$)", Split::kRow},
+      {R"((^|\.)(embed_tokens|lm_head)\.weight$)", Split::kVocab},
+  };
+}
+
+std::optional<Split> ParseSplit(std::string_view s) {
+  for (Split split : {Split::kReplicate, Split::kColumn, Split::kRow, Split::kVocab}) {
+    if (SplitName(split) == s) return split;
+  }
+  return std::nullopt;
+}
+
+// Names of tensors from quantization formats whose packing or scales weightd
+// does not know how to split or convert.
+std::optional<std::string_view> ForeignQuantization(std::string_view name) {
+  struct Known {
+    std::string_view suffix;
+    std::string_view format;
+  };
+  static constexpr Known kKnown[] = {
+      {".qweight", "GPTQ/AWQ packed int4"},
+      {".qzeros", "GPTQ/AWQ packed int4"},
+      {".g_idx", "GPTQ packed int4"},
+      {".scales", "GPTQ/AWQ packed int4"},
+      {".weight_packed", "compressed-tensors packed int4"},
+      {".weight_zero_point", "compressed-tensors"},
+      {".weight_scale", "compressed-tensors (per-tensor or per-channel scales)"},
+      {".input_scale", "compressed-tensors (activation scales)"},
+      {".absmax", "bitsandbytes"},
+      {".quant_map", "bitsandbytes"},
+      {".SCB", "bitsandbytes int8"},
+  };
+  for (const Known& k : kKnown) {
+    if (EndsWith(name, k.suffix)) return k.format;
+  }
+  if (name.find(".quant_state.") != std::string_view::npos) return "bitsandbytes";
+  return std::nullopt;
+}
+
+Error TensorError(const std::string& name, const std::string& why) {
+  return Error("tensor `" + name + "`: " + why);
+}
+
+bool Mul(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
+
+// The output geometry of `s` under `split` over `n` ranks.
+Result<OutputTensor> Cut(const SourceTensor& s, Split split, int n) {
+  OutputTensor o;
+  o.name = s.name;
+  o.dtype = s.dtype;
+  o.shape = s.shape;
+  o.split = split;
+  const auto ranks = static_cast<uint64_t>(n);
+  const std::string how = std::string(SplitName(split)) + " split";
+  uint64_t rest = 1;
+  for (size_t d = 1; d < s.shape.size(); ++d) {
+    if (!Mul(rest, s.shape[d], &rest)) return TensorError(s.name, "too many elements");
+  }
+  o.source_rows = s.shape.empty() ? 1 : s.shape[0];
+  o.source_row_elems = rest;
+  o.rows = o.source_rows;
+  o.row_elems = rest;
+  switch (split) {
+    case Split::kReplicate:
+      break;
+    case Split::kColumn:
+    case Split::kVocab:
+      if (s.shape.empty()) return TensorError(s.name, how + " cuts dim 0; the tensor is a scalar");
+      if (split == Split::kColumn && o.source_rows % ranks != 0) {
+        return TensorError(s.name, how + ": dim 0 (" + std::to_string(o.source_rows) +
+                                       ") is not divisible by --tp-size " + std::to_string(n));
+      }
+      o.rows = (o.source_rows + ranks - 1) / ranks;
+      o.shape[0] = o.rows;
+      break;
+    case Split::kRow: {
+      if (s.shape.size() < 2) {
+        return TensorError(s.name, how + " cuts dim 1; the tensor has " +
+                                       std::to_string(s.shape.size()) + " dimension(s)");
+      }
+      if (s.shape[1] % ranks != 0) {
+        return TensorError(s.name, how + ": dim 1 (" + std::to_string(s.shape[1]) +
+                                       ") is not divisible by --tp-size " + std::to_string(n));
+      }
+      o.shape[1] = s.shape[1] / ranks;
+      o.row_elems = rest / ranks;
+      break;
+    }
+  }
+  const uint64_t bits = format::DTypeBits(s.dtype);
+  if (split != Split::kReplicate && n > 1 && bits % 8 != 0 &&
+      ((o.source_row_elems * bits) % 8 != 0 || (o.row_elems * bits) % 8 != 0)) {
+    return TensorError(s.name, how + ": packed " + std::string(format::DTypeName(s.dtype)) +
+                                   " elements would be cut inside a byte");
+  }
+  uint64_t elements, total_bits;
+  if (!Mul(o.rows, o.row_elems, &elements) || !Mul(elements, bits, &total_bits)) {
+    return TensorError(s.name, "too many elements");
+  }
+  o.bytes = total_bits / 8;
+  return o;
+}
+
+// Checks a pre-quantized FP8 weight's block scales against the weight and
+// the split, and cuts them the same way, in whole 128x128 blocks.
+Result<OutputTensor> CutScale(const SourceTensor& weight, const OutputTensor& cut_weight,
+                              const SourceTensor& scale, int n) {
+  if (weight.shape.size() != 2) {
+    return TensorError(scale.name, "block scales for a weight that is not a matrix");
+  }
+  const uint64_t block_rows = (weight.shape[0] + kFp8Block - 1) / kFp8Block;
+  const uint64_t block_cols = (weight.shape[1] + kFp8Block - 1) / kFp8Block;
+  if (scale.dtype != DType::kF32 && scale.dtype != DType::kBF16) {
+    return TensorError(scale.name, "block scales must be F32 or BF16");
+  }
+  if (scale.shape != std::vector<uint64_t>{block_rows, block_cols}) {
+    return TensorError(scale.name, "block scales of shape [" + std::to_string(block_rows) + ", " +
+                                       std::to_string(block_cols) +
+                                       "] (128x128 blocks of its weight) expected");
+  }
+  const std::string whole_blocks = " per rank, which cuts a 128x128 FP8 block";
+  switch (cut_weight.split) {
+    case Split::kColumn:
+      if (n > 1 && cut_weight.rows % kFp8Block != 0) {
+        return TensorError(weight.name, "column split gives " + std::to_string(cut_weight.rows) +
+                                            " rows" + whole_blocks);
+      }
+      break;
+    case Split::kRow:
+      if (n > 1 && cut_weight.row_elems % kFp8Block != 0) {
+        return TensorError(weight.name, "row split gives " + std::to_string(cut_weight.row_elems) +
+                                            " columns" + whole_blocks);
+      }
+      break;
+    case Split::kVocab:
+      if (n > 1) return TensorError(weight.name, "vocab split of FP8 block-scaled weights");
+      break;
+    case Split::kReplicate:
+      break;
+  }
+  return Cut(scale, cut_weight.split, n);
+}
+
+const SourceTensor* FindSource(const std::vector<SourceTensor>& sources, std::string_view name) {
+  auto it = std::lower_bound(sources.begin(), sources.end(), name,
+                             [](const SourceTensor& t, std::string_view n) { return t.name < n; });
+  return it != sources.end() && it->name == name ? &*it : nullptr;
+}
+
+bool IsFp8(DType d) {
+  return d == DType::kF8_E4M3 || d == DType::kF8_E5M2 || d == DType::kF8_E4M3FNUZ ||
+         d == DType::kF8_E5M2FNUZ;
+}
+
+}  // namespace
+
+std::string_view SplitName(Split split) {
+  switch (split) {
+    case Split::kReplicate:
+      return "replicate";
+    case Split::kColumn:
+      return "column";
+    case Split::kRow:
+      return "row";
+    case Split::kVocab:
+      return "vocab";
+  }
+  return "?";
+}
+
+std::string_view OpName(Op op) {
+  switch (op) {
+    case Op::kCopy:
+      return "copy";
+    case Op::kCast:
+      return "cast";
+    case Op::kQuantize:
+      return "fp8-block";
+    case Op::kScale:
+      return "fp8 scales";
+  }
+  return "?";
+}
+
+ShardPlan::~ShardPlan() {
+  for (regex_t& r : compiled_) ::regfree(&r);
+}
+
+Result<std::shared_ptr<const ShardPlan>> ShardPlan::FromRules(std::string name,
+                                                              std::vector<ShardRule> rules) {
+  std::shared_ptr<ShardPlan> plan(new ShardPlan());
+  plan->name_ = std::move(name);
+  std::string canonical = "weightd shard plan 1\n";
+  for (const ShardRule& rule : rules) {
+    // Back-references make matching exponential; names never need them.
+    for (size_t i = 0; i + 1 < rule.match.size(); ++i) {
+      if (rule.match[i] == '\\' && rule.match[i + 1] >= '1' && rule.match[i + 1] <= '9') {
+        return Error("shard plan rule `" + rule.match + "`: back-references are not allowed");
+      }
+      if (rule.match[i] == '\\') ++i;
+    }
+    regex_t re;
+    if (int err = ::regcomp(&re, rule.match.c_str(), REG_EXTENDED | REG_NOSUB); err != 0) {
+      char why[256];
+      ::regerror(err, &re, why, sizeof why);
+      return Error("shard plan rule `" + rule.match + "`: " + why);
+    }
+    plan->compiled_.push_back(re);
+    canonical += std::string(SplitName(rule.split)) + "\t" + rule.match + "\n";
+  }
+  plan->rules_ = std::move(rules);
+  char hex[32];
+  std::snprintf(hex, sizeof hex, "%016llx",
+                static_cast<unsigned long long>(XXH3_64bits(canonical.data(), canonical.size())));
+  plan->digest_ = std::string("xxh3-64:") + hex;
+  return std::shared_ptr<const ShardPlan>(std::move(plan));
+}
+
+Result<std::shared_ptr<const ShardPlan>> ShardPlan::FromToml(std::string_view text,
+                                                             const std::string& label) {
+  toml::table table;
+  try {
+    table = toml::parse(text, label);
+  } catch (const toml::parse_error& e) {
+    return Error(label + ": not a TOML shard plan: " + std::string(e.description()));
+  }
+  std::vector<ShardRule> rules;
+  for (const auto& [key, value] : table) {
+    if (key.str() != "rule") {
+      return Error(label + ": unknown key `" + std::string(key.str()) + "` (only [[rule]])");
+    }
+    const toml::array* list = value.as_array();
+    if (list == nullptr) return Error(label + ": `rule` must be an array of tables ([[rule]])");
+    for (const toml::node& node : *list) {
+      const toml::table* t = node.as_table();
+      if (t == nullptr) return Error(label + ": every [[rule]] must be a table");
+      ShardRule rule;
+      std::optional<std::string> match, split;
+      for (const auto& [k, v] : *t) {
+        if (k.str() == "match") {
+          match = v.value<std::string>();
+        } else if (k.str() == "split") {
+          split = v.value<std::string>();
+        } else {
+          return Error(label + ": rule " + std::to_string(rules.size() + 1) + ": unknown key `" +
+                       std::string(k.str()) + "` (match, split)");
+        }
+      }
+      if (!match || !split) {
+        return Error(label + ": rule " + std::to_string(rules.size() + 1) +
+                     " needs a `match` and a `split` string");
+      }
+      auto kind = ParseSplit(*split);
+      if (!kind) {
+        return Error(label + ": rule " + std::to_string(rules.size() + 1) + ": unknown split `" +
+                     *split + "` (column, row, vocab, replicate)");
+      }
+      rules.push_back({*match, *kind});
+    }
+  }
+  auto plan = FromRules("file", std::move(rules));
+  if (!plan.ok()) return Error(label + ": " + plan.error().message());
+  return plan;
+}
+
+Result<std::shared_ptr<const ShardPlan>> ShardPlan::Load(const std::string& spec) {
+  if (spec == "llama") return FromRules("llama", LlamaRules());
+  if (spec == "replicate") return FromRules("replicate", {});
+  if (!IsPlanFile(spec)) {
+    return Error("unknown shard plan `" + spec +
+                 "` (presets: llama, replicate; or the path of a TOML plan file)");
+  }
+  std::ifstream in(spec, std::ios::binary);
+  if (!in) return Error(spec + ": cannot read the shard plan");
+  std::string text(kMaxPlanFileBytes + 1, '\0');
+  in.read(text.data(), static_cast<std::streamsize>(text.size()));
+  text.resize(static_cast<size_t>(in.gcount()));
+  if (text.size() > kMaxPlanFileBytes) return Error(spec + ": a shard plan is at most 1 MiB");
+  return FromToml(text, spec);
+}
+
+Split ShardPlan::SplitOf(const std::string& tensor) const {
+  for (size_t i = 0; i < compiled_.size(); ++i) {
+    if (::regexec(&compiled_[i], tensor.c_str(), 0, nullptr, 0) == 0) return rules_[i].split;
+  }
+  return Split::kReplicate;
+}
+
+std::vector<std::string> ShardPlanPresets() { return {"llama", "replicate"}; }
+
+bool IsPlanFile(const std::string& spec) {
+  return spec.find('/') != std::string::npos || EndsWith(spec, ".toml");
+}
+
+std::string Processing::DTypeName() const {
+  if (!dtype) return "keep";
+  switch (*dtype) {
+    case DType::kBF16:
+      return "bf16";
+    case DType::kF16:
+      return "fp16";
+    default:
+      return "fp32";
+  }
+}
+
+std::string Processing::QuantName() const { return fp8_block ? "fp8-block" : "none"; }
+
+Result<Processing> ResolveProcessing(int tp_size, const std::string& dtype,
+                                     const std::string& quant, const std::string& shard_plan) {
+  Processing p;
+  if (tp_size < 1 || tp_size > 1024) {
+    return Error("--tp-size " + std::to_string(tp_size) + " must be between 1 and 1024");
+  }
+  p.tp_size = tp_size;
+  if (dtype == "bf16") {
+    p.dtype = DType::kBF16;
+  } else if (dtype == "fp16") {
+    p.dtype = DType::kF16;
+  } else if (dtype == "fp32") {
+    p.dtype = DType::kF32;
+  } else if (dtype != "keep") {
+    return Error("--dtype " + dtype + ": one of keep, bf16, fp16, fp32");
+  }
+  if (quant == "fp8-block") {
+    p.fp8_block = true;
+  } else if (quant != "none") {
+    return Error("--quant " + quant + ": one of none, fp8-block");
+  }
+  auto plan = ShardPlan::Load(shard_plan);
+  if (!plan.ok()) return Error("--shard-plan: " + plan.error().message());
+  p.plan = std::move(plan).value();
+  if (tp_size == 1 && !p.fp8_block && p.plan->name() != "replicate") {
+    p.plan = ShardPlan::Load("replicate").value();
+  }
+  return p;
+}
+
+uint64_t OutputTensor::RowOffset(int rank) const {
+  return split == Split::kColumn || split == Split::kVocab ? static_cast<uint64_t>(rank) * rows : 0;
+}
+
+uint64_t OutputTensor::ColOffset(int rank) const {
+  return split == Split::kRow ? static_cast<uint64_t>(rank) * row_elems : 0;
+}
+
+Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const Processing& p) {
+  TensorPlan plan;
+  const int n = p.tp_size;
+  const bool identity = n == 1 && !p.dtype && !p.fp8_block;
+  for (size_t i = 0; i < sources.size(); ++i) {
+    const SourceTensor& s = sources[i];
+    if (identity) {  // every tensor as it is, whatever its format
+      WEIGHTD_ASSIGN_OR_RETURN(OutputTensor o, Cut(s, Split::kReplicate, 1));
+      o.source = i;
+      plan.outputs.push_back(std::move(o));
+      continue;
+    }
+    if (auto foreign = ForeignQuantization(s.name)) {
+      return TensorError(s.name, "quantized format weightd does not understand (" +
+                                     std::string(*foreign) +
+                                     "); it can pass through only with --tp-size 1, --dtype keep "
+                                     "and --quant none");
+    }
+    if (EndsWith(s.name, kScaleSuffix)) {
+      const std::string weight_name = s.name.substr(0, s.name.size() - kScaleSuffix.size());
+      const SourceTensor* weight = FindSource(sources, weight_name);
+      if (weight == nullptr) {
+        return TensorError(s.name, "block scales without their weight `" + weight_name + "`");
+      }
+      if (!IsFp8(weight->dtype)) {
+        return TensorError(s.name, "block scales for `" + weight_name + "`, which is " +
+                                       std::string(format::DTypeName(weight->dtype)) + ", not FP8");
+      }
+      continue;  // cut with its weight, below
+    }
+    const Split split = p.plan->SplitOf(s.name);
+    WEIGHTD_ASSIGN_OR_RETURN(OutputTensor o, Cut(s, split, n));
+    o.source = i;
+    const SourceTensor* scale = FindSource(sources, s.name + std::string(kScaleSuffix));
+    if (scale != nullptr) {  // pre-quantized: weight and scales pass through, cut alike
+      WEIGHTD_ASSIGN_OR_RETURN(OutputTensor cut_scale, CutScale(s, o, *scale, n));
+      cut_scale.source = static_cast<size_t>(scale - sources.data());
+      plan.outputs.push_back(std::move(o));
+      plan.outputs.push_back(std::move(cut_scale));
+      continue;
+    }
+    const bool linear = split == Split::kColumn || split == Split::kRow;
+    const bool float_source =
+        s.dtype == DType::kBF16 || s.dtype == DType::kF16 || s.dtype == DType::kF32;
+    if (p.fp8_block && linear && s.shape.size() == 2 && float_source) {
+      o.op = Op::kQuantize;
+      o.dtype = DType::kF8_E4M3;
+      o.bytes = o.rows * o.row_elems;
+      OutputTensor sc;
+      sc.name = s.name + std::string(kScaleSuffix);
+      sc.dtype = DType::kF32;
+      sc.rows = (o.rows + kFp8Block - 1) / kFp8Block;
+      sc.row_elems = (o.row_elems + kFp8Block - 1) / kFp8Block;
+      sc.shape = {sc.rows, sc.row_elems};
+      sc.bytes = sc.rows * sc.row_elems * 4;
+      sc.source = i;
+      sc.split = split;
+      sc.op = Op::kScale;
+      plan.outputs.push_back(std::move(o));
+      plan.outputs.push_back(std::move(sc));
+      continue;
+    }
+    if (p.dtype && IsCastSource(s.dtype) && s.dtype != *p.dtype) {
+      o.op = Op::kCast;
+      o.dtype = *p.dtype;
+      uint64_t elements;
+      if (!Mul(o.rows, o.row_elems, &elements) ||
+          !Mul(elements, format::DTypeBits(o.dtype) / 8, &o.bytes)) {
+        return TensorError(s.name, "too many elements");
+      }
+    }
+    plan.outputs.push_back(std::move(o));
+  }
+  std::sort(plan.outputs.begin(), plan.outputs.end(),
+            [](const OutputTensor& a, const OutputTensor& b) { return a.name < b.name; });
+  for (size_t i = 1; i < plan.outputs.size(); ++i) {
+    if (plan.outputs[i].name == plan.outputs[i - 1].name) {
+      return TensorError(plan.outputs[i].name, "produced twice (a scale name already taken)");
+    }
+  }
+  for (const OutputTensor& o : plan.outputs) {
+    if (__builtin_add_overflow(plan.bytes_per_rank, o.bytes, &plan.bytes_per_rank)) {
+      return Error("the tensors' sizes add up to more than 64 bits");
+    }
+  }
+  return plan;
+}
+
+}  // namespace weightd::transform
