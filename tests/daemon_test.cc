@@ -10,8 +10,10 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "format/synthetic.h"
 #include "memory/segment.h"
@@ -144,11 +146,70 @@ TEST_F(DaemonTest, OtherProcessingIsAMissThatNamesTheField) {
   const std::string a = MakeModel("a");
   auto daemon = StartDaemon();
   Preload(a);
-  // Processing is not built yet: the request is refused before any daemon
-  // lookup, naming the flag.
-  CommandResult r = Run({"load", a, "--tp-size", "2"});
-  EXPECT_EQ(r.exit_code, 1);
-  EXPECT_NE(r.err.find("--tp-size"), std::string::npos) << r.err;
+  // The daemon holds one unprocessed rank; the engine wants rank 1 of 2.
+  json j = Load(a, {"--tp-size", "2", "--tp-rank", "1", "--shard-plan", "llama"});
+  EXPECT_EQ(j["source"], "disk") << j.dump();
+  EXPECT_EQ(j["mismatch"], json::array({"shard_plan", "plan_digest", "tp_size", "tp_rank"}))
+      << j.dump();
+  EXPECT_NE(daemon->err().find("tp_rank: daemon has 0, engine wants 1"), std::string::npos)
+      << daemon->err();
+  // Splitting needs a plan named; so does quantizing.
+  for (auto flags : {std::vector<std::string>{"--tp-size", "2"}, {"--quant", "fp8-block"}}) {
+    std::vector<std::string> args = {"load", a};
+    args.insert(args.end(), flags.begin(), flags.end());
+    CommandResult r = Run(args);
+    EXPECT_EQ(r.exit_code, 2) << r.err;
+    EXPECT_NE(r.err.find("name a --shard-plan"), std::string::npos) << r.err;
+  }
+}
+
+// Every rank, through the daemon (one preload made them all) and from disk
+// (the engine's own rank only), for each plan, cast and quantization: the
+// same bytes. And what `--save` writes is what the engine received.
+TEST_F(DaemonTest, ProcessedRanksAreTheSameFromTheDaemonAndFromDisk) {
+  const std::string a = MakeModel("a");
+  testing::TempDir plans;
+  const std::string plan_file = plans.Join("plan.toml");
+  std::ofstream(plan_file) << "[[rule]]\nmatch = 'proj\\.weight$'\nsplit = \"row\"\n";
+  auto daemon = StartDaemon();
+  const std::vector<std::vector<std::string>> configs = {
+      {"--tp-size", "2", "--shard-plan", "llama"},
+      {"--tp-size", "4", "--shard-plan", "llama", "--quant", "fp8-block", "--dtype", "fp16"},
+      {"--tp-size", "2", "--shard-plan", "replicate", "--dtype", "fp32"},
+      {"--tp-size", "2", "--shard-plan", plan_file, "--quant", "fp8-block"},
+  };
+  for (const auto& config : configs) {
+    Preload(a, config);
+    const int ranks = std::stoi(config[1]);
+    std::set<std::string> distinct;
+    for (int rank = 0; rank < ranks; ++rank) {
+      std::vector<std::string> flags = config;
+      flags.push_back("--tp-rank");
+      flags.push_back(std::to_string(rank));
+      const std::string saved_warm = dir_.Join("warm.safetensors");
+      const std::string saved_cold = dir_.Join("cold.safetensors");
+      std::vector<std::string> warm_flags = flags;
+      warm_flags.insert(warm_flags.end(), {"--save", saved_warm});
+      json warm = Load(a, warm_flags);
+      EXPECT_EQ(warm["source"], "daemon") << warm.dump();
+      std::vector<std::string> cold_args = {
+          "load",   a,          "--json",       "--checksum",
+          "--save", saved_cold, "--socket-dir", dir_.Join("no-daemon-here")};
+      cold_args.insert(cold_args.end(), flags.begin(), flags.end());
+      CommandResult cold = RunWeightd(cold_args);
+      ASSERT_EQ(cold.exit_code, 0) << cold.err;
+      EXPECT_EQ(json::parse(cold.out)["source"], "disk");
+      EXPECT_EQ(json::parse(cold.out)["checksum"], warm["checksum"])
+          << "rank " << rank << " of " << ::testing::PrintToString(config);
+      EXPECT_EQ(testing::ReadFileBytes(saved_warm), testing::ReadFileBytes(saved_cold));
+      EXPECT_EQ(RunWeightd({"inspect", saved_warm}).exit_code, 0);
+      distinct.insert(warm["checksum"].get<std::string>());
+    }
+    // Split plans give every rank its own share.
+    if (config[3] != "replicate") {
+      EXPECT_EQ(distinct.size(), static_cast<size_t>(ranks));
+    }
+  }
 }
 
 TEST_F(DaemonTest, EngineKeepsItsWeightsWhenTheDaemonIsKilled) {

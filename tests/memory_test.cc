@@ -142,7 +142,7 @@ TEST(Manifest, CorruptTablesAreErrorsNotCrashes) {
 }
 
 TEST(CacheKey, DifferencesAreNamedAndTrustSkipsOnlyTheContent) {
-  protocol::CacheKey held = protocol::MakeKey("xxh3-128:aa", {});
+  protocol::CacheKey held = protocol::MakeKey("xxh3-128:aa", {}, "replicate", "xxh3-64:0");
   protocol::CacheKey wanted = held;
   EXPECT_TRUE(protocol::Compare(held, wanted).empty());
   wanted.checkpoint = "xxh3-128:bb";
@@ -204,7 +204,9 @@ TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
 
   auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), path);
   ASSERT_TRUE(ckpt.ok());
-  auto m = memory::ReadManifest(loaded->segment->readable());
+  ASSERT_EQ(loaded->ranks.size(), 1u);
+  const auto segment = loaded->ranks[0].segment->readable();
+  auto m = memory::ReadManifest(segment);
   ASSERT_TRUE(m.ok());
   for (const auto& shard : ckpt->shards) {
     auto bytes = testing::ReadFileBytes(shard.path);
@@ -213,7 +215,7 @@ TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
                              [&](const memory::TensorRecord& r) { return r.name == t.name; });
       ASSERT_NE(it, m->tensors.end());
       ASSERT_EQ(it->bytes, t.bytes());
-      EXPECT_EQ(std::memcmp(loaded->segment->readable().data() + it->offset,
+      EXPECT_EQ(std::memcmp(segment.data() + it->offset,
                             bytes.data() + shard.header.data_offset() + t.begin, t.bytes()),
                 0)
           << t.name;
@@ -226,7 +228,7 @@ TEST(Loader, AnAllocationRefusedIsTheLoadsError) {
   const std::string path = dir.Join("m");
   ASSERT_TRUE(format::WriteSyntheticCheckpoint(path, {.preset = "tiny"}).ok());
   loader::LoadOptions o;
-  o.allocate = [](uint64_t) -> Result<std::unique_ptr<memory::Segment>> {
+  o.allocate = [](uint64_t, int) -> Result<std::unique_ptr<memory::Segment>> {
     return Error("out of budget");
   };
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);

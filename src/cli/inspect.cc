@@ -1,5 +1,6 @@
 // `weightd inspect PATH [--json] [--values NAME [--limit N]]`
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cmath>
 #include <iostream>
 #include <memory>
@@ -8,6 +9,7 @@
 #include "cli/output.h"
 #include "format/checkpoint.h"
 #include "format/dtype.h"
+#include "transform/plan.h"
 
 namespace weightd::cli {
 namespace {
@@ -21,6 +23,8 @@ struct InspectOptions {
   bool json = false;
   std::string values;
   uint64_t limit = 0;
+  protocol::Processing processing;
+  bool explain = false;  // any processing flag given
 };
 
 nlohmann::json MetadataJson(const Shard& shard) {
@@ -148,10 +152,72 @@ int PrintValues(const Checkpoint& ckpt, const InspectOptions& o) {
   return kExitOk;
 }
 
-int RunInspect(const InspectOptions& o) {
+// The processing plan, from the headers only: per tensor of every rank's
+// segment, where it comes from, how it is cut and converted, its bytes.
+int ExplainPlan(const Checkpoint& ckpt, InspectOptions& o) {
+  if (Status s = FinishProcessingFlags(o.processing); !s.ok()) {
+    return ReportError("inspect", s.error().message(), kExitUsage);
+  }
+  const protocol::Processing& p = o.processing;
+  auto resolved = transform::ResolveProcessing(p.tp_size, p.dtype, p.quant, p.shard_plan);
+  if (!resolved.ok()) return ReportError("inspect", resolved.error().message(), kExitUsage);
+  std::vector<transform::SourceTensor> sources;
+  for (const Shard& s : ckpt.shards) {
+    for (const TensorInfo& t : s.header.tensors) {
+      sources.push_back({t.name, t.dtype, t.shape, t.bytes()});
+    }
+  }
+  std::sort(sources.begin(), sources.end(),
+            [](const auto& a, const auto& b) { return a.name < b.name; });
+  auto plan = transform::PlanTensors(sources, *resolved);
+  if (!plan.ok()) return ReportError("inspect", ckpt.path + ": " + plan.error().message());
+  const std::string plan_name = resolved->plan->name();
+  if (o.json) {
+    nlohmann::json out = {{"path", ckpt.path},
+                          {"tp_size", p.tp_size},
+                          {"dtype", p.dtype},
+                          {"quant", p.quant},
+                          {"shard_plan", plan_name},
+                          {"plan_digest", resolved->plan->digest()},
+                          {"bytes_per_rank", plan->bytes_per_rank},
+                          {"source_bytes", ckpt.data_bytes()},
+                          {"tensors", nlohmann::json::array()}};
+    for (const transform::OutputTensor& t : plan->outputs) {
+      out["tensors"].push_back(
+          {{"name", t.name},
+           {"source", sources[t.source].name},
+           {"split", std::string(transform::SplitName(t.split))},
+           {"op", std::string(transform::OpName(t.op))},
+           {"source_dtype", std::string(format::DTypeName(sources[t.source].dtype))},
+           {"source_shape", sources[t.source].shape},
+           {"dtype", std::string(format::DTypeName(t.dtype))},
+           {"shape", t.shape},
+           {"bytes_per_rank", t.bytes}});
+    }
+    std::cout << DumpJson(out, 2) << "\n";
+    return kExitOk;
+  }
+  std::cout << Printable(ckpt.path) << ": plan " << plan_name << " (" << resolved->plan->digest()
+            << "), " << p.tp_size << (p.tp_size == 1 ? " rank" : " ranks") << ", dtype " << p.dtype
+            << ", quant " << p.quant << "\n\n";
+  for (const transform::OutputTensor& t : plan->outputs) {
+    const transform::SourceTensor& src = sources[t.source];
+    std::cout << "  " << Printable(t.name) << "  " << transform::SplitName(t.split) << ", "
+              << transform::OpName(t.op) << ": " << format::DTypeName(src.dtype) << " "
+              << format::ShapeString(src.shape) << " -> " << format::DTypeName(t.dtype) << " "
+              << format::ShapeString(t.shape) << " per rank, " << t.bytes << " bytes\n";
+  }
+  std::cout << "\nper rank: " << Count(plan->outputs.size(), "tensor") << ", "
+            << FormatBytes(plan->bytes_per_rank) << " (the checkpoint has "
+            << FormatBytes(ckpt.data_bytes()) << ")\n";
+  return kExitOk;
+}
+
+int RunInspect(InspectOptions& o) {
   auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), o.path);
   if (!ckpt.ok()) return ReportError("inspect", ckpt.error().message());
   if (!o.values.empty()) return PrintValues(*ckpt, o);
+  if (o.explain) return ExplainPlan(*ckpt, o);
   if (o.json) {
     PrintJson(*ckpt);
   } else {
@@ -167,13 +233,22 @@ Command AddInspectCommand(CLI::App& root) {
   CLI::App* app = root.add_subcommand(
       "inspect",
       "List the tensors of a safetensors file or checkpoint directory and validate it.\n"
-      "Exit 0 when every shard is valid, 1 with the broken rule otherwise.");
+      "Exit 0 when every shard is valid, 1 with the broken rule otherwise. With processing\n"
+      "flags (--plan/--shard-plan, --tp-size, --dtype, --quant), explain what each rank would\n"
+      "get instead, from the headers alone: split, cast, quantization, bytes per rank.");
   app->add_option("PATH", options->path, "a .safetensors file or a checkpoint directory")
       ->required();
   app->add_flag("--json", options->json, "print JSON (documented in docs/cli.md)");
   app->add_option("--values", options->values, "print the elements of tensor NAME as numbers");
   app->add_option("--limit", options->limit, "with --values: print at most N elements");
-  return {app, [options] { return RunInspect(*options); }};
+  AddProcessingFlags(*app, options->processing);
+  return {app, [options, app] {
+            // Any processing flag explains the plan instead of listing tensors.
+            for (const char* flag : {"--tp-size", "--dtype", "--quant", "--shard-plan"}) {
+              if (app->count(flag) > 0) options->explain = true;
+            }
+            return RunInspect(*options);
+          }};
 }
 
 }  // namespace weightd::cli

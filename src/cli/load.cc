@@ -1,11 +1,17 @@
 // `weightd load`: behave as an engine does at start.
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cstring>
 #include <iostream>
+#include <map>
 #include <memory>
 #include <thread>
 
 #include "cli/output.h"
+#include "format/writer.h"
+#include "io/file.h"
+#include "protocol/cache_key.h"
+#include "transform/plan.h"
 #include "weightd/client.h"
 
 namespace weightd::cli {
@@ -17,13 +23,34 @@ struct LoadCommandOptions {
   LoadSpec spec;
   protocol::Processing processing;
   std::string mode = "zero_copy";
-  std::string trust, socket_dir;
+  std::string trust, socket_dir, save;
   bool no_fallback = false, checksum = false, json = false, populate = false, no_cache = false;
   double hold = 0, wait = 0;
 };
 
+// Writes what the engine received as one safetensors file.
+Status SaveWeights(const Weights& w, const std::string& path) {
+  std::vector<format::TensorSpec> specs;
+  std::map<std::string, std::span<const std::byte>, std::less<>> data;
+  for (const Tensor& t : w.tensors()) {
+    auto dtype = format::ParseDType(t.dtype);
+    if (!dtype) return Error("tensor `" + std::string(t.name) + "` has an unknown dtype");
+    specs.push_back({std::string(t.name), *dtype, {t.shape.begin(), t.shape.end()}});
+    data[std::string(t.name)] = t.data;
+  }
+  WEIGHTD_ASSIGN_OR_RETURN(format::ShardLayout layout,
+                           format::LayoutShard(std::move(specs), {{"format", "pt"}}));
+  return format::WriteShard(
+      path, layout, [&](const format::TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
+        std::memcpy(dst.data(), data.find(t.name)->second.data() + offset, dst.size());
+      });
+}
+
 int RunLoad(LoadCommandOptions& o) {
   const auto start = std::chrono::steady_clock::now();
+  if (Status s = FinishProcessingFlags(o.processing); !s.ok()) {
+    return ReportError("load", s.error().message(), kExitUsage);
+  }
   o.spec.tp_size = o.processing.tp_size;
   o.spec.tp_rank = o.processing.tp_rank;
   o.spec.dtype = o.processing.dtype;
@@ -65,6 +92,10 @@ int RunLoad(LoadCommandOptions& o) {
     if (o.checksum) std::cout << "checksum: " << checksum << "\n";
     std::cout << std::flush;
   }
+  if (!o.save.empty()) {
+    if (Status s = SaveWeights(w, o.save); !s.ok())
+      return ReportError("load --save", s.error().message());
+  }
   if (o.hold > 0) {
     // Keep the view (and its lease) as an engine would, then prove the
     // bytes are still the same (the daemon may have died meanwhile).
@@ -84,15 +115,35 @@ int RunLoad(LoadCommandOptions& o) {
 }  // namespace
 
 void AddProcessingFlags(CLI::App& app, protocol::Processing& p) {
-  app.add_option("--tp-size", p.tp_size, "tensor-parallel size (this build: 1)")
-      ->check(CLI::Range(1, 4096));
-  app.add_option("--tp-rank", p.tp_rank, "tensor-parallel rank")->check(CLI::Range(0, 4095));
-  app.add_option("--dtype", p.dtype, "keep | bf16 | fp16 | fp32 (this build: keep)")
+  p.shard_plan.clear();  // told apart from a plan given (FinishProcessingFlags)
+  app.add_option("--tp-size", p.tp_size, "tensor-parallel ranks (needs --shard-plan above 1)")
+      ->check(CLI::Range(1, 1024));
+  app.add_option("--tp-rank", p.tp_rank, "this engine's rank (preload makes every rank)")
+      ->check(CLI::Range(0, 1023));
+  app.add_option("--dtype", p.dtype, "keep | bf16 | fp16 | fp32: cast floating-point weights")
       ->check(CLI::IsMember({"keep", "bf16", "fp16", "fp32"}));
-  app.add_option("--quant", p.quant, "none | fp8-block (this build: none)")
+  app.add_option("--quant", p.quant,
+                 "none | fp8-block: column and row layers to F8_E4M3 with 128x128 block scales")
       ->check(CLI::IsMember({"none", "fp8-block"}));
-  app.add_option("--shard-plan", p.shard_plan, "PRESET or FILE (this build: replicate)");
-  app.add_option("--device", p.device, "cpu | cuda:N (this build: cpu)");
+  app.add_option("--shard-plan,--plan", p.shard_plan,
+                 "llama | replicate | FILE (TOML rules): how tensors split across ranks");
+  app.add_option("--device", p.device, "cpu (this build)");
+}
+
+Status FinishProcessingFlags(protocol::Processing& p) {
+  if (p.shard_plan.empty()) {
+    if (p.tp_size > 1 || p.quant != "none") {
+      return Error("name a --shard-plan (llama, replicate or a TOML file): with --tp-size " +
+                   std::to_string(p.tp_size) + " and --quant " + p.quant +
+                   " it decides what is split and quantized");
+    }
+    p.shard_plan = "replicate";
+  }
+  // A plan file is read by the daemon too, from another directory.
+  if (transform::IsPlanFile(p.shard_plan)) {
+    WEIGHTD_ASSIGN_OR_RETURN(p.shard_plan, io::PosixFileSystem().RealPath(p.shard_plan));
+  }
+  return protocol::CheckSupported(p);
 }
 
 Command AddLoadCommand(CLI::App& root) {
@@ -101,7 +152,8 @@ Command AddLoadCommand(CLI::App& root) {
       "load",
       "Behave as an engine: compute the checkpoint's key, acquire the weights from the daemon\n"
       "when it holds exactly them, else load from disk (one line says why). Says where they\n"
-      "came from and how long it took.");
+      "came from and how long it took. With processing flags, the engine gets its rank's share,\n"
+      "cast and quantized as asked, the same bytes whether from the daemon or from disk.");
   app->add_option("DIR", o->spec.path, "checkpoint directory or .safetensors file")->required();
   AddProcessingFlags(*app, o->processing);
   app->add_option("--mode", o->mode, "zero_copy (map, keep the lease) | copy (copy, release)")
@@ -116,6 +168,8 @@ Command AddLoadCommand(CLI::App& root) {
   app->add_flag("--populate", o->populate, "after a miss, ask the daemon to preload for next time");
   app->add_option("--trust", o->trust,
                   "accept the model pinned under NAME without checking its content (loud)");
+  app->add_option("--save", o->save,
+                  "write the tensors received (this rank, processed) to FILE as safetensors");
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");
   app->add_flag("--no-cache", o->no_cache, "do not use the fingerprint's stat cache");
   app->add_flag("--json", o->json,

@@ -65,5 +65,8 @@ Command AddLoadCommand(CLI::App& root);
 // The processing flags `preload` and `load` share (--tp-size, --tp-rank,
 // --dtype, --quant, --shard-plan, --device).
 void AddProcessingFlags(CLI::App& app, protocol::Processing& p);
+// After parsing: the plan's default (replicate, unless splitting or
+// quantizing needs one named), a plan file's absolute path, the checks.
+Status FinishProcessingFlags(protocol::Processing& p);
 
 }  // namespace weightd::cli

@@ -219,7 +219,8 @@ Command AddPreloadCommand(CLI::App& root) {
   CLI::App* app = root.add_subcommand(
       "preload",
       "Ask the daemon to load a checkpoint and keep it resident, with progress. A model already\n"
-      "resident under the same key is not read again.");
+      "resident under the same key is not read again. With --tp-size N, every rank's segment\n"
+      "is made in one pass over the files.");
   app->add_option("DIR", o->path, "checkpoint directory or .safetensors file")->required();
   AddProcessingFlags(*app, o->processing);
   app->add_option("--pin", o->pin,
@@ -228,6 +229,9 @@ Command AddPreloadCommand(CLI::App& root) {
   app->add_option("--wait-for-daemon", o->wait, "seconds to wait for a daemon that is starting");
   app->add_flag("--json", o->json, "print the daemon's reply as JSON");
   return {app, [o] {
+            if (Status s = FinishProcessingFlags(o->processing); !s.ok()) {
+              return ReportError("preload", s.error().message(), kExitUsage);
+            }
             auto real = io::PosixFileSystem().RealPath(o->path);
             if (!real.ok()) return ReportError("preload", real.error().message());
             json request = {{"type", "preload"},
@@ -243,7 +247,9 @@ Command AddPreloadCommand(CLI::App& root) {
             } else if (reply->value("already_resident", false)) {
               std::cout << "already resident: " << Printable(o->path) << "\n";
             } else {
+              const int ranks = reply->value("ranks", 1);
               std::cout << "resident: " << Printable(o->path) << " ("
+                        << (ranks > 1 ? std::to_string(ranks) + " ranks of " : "")
                         << Count(reply->value("tensors", uint64_t{0}), "tensor") << ", "
                         << FormatBytes(reply->value("bytes", uint64_t{0})) << ", "
                         << reply->value("seconds", 0.0) << " s)\n";

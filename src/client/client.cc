@@ -19,6 +19,7 @@
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
 #include "protocol/paths.h"
+#include "transform/plan.h"
 
 namespace weightd {
 namespace {
@@ -223,9 +224,17 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
 void AskToPopulate(const LoadSpec& spec, const protocol::Processing& p, const AcquireOptions& o,
                    const std::function<void(const std::string&)>& log) {
   auto real = io::PosixFileSystem().RealPath(spec.path);
+  // The daemon reads a plan file too, from its own working directory.
+  protocol::Processing absolute = p;
+  if (transform::IsPlanFile(p.shard_plan)) {
+    auto plan = io::PosixFileSystem().RealPath(p.shard_plan);
+    if (!plan.ok()) return;
+    absolute.shard_plan = *plan;
+  }
   auto ch = protocol::ConnectToDaemon(protocol::SocketDirectory(o.socket_dir));
   if (!real.ok() || !ch.ok()) return;
-  if (ch->Send({{"type", "preload"}, {"path", *real}, {"processing", protocol::ToJson(p)}}).ok()) {
+  if (ch->Send({{"type", "preload"}, {"path", *real}, {"processing", protocol::ToJson(absolute)}})
+          .ok()) {
     log("asked the daemon to preload " + *real + " for the next start");
   }
 }
@@ -274,6 +283,12 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   const protocol::Processing processing{spec.tp_size, spec.tp_rank,    spec.dtype,
                                         spec.quant,   spec.shard_plan, spec.device};
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
+  // The plan (a file's included) is read and checked before anything else.
+  WEIGHTD_ASSIGN_OR_RETURN(
+      transform::Processing resolved,
+      transform::ResolveProcessing(spec.tp_size, spec.dtype, spec.quant, spec.shard_plan));
+  const std::string& plan_name = resolved.plan->name();
+  const std::string& plan_digest = resolved.plan->digest();
 
   protocol::CacheKey key;
   if (options.trust.empty()) {
@@ -287,9 +302,9 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
         fingerprint::Fingerprint fp,
         fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), spec.path, fo));
     if (cache) (void)cache->Save();
-    key = protocol::MakeKey(fp.digest, processing);
+    key = protocol::MakeKey(fp.digest, processing, plan_name, plan_digest);
   } else {
-    key = protocol::MakeKey("", processing);
+    key = protocol::MakeKey("", processing, plan_name, plan_digest);
   }
 
   Miss miss;
@@ -304,8 +319,11 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   if (!options.fallback) return Error("not served by the daemon: " + miss.reason);
   log("loading " + spec.path + " from disk: " + miss.reason);
 
+  // The same loader as the daemon's, for this rank only.
   loader::LoadOptions lo;
   lo.segment_name = io::BaseName(spec.path);
+  lo.processing = resolved;
+  lo.ranks = {spec.tp_rank};
   WEIGHTD_ASSIGN_OR_RETURN(loader::LoadedModel loaded,
                            loader::LoadCheckpoint(io::PosixFileSystem(), spec.path, lo));
   auto w = std::make_unique<WeightsImpl>();
@@ -314,7 +332,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   w->mismatch_ = miss.mismatch;
   w->fields_ = miss.fields;
   w->digest_ = loaded.checkpoint_digest;
-  w->segment = std::move(loaded.segment);
+  w->segment = std::move(loaded.ranks[0].segment);
   WEIGHTD_RETURN_IF_ERROR(w->Index(w->segment->readable()));
   // After our own load, so the two do not read the checkpoint at once.
   if (options.populate && miss.daemon_reachable) AskToPopulate(spec, processing, options, log);

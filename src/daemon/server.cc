@@ -24,6 +24,7 @@
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
 #include "protocol/paths.h"
+#include "transform/plan.h"
 
 namespace weightd::daemon {
 namespace {
@@ -493,6 +494,9 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
                                     const std::string& pin,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
+  WEIGHTD_ASSIGN_OR_RETURN(transform::Processing resolved,
+                           transform::ResolveProcessing(processing.tp_size, processing.dtype,
+                                                        processing.quant, processing.shard_plan));
   const auto start = std::chrono::steady_clock::now();
   // Cheap with the stat cache: a model already resident is not read again.
   std::unique_ptr<fingerprint::StatCache> cache;
@@ -504,7 +508,14 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
   if (!fp.ok()) return fp.error();
   if (cache) (void)cache->Save();
-  const protocol::CacheKey expected = protocol::MakeKey(fp->digest, processing);
+  // Every rank's key; a preload makes them all.
+  auto key_of = [&](const std::string& digest, int rank) {
+    protocol::Processing p = processing;
+    p.tp_rank = rank;
+    return protocol::MakeKey(digest, p, resolved.plan->name(), resolved.plan->digest());
+  };
+  const int ranks = processing.tp_size;
+  const protocol::CacheKey expected = key_of(fp->digest, 0);
   // Engines that all missed may ask for the same model at once: one load,
   // the others wait for it and find it resident.
   registry.BeginLoad(expected);
@@ -513,55 +524,70 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     const protocol::CacheKey& k;
     ~EndLoad() { r.EndLoad(k); }
   } end_load{registry, expected};
-  if (registry.Has(expected)) {
+  bool all_resident = true;
+  for (int r = 0; r < ranks && all_resident; ++r)
+    all_resident = registry.Has(key_of(fp->digest, r));
+  if (all_resident) {
     if (!pin.empty()) {
-      registry.Pin(expected, pin);
+      for (int r = 0; r < ranks; ++r) registry.Pin(key_of(fp->digest, r), pin);
       Log("pinned " + protocol::ShortDescription(expected) + " as `" + pin + "`");
     }
-    return json{{"already_resident", true}, {"key", protocol::ToJson(expected)}};
+    return json{{"already_resident", true}, {"key", protocol::ToJson(expected)}, {"ranks", ranks}};
   }
 
-  uint64_t reserved = 0;
-  std::vector<Eviction> evicted;
+  std::vector<uint64_t> reserved;  // per rank, in load order
+  std::vector<Eviction> evicted, all_evicted;
   loader::LoadOptions lo;
   lo.progress = progress;
   lo.cancel = &stopping;
   lo.segment_name = io::BaseName(path);
-  lo.allocate = [&](uint64_t bytes) -> Result<std::unique_ptr<memory::Segment>> {
+  lo.processing = resolved;
+  lo.allocate = [&](uint64_t bytes, int rank) -> Result<std::unique_ptr<memory::Segment>> {
     const uint64_t want = (bytes + kReserveRounding - 1) / kReserveRounding * kReserveRounding;
     WEIGHTD_RETURN_IF_ERROR(registry.Reserve(want, &evicted));
-    reserved = want;
+    reserved.push_back(want);
     for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
-    return memory::CreateHostSegment(bytes, lo.segment_name);
+    all_evicted.insert(all_evicted.end(), evicted.begin(), evicted.end());
+    evicted.clear();
+    return memory::CreateHostSegment(
+        bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""));
   };
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, lo);
   if (!loaded.ok()) {
-    registry.Unreserve(reserved);
+    for (uint64_t r : reserved) registry.Unreserve(r);
     return Error("preload of " + path + ": " + loaded.error().message() +
                  "; nothing was published");
   }
-  auto model = std::make_unique<ResidentModel>();
-  model->key = protocol::MakeKey(loaded->checkpoint_digest, processing);
-  model->name = pin;
-  model->path = path;
-  model->tensors = loaded->tensors;
-  // What the asker waited for: the fingerprint first, then the load.
-  model->load_seconds =
+  const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  model->segment = std::move(loaded->segment);
-  const uint64_t bytes = model->segment->size();
-  auto published = registry.Publish(std::move(model), reserved);
-  Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
-      (pin.empty() ? "" : " (pinned as `" + pin + "`)") + ": " + std::to_string(bytes) +
-      " bytes, " + std::to_string(published->tensors) + " tensors in " +
-      std::to_string(published->load_seconds) + " s");
+  uint64_t bytes = 0;
+  protocol::CacheKey published_key;
+  for (size_t i = 0; i < loaded->ranks.size(); ++i) {
+    loader::LoadedRank& rank = loaded->ranks[i];
+    auto model = std::make_unique<ResidentModel>();
+    model->key = key_of(loaded->checkpoint_digest, rank.rank);
+    model->name = pin;
+    model->path = path;
+    model->tensors = loaded->tensors;
+    // What the asker waited for: the fingerprint first, then the load.
+    model->load_seconds = seconds;
+    model->segment = std::move(rank.segment);
+    bytes += model->segment->size();
+    auto published = registry.Publish(std::move(model), reserved[i]);
+    if (i == 0) published_key = published->key;
+    Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
+        (pin.empty() ? "" : " (pinned as `" + pin + "`)") + ": " +
+        std::to_string(published->segment->size()) + " bytes, " +
+        std::to_string(published->tensors) + " tensors in " + std::to_string(seconds) + " s");
+  }
   json evicted_json = json::array();
-  for (const Eviction& e : evicted) evicted_json.push_back(e.description);
+  for (const Eviction& e : all_evicted) evicted_json.push_back(e.description);
   return json{{"already_resident", false},
-              {"key", protocol::ToJson(published->key)},
+              {"key", protocol::ToJson(published_key)},
+              {"ranks", ranks},
               {"bytes", bytes},
-              {"tensors", published->tensors},
-              {"seconds", published->load_seconds},
+              {"tensors", loaded->tensors},
+              {"seconds", seconds},
               {"evicted", evicted_json}};
 }
 

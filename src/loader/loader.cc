@@ -13,6 +13,8 @@
 #include "format/safetensors.h"
 #include "io/read_many.h"
 #include "memory/manifest.h"
+#include "transform/apply.h"
+#include "transform/convert.h"
 
 namespace weightd::loader {
 namespace {
@@ -21,6 +23,14 @@ constexpr int kParallelHeaderReads = 16;
 // Progress is reported between batches of reads of about this many bytes.
 constexpr uint64_t kProgressBatchBytes = 256ull << 20;
 const uint64_t kSampleBytes = fingerprint::Options{}.sample_bytes;
+
+// Every read goes through a per-worker buffer and is written into the
+// segments from there: a buffer this size stays in the cache, and a segment
+// filled by writes is neither faulted nor zeroed page by page. Tensors
+// below this size are read in runs of neighbours, one read per run.
+constexpr uint64_t kStepBytes = 256 << 10;
+// Source rows processed at once (cast, split by columns, quantized), about.
+constexpr uint64_t kBandBytes = 1 << 20;
 
 struct OpenShard {
   std::unique_ptr<io::RandomAccessFile> file;
@@ -43,34 +53,68 @@ Status ReadHead(io::FileSystem& fs, const format::ShardRef& ref, OpenShard& out,
   return OkStatus();
 }
 
-// Every read goes through a per-worker buffer of this size and is written
-// into the segment from there: the buffer stays in the cache, and a segment
-// filled by writes is neither faulted nor zeroed page by page. Tensors
-// below this size are read in runs of neighbours, one read per run.
-constexpr uint64_t kStepBytes = 256 << 10;
+// A source tensor: where its bytes are and where its fingerprint sample goes.
+struct Source {
+  size_t shard;
+  uint64_t file_offset;  // of its first byte
+  uint64_t bytes;
+  uint64_t sample_at;  // into Samples::bytes
+  uint64_t sample_bytes;
+};
 
-// One job: a range of a big tensor (read in steps), or a run of small
-// neighbours read at once and each written to its place.
-struct ReadJob {
+// The first KiB of every tensor, caught as the reads pass by.
+struct Samples {
+  std::vector<std::byte> bytes;
+  std::unique_ptr<std::atomic<bool>[]> caught;
+
+  // `data` holds the tensor's bytes from `offset` on.
+  void Offer(const Source& s, size_t index, uint64_t offset, std::span<const std::byte> data) {
+    if (offset != 0 || data.size() < s.sample_bytes || caught[index].load()) return;
+    std::memcpy(bytes.data() + s.sample_at, data.data(), static_cast<size_t>(s.sample_bytes));
+    caught[index].store(true);
+  }
+};
+
+// Copies bytes as the file has them: a range of one big tensor, or a run of
+// small neighbours read at once, each piece written to its place in every
+// segment listed (replicated tensors go to all; a column split's rows only
+// to their rank).
+struct CopyJob {
   size_t shard;
   uint64_t file_offset;
   uint64_t bytes;
-  uint64_t dst_offset;  // big tensors only
   struct Piece {
     uint64_t run_offset;
     uint64_t bytes;
-    uint64_t dst_offset;
+    uint64_t dst_offset;  // in the segment
+    size_t source;        // which tensor, for its sample
+    uint64_t tensor_offset;
   };
   std::vector<Piece> pieces;
+  std::vector<size_t> targets;  // indexes into the segments being built
+};
+
+// Produces output rows [row0, row1) of one output tensor, for one target
+// (a column split: that rank's rows) or for all (row split, replicated).
+struct BandJob {
+  size_t output;
+  uint64_t row0;
+  uint64_t row1;
+  std::vector<size_t> targets;
+};
+
+struct Target {
+  int rank;
+  memory::Segment* segment;
 };
 
 // Writes a run's pieces, gathering neighbours that are neighbours in the
 // segment too (with their alignment padding) into one write.
-Status WriteRun(memory::Segment& segment, const ReadJob& job, const std::byte* run) {
+Status WriteRun(memory::Segment& segment, const CopyJob& job, const std::byte* run) {
   static constexpr std::byte kZeros[memory::kTensorAlignment] = {};
   std::vector<std::span<const std::byte>> gather;
   uint64_t start = 0, end = 0;
-  for (const ReadJob::Piece& p : job.pieces) {
+  for (const CopyJob::Piece& p : job.pieces) {
     const uint64_t padding = p.dst_offset - end;
     if (gather.empty() || p.dst_offset < end || padding >= sizeof kZeros) {
       if (!gather.empty()) WEIGHTD_RETURN_IF_ERROR(segment.Write(start, gather));
@@ -86,70 +130,100 @@ Status WriteRun(memory::Segment& segment, const ReadJob& job, const std::byte* r
   return segment.Write(start, gather);
 }
 
-// Reads a job into `buffer` (kStepBytes) and writes it into the segment.
-// Returns the tensor bytes it placed.
-Result<uint64_t> RunJob(const ReadJob& job, const io::RandomAccessFile& file,
-                        memory::Segment& segment, std::span<std::byte> buffer) {
-  if (job.pieces.empty()) {
+// Everything a worker needs to run jobs.
+struct Context {
+  const std::vector<OpenShard>& shards;
+  const std::vector<Source>& sources;
+  const std::vector<format::DType>& source_dtypes;
+  const transform::TensorPlan& plan;
+  const std::vector<uint64_t>& offsets;  // of each output in every segment
+  const std::vector<Target>& targets;
+  Samples& samples;
+};
+
+// A worker's buffers, grown to the largest job it meets.
+struct Buffers {
+  std::vector<std::byte> in, out, scales;
+  std::span<std::byte> Get(std::vector<std::byte>& v, uint64_t n) {
+    if (v.size() < n) v.resize(static_cast<size_t>(n));
+    return std::span(v.data(), static_cast<size_t>(n));
+  }
+};
+
+Result<uint64_t> RunCopy(const Context& c, const CopyJob& job, Buffers& buf) {
+  const io::RandomAccessFile& file = *c.shards[job.shard].file;
+  if (job.pieces.size() == 1 && job.bytes > kStepBytes) {  // a range of a big tensor
+    const CopyJob::Piece& p = job.pieces[0];
     for (uint64_t at = 0; at < job.bytes; at += kStepBytes) {
-      const auto n = static_cast<size_t>(std::min(kStepBytes, job.bytes - at));
-      WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(job.file_offset + at, buffer.first(n)));
-      WEIGHTD_RETURN_IF_ERROR(segment.Write(job.dst_offset + at, buffer.first(n)));
+      const std::span<std::byte> chunk = buf.Get(buf.in, std::min(kStepBytes, job.bytes - at));
+      WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(job.file_offset + at, chunk));
+      c.samples.Offer(c.sources[p.source], p.source, p.tensor_offset + at, chunk);
+      for (size_t t : job.targets) {
+        WEIGHTD_RETURN_IF_ERROR(c.targets[t].segment->Write(p.dst_offset + at, chunk));
+      }
     }
     return job.bytes;
   }
-  WEIGHTD_RETURN_IF_ERROR(
-      file.ReadExactly(job.file_offset, buffer.first(static_cast<size_t>(job.bytes))));
-  WEIGHTD_RETURN_IF_ERROR(WriteRun(segment, job, buffer.data()));
-  uint64_t placed = 0;
-  for (const ReadJob::Piece& p : job.pieces) placed += p.bytes;
-  return placed;
+  const std::span<std::byte> run = buf.Get(buf.in, job.bytes);
+  WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(job.file_offset, run));
+  for (const CopyJob::Piece& p : job.pieces) {
+    c.samples.Offer(c.sources[p.source], p.source, p.tensor_offset,
+                    run.subspan(static_cast<size_t>(p.run_offset), static_cast<size_t>(p.bytes)));
+  }
+  for (size_t t : job.targets)
+    WEIGHTD_RETURN_IF_ERROR(WriteRun(*c.targets[t].segment, job, run.data()));
+  return job.bytes;
 }
 
-Status RunJobs(const std::vector<ReadJob>& jobs, const std::vector<OpenShard>& shards,
-               memory::Segment& segment, uint64_t total, const LoadOptions& options,
-               io::ReadStats* stats) {
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  std::mutex mu;  // guards error, progress and stats
-  std::optional<Error> error;
-  uint64_t done = 0, reported = 0;
-  const int workers = static_cast<int>(
-      std::min<size_t>(jobs.size(), static_cast<size_t>(std::max(options.max_inflight, 1))));
-  io::RunTeam(workers, [&](int) {
-    // Not zeroed: every byte used is read first.
-    std::unique_ptr<std::byte[]> buffer(new std::byte[kStepBytes]);
-    for (size_t i; !failed.load() && (i = next.fetch_add(1)) < jobs.size();) {
-      if (options.cancel != nullptr && options.cancel->load()) {
-        std::lock_guard lock(mu);
-        if (!error) error = Error("the load was cancelled");
-        failed.store(true);
-        return;
+Result<uint64_t> RunBand(const Context& c, const BandJob& job, Buffers& buf) {
+  const transform::OutputTensor& out = c.plan.outputs[job.output];
+  const Source& src = c.sources[out.source];
+  const format::DType dtype = c.source_dtypes[out.source];
+  const io::RandomAccessFile& file = *c.shards[src.shard].file;
+  const uint64_t in_row = transform::SourceRowBytes(out, dtype);
+  const uint64_t out_row = transform::OutputRowBytes(out);
+  const uint64_t rows = job.row1 - job.row0;
+  const std::span<std::byte> dst = buf.Get(buf.out, rows * out_row);
+  const bool quantize = out.op == transform::Op::kQuantize;
+  const transform::OutputTensor* scale = quantize ? &c.plan.outputs[job.output + 1] : nullptr;
+  const uint64_t scale_row = scale ? transform::OutputRowBytes(*scale) : 0;
+  const uint64_t scale_rows = scale ? (rows + transform::kFp8Block - 1) / transform::kFp8Block : 0;
+  const std::span<std::byte> scales = buf.Get(buf.scales, scale_rows * scale_row);
+  // Replicated outputs are the same for every rank: made once, written to all.
+  const bool same_for_all = out.split == transform::Split::kReplicate;
+  uint64_t read_rows_first = UINT64_MAX, read_bytes = 0;
+  std::span<std::byte> in;
+  for (size_t i = 0; i < job.targets.size(); ++i) {
+    const Target& target = c.targets[job.targets[i]];
+    if (i == 0 || !same_for_all) {
+      const transform::RowRange need =
+          transform::SourceRowsFor(out, target.rank, job.row0, job.row1);
+      if (need.first != read_rows_first) {  // a row split's ranks share one read
+        in = buf.Get(buf.in, (need.last - need.first) * in_row);
+        WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(src.file_offset + need.first * in_row, in));
+        c.samples.Offer(src, out.source, need.first * in_row, in);
+        read_rows_first = need.first;
+        read_bytes += in.size();
       }
-      const ReadJob& job = jobs[i];
-      Result<uint64_t> placed = RunJob(job, *shards[job.shard].file, segment,
-                                       std::span(buffer.get(), static_cast<size_t>(kStepBytes)));
-      std::lock_guard lock(mu);
-      if (!placed.ok()) {
-        if (!error) error = placed.error();
-        failed.store(true);
-        return;
-      }
-      stats->reads += job.pieces.empty() ? (job.bytes + kStepBytes - 1) / kStepBytes : 1;
-      stats->bytes += job.bytes;
-      done += *placed;
-      if (options.progress && (done - reported >= kProgressBatchBytes || done == total)) {
-        reported = done;
-        options.progress(done, total);
-      }
+      transform::ApplyRows(out, dtype, target.rank, job.row0, job.row1, in, dst, scales);
     }
-  });
-  if (error) return *error;
-  return OkStatus();
+    WEIGHTD_RETURN_IF_ERROR(target.segment->Write(c.offsets[job.output] + job.row0 * out_row, dst));
+    if (scale != nullptr) {
+      WEIGHTD_RETURN_IF_ERROR(target.segment->Write(
+          c.offsets[job.output + 1] + job.row0 / transform::kFp8Block * scale_row, scales));
+    }
+  }
+  return read_bytes;
 }
 
 Result<std::unique_ptr<memory::Segment>> DefaultAllocate(uint64_t bytes, const std::string& name) {
   return memory::CreateHostSegment(bytes, name);
+}
+
+std::vector<size_t> AllTargets(size_t n) {
+  std::vector<size_t> all(n);
+  for (size_t i = 0; i < n; ++i) all[i] = i;
+  return all;
 }
 
 }  // namespace
@@ -157,6 +231,19 @@ Result<std::unique_ptr<memory::Segment>> DefaultAllocate(uint64_t bytes, const s
 Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
                                    const LoadOptions& options) {
   const auto start = std::chrono::steady_clock::now();
+  const transform::Processing& processing = options.processing;
+  const bool identity = processing.tp_size == 1 && !processing.dtype && !processing.fp8_block;
+  if (!identity && processing.plan == nullptr) return Error("processing without a shard plan");
+  std::vector<int> ranks = options.ranks;
+  if (ranks.empty()) {
+    for (int r = 0; r < processing.tp_size; ++r) ranks.push_back(r);
+  }
+  for (int r : ranks) {
+    if (r < 0 || r >= processing.tp_size) {
+      return Error("--tp-rank " + std::to_string(r) + " is not below --tp-size " +
+                   std::to_string(processing.tp_size));
+    }
+  }
   WEIGHTD_ASSIGN_OR_RETURN(format::ShardListing listing, format::ListShards(fs, path));
 
   // Headers: every shard open, many at once.
@@ -175,87 +262,221 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     if (e) return *e;
   }
 
-  // The segment's layout: every tensor of every shard, by name. order[i] is
-  // where plan.tensors[i] comes from.
-  struct Source {
-    size_t shard;
-    size_t tensor;
-  };
-  std::vector<Source> order;
+  // Every tensor of every shard, by name: the sources of the plan.
+  std::vector<transform::SourceTensor> source_tensors;
+  std::vector<Source> sources;
+  std::vector<format::DType> source_dtypes;
+  std::vector<std::vector<size_t>> index_of(shards.size());  // shard's tensor -> source
   {
     const std::vector<std::pair<size_t, size_t>> by_name = format::TensorsByName(headers);
     WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map, by_name));
-    order.reserve(by_name.size());
-    for (const auto& [s, t] : by_name) order.push_back({s, t});
+    source_tensors.reserve(by_name.size());
+    sources.reserve(by_name.size());
+    for (size_t s = 0; s < shards.size(); ++s) index_of[s].resize(headers[s].header.tensors.size());
+    uint64_t sample_at = 0;
+    for (const auto& [s, t] : by_name) {
+      const format::ShardHeader& h = headers[s].header;
+      const format::TensorInfo& info = h.tensors[t];
+      index_of[s][t] = sources.size();
+      source_tensors.push_back({info.name, info.dtype, info.shape, info.bytes()});
+      source_dtypes.push_back(info.dtype);
+      const uint64_t sample = std::min(kSampleBytes, info.bytes());
+      sources.push_back({s, h.data_offset() + info.begin, info.bytes(), sample_at, sample});
+      sample_at += sample;
+    }
   }
-  auto info = [&](const Source& src) -> const format::TensorInfo& {
-    return headers[src.shard].header.tensors[src.tensor];
-  };
+  // The processing, checked against the headers before any weight byte.
+  WEIGHTD_ASSIGN_OR_RETURN(transform::TensorPlan plan,
+                           transform::PlanTensors(source_tensors, processing));
+  source_tensors.clear();
   std::vector<memory::TensorLayout> layout;
-  layout.reserve(order.size());
-  for (const Source& src : order) {
-    const format::TensorInfo& t = info(src);
-    layout.push_back({t.name, std::string(format::DTypeName(t.dtype)), t.shape, t.bytes(), 0});
+  layout.reserve(plan.outputs.size());
+  for (const transform::OutputTensor& o : plan.outputs) {
+    layout.push_back({o.name, std::string(format::DTypeName(o.dtype)), o.shape, o.bytes, 0});
   }
-  WEIGHTD_ASSIGN_OR_RETURN(memory::SegmentPlan plan, memory::PlanSegment(std::move(layout)));
-  // Where each shard's tensors (header order) went in the segment.
-  std::vector<std::vector<uint64_t>> placed(shards.size());
-  for (size_t s = 0; s < shards.size(); ++s) placed[s].resize(headers[s].header.tensors.size());
-  for (size_t i = 0; i < order.size(); ++i) {
-    placed[order[i].shard][order[i].tensor] = plan.tensors[i].offset;
-  }
+  WEIGHTD_ASSIGN_OR_RETURN(memory::SegmentPlan segment_plan,
+                           memory::PlanSegment(std::move(layout)));
+  std::vector<uint64_t> offsets(plan.outputs.size());
+  for (size_t i = 0; i < offsets.size(); ++i) offsets[i] = segment_plan.tensors[i].offset;
 
-  auto allocated = options.allocate ? options.allocate(plan.total_bytes)
-                                    : DefaultAllocate(plan.total_bytes, options.segment_name);
-  if (!allocated.ok()) return allocated.error();
-  std::unique_ptr<memory::Segment> segment = std::move(allocated).value();
-  if (segment->size() < plan.total_bytes) return Error("the segment allocated is too small");
+  // Every rank's segment, with its manifest (the same for all ranks).
+  LoadedModel model;
+  std::vector<Target> targets;
   {
-    std::vector<std::byte> manifest(static_cast<size_t>(plan.manifest_bytes));
-    memory::WriteManifest(plan, manifest);
-    WEIGHTD_RETURN_IF_ERROR(segment->Write(0, manifest));
+    std::vector<std::byte> manifest(static_cast<size_t>(segment_plan.manifest_bytes));
+    memory::WriteManifest(segment_plan, manifest);
+    for (int r : ranks) {
+      auto allocated =
+          options.allocate
+              ? options.allocate(segment_plan.total_bytes, r)
+              : DefaultAllocate(segment_plan.total_bytes,
+                                options.segment_name +
+                                    (processing.tp_size > 1 ? "-rank" + std::to_string(r) : ""));
+      if (!allocated.ok()) return allocated.error();
+      if ((*allocated)->size() < segment_plan.total_bytes) {
+        return Error("the segment allocated is too small");
+      }
+      WEIGHTD_RETURN_IF_ERROR((*allocated)->Write(0, manifest));
+      model.ranks.push_back({r, std::move(allocated).value()});
+      targets.push_back({r, model.ranks.back().segment.get()});
+    }
   }
 
-  // Every tensor's bytes, into place: big tensors in chunks, runs of small
-  // neighbours (in file order) in one read each, since one read per small
-  // tensor costs more than the copy.
-  std::vector<ReadJob> jobs;
-  uint64_t total = 0;
-  for (const memory::TensorLayout& t : plan.tensors) total += t.bytes;
+  // The jobs. Bytes kept as they are go by runs of small neighbours (in
+  // file order) and chunks of big tensors; whatever is cut by columns,
+  // cast or quantized goes by bands of rows.
+  std::vector<CopyJob> copies;
+  std::vector<BandJob> bands;
+  std::vector<std::pair<size_t, std::pair<uint64_t, uint64_t>>> zeros;  // target, [offset, bytes)
+  const std::vector<size_t> all_targets = AllTargets(targets.size());
+  std::vector<std::vector<size_t>> replicated_by_shard(shards.size());  // outputs copied whole
+  for (size_t i = 0; i < plan.outputs.size(); ++i) {
+    const transform::OutputTensor& o = plan.outputs[i];
+    const Source& src = sources[o.source];
+    if (o.op == transform::Op::kScale) continue;  // made with the weight before it
+    if (o.op == transform::Op::kCopy && o.split == transform::Split::kReplicate) {
+      replicated_by_shard[src.shard].push_back(i);
+      continue;
+    }
+    if (o.op == transform::Op::kCopy && o.split != transform::Split::kRow) {
+      // A column or vocab split kept as is: each rank's rows are one range.
+      const uint64_t row_bytes = transform::SourceRowBytes(o, source_dtypes[o.source]);
+      for (size_t t = 0; t < targets.size(); ++t) {
+        const transform::RowRange rows = transform::SourceRowsFor(o, targets[t].rank, 0, o.rows);
+        const uint64_t bytes = (rows.last - rows.first) * row_bytes;
+        for (uint64_t at = 0; at < bytes; at += options.chunk_bytes) {
+          const uint64_t n = std::min(options.chunk_bytes, bytes - at);
+          const uint64_t tensor_offset = rows.first * row_bytes + at;
+          copies.push_back({src.shard,
+                            src.file_offset + tensor_offset,
+                            n,
+                            {{0, n, offsets[i] + at, o.source, tensor_offset}},
+                            {t}});
+        }
+        if (bytes < o.bytes) zeros.push_back({t, {offsets[i] + bytes, o.bytes - bytes}});
+      }
+      continue;
+    }
+    // Bands: about kBandBytes of source rows, whole 128-row blocks when
+    // quantizing.
+    const uint64_t row_bytes = std::max<uint64_t>(
+        {transform::SourceRowBytes(o, source_dtypes[o.source]), transform::OutputRowBytes(o), 1});
+    uint64_t band = std::max<uint64_t>(1, kBandBytes / row_bytes);
+    if (o.op == transform::Op::kQuantize) {
+      band = std::max<uint64_t>(1, band / transform::kFp8Block) * transform::kFp8Block;
+    }
+    const bool per_rank =
+        o.split == transform::Split::kColumn || o.split == transform::Split::kVocab;
+    for (uint64_t r0 = 0; r0 < o.rows; r0 += band) {
+      const uint64_t r1 = std::min(o.rows, r0 + band);
+      if (per_rank) {
+        for (size_t t = 0; t < targets.size(); ++t) bands.push_back({i, r0, r1, {t}});
+      } else {
+        bands.push_back({i, r0, r1, all_targets});
+      }
+    }
+  }
   for (size_t s = 0; s < shards.size(); ++s) {
-    const format::ShardHeader& h = headers[s].header;
-    std::vector<size_t> by_offset(h.tensors.size());
-    for (size_t t = 0; t < by_offset.size(); ++t) by_offset[t] = t;
-    std::sort(by_offset.begin(), by_offset.end(),
-              [&](size_t a, size_t b) { return h.tensors[a].begin < h.tensors[b].begin; });
-    for (size_t k = 0; k < by_offset.size();) {
-      const format::TensorInfo& t = h.tensors[by_offset[k]];
-      if (t.bytes() >= kStepBytes) {
-        for (uint64_t at = 0; at < t.bytes(); at += options.chunk_bytes) {
-          jobs.push_back({s,
-                          h.data_offset() + t.begin + at,
-                          std::min(options.chunk_bytes, t.bytes() - at),
-                          placed[s][by_offset[k]] + at,
-                          {}});
+    std::vector<size_t>& outs = replicated_by_shard[s];
+    std::sort(outs.begin(), outs.end(), [&](size_t a, size_t b) {
+      return sources[plan.outputs[a].source].file_offset <
+             sources[plan.outputs[b].source].file_offset;
+    });
+    for (size_t k = 0; k < outs.size();) {
+      const transform::OutputTensor& o = plan.outputs[outs[k]];
+      const Source& src = sources[o.source];
+      if (src.bytes >= kStepBytes) {
+        for (uint64_t at = 0; at < src.bytes; at += options.chunk_bytes) {
+          const uint64_t n = std::min(options.chunk_bytes, src.bytes - at);
+          copies.push_back({s,
+                            src.file_offset + at,
+                            n,
+                            {{0, n, offsets[outs[k]] + at, o.source, at}},
+                            all_targets});
         }
         ++k;
         continue;
       }
-      ReadJob run{s, h.data_offset() + t.begin, 0, 0, {}};
-      while (k < by_offset.size()) {
-        const format::TensorInfo& small = h.tensors[by_offset[k]];
-        const uint64_t end = h.data_offset() + small.end;
-        if (small.bytes() >= kStepBytes || end - run.file_offset > kStepBytes) break;
-        run.pieces.push_back({h.data_offset() + small.begin - run.file_offset, small.bytes(),
-                              placed[s][by_offset[k]]});
+      CopyJob run{s, src.file_offset, 0, {}, all_targets};
+      while (k < outs.size()) {
+        const Source& small = sources[plan.outputs[outs[k]].source];
+        const uint64_t end = small.file_offset + small.bytes;
+        if (small.bytes >= kStepBytes || end - run.file_offset > kStepBytes) break;
+        run.pieces.push_back({small.file_offset - run.file_offset, small.bytes, offsets[outs[k]],
+                              plan.outputs[outs[k]].source, 0});
         run.bytes = end - run.file_offset;
         ++k;
       }
-      jobs.push_back(std::move(run));
+      copies.push_back(std::move(run));
     }
   }
-  io::ReadStats stats;
-  WEIGHTD_RETURN_IF_ERROR(RunJobs(jobs, shards, *segment, total, options, &stats));
+
+  // Run them all, many at once.
+  Samples samples;
+  {
+    uint64_t total = 0;
+    for (const Source& s : sources) total += s.sample_bytes;
+    samples.bytes.resize(static_cast<size_t>(total));
+  }
+  samples.caught.reset(new std::atomic<bool>[sources.size()]);
+  for (size_t i = 0; i < sources.size(); ++i) samples.caught[i].store(false);
+  const Context context{shards, sources, source_dtypes, plan, offsets, targets, samples};
+  const size_t jobs = copies.size() + bands.size();
+  uint64_t total = 0;
+  for (const CopyJob& j : copies) total += j.bytes;
+  for (const BandJob& j : bands) {
+    const transform::OutputTensor& o = plan.outputs[j.output];
+    total += (j.row1 - j.row0) * transform::SourceRowBytes(o, source_dtypes[o.source]);
+  }
+  std::atomic<size_t> next_job{0};
+  std::atomic<bool> failed{false};
+  std::mutex mu;  // guards error, progress and stats
+  std::optional<Error> error;
+  uint64_t done = 0, reported = 0, reads = 0;
+  const int workers = static_cast<int>(
+      std::min<size_t>(jobs, static_cast<size_t>(std::max(options.max_inflight, 1))));
+  io::RunTeam(workers, [&](int) {
+    Buffers buffers;
+    for (size_t i; !failed.load() && (i = next_job.fetch_add(1)) < jobs;) {
+      if (options.cancel != nullptr && options.cancel->load()) {
+        std::lock_guard lock(mu);
+        if (!error) error = Error("the load was cancelled");
+        failed.store(true);
+        return;
+      }
+      Result<uint64_t> read = i < copies.size()
+                                  ? RunCopy(context, copies[i], buffers)
+                                  : RunBand(context, bands[i - copies.size()], buffers);
+      std::lock_guard lock(mu);
+      if (!read.ok()) {
+        if (!error) error = read.error();
+        failed.store(true);
+        return;
+      }
+      ++reads;
+      done += *read;
+      if (options.progress && (done - reported >= kProgressBatchBytes || done == total)) {
+        reported = done;
+        options.progress(done, total);
+      }
+    }
+  });
+  if (error) return *error;
+  for (const auto& [t, range] : zeros) {  // vocab padding
+    const std::vector<std::byte> zero(static_cast<size_t>(range.second));
+    WEIGHTD_RETURN_IF_ERROR(targets[t].segment->Write(range.first, zero));
+  }
+
+  // Samples no read passed by (a rank that reads only part of a tensor).
+  for (size_t i = 0; i < sources.size(); ++i) {
+    if (samples.caught[i].load() || sources[i].sample_bytes == 0) continue;
+    const Source& s = sources[i];
+    WEIGHTD_RETURN_IF_ERROR(shards[s.shard].file->ReadExactly(
+        s.file_offset,
+        std::span(samples.bytes.data() + s.sample_at, static_cast<size_t>(s.sample_bytes))));
+    ++reads;
+    done += s.sample_bytes;
+  }
 
   // The files must be what they were when their headers were read.
   for (size_t s = 0; s < shards.size(); ++s) {
@@ -264,39 +485,28 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       return Error(headers[s].path + ": changed while being loaded; nothing was published");
     }
   }
+  for (LoadedRank& r : model.ranks) WEIGHTD_RETURN_IF_ERROR(r.segment->Seal());
 
-  // The sampled fingerprint of what was loaded, read back from the sealed
-  // segment.
-  WEIGHTD_RETURN_IF_ERROR(segment->Seal());
-  const std::span<const std::byte> dst = segment->readable();
-  LoadedModel model;
+  // The sampled fingerprint of what was read.
   std::vector<fingerprint::ShardFingerprint> digests(shards.size());
-  std::atomic<size_t> next_shard{0};
-  const int hashers = static_cast<int>(
-      std::min<size_t>(shards.size(), std::max(1u, std::thread::hardware_concurrency())));
-  io::RunTeam(hashers, [&](int) {
-    for (size_t s; (s = next_shard.fetch_add(1)) < shards.size();) {
-      std::vector<std::span<const std::byte>> samples;
-      const auto& tensors = headers[s].header.tensors;
-      samples.reserve(tensors.size());
-      for (size_t t = 0; t < tensors.size(); ++t) {
-        samples.push_back(
-            dst.subspan(static_cast<size_t>(placed[s][t]),
-                        static_cast<size_t>(std::min(kSampleBytes, tensors[t].bytes()))));
-      }
-      digests[s].name = headers[s].name;
-      digests[s].digest = fingerprint::SampledShardDigest(
-          headers[s].file_size,
-          std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size())),
-          samples);
+  for (size_t s = 0; s < shards.size(); ++s) {
+    std::vector<std::span<const std::byte>> shard_samples;
+    shard_samples.reserve(index_of[s].size());
+    for (size_t i : index_of[s]) {
+      shard_samples.push_back(std::span(samples.bytes.data() + sources[i].sample_at,
+                                        static_cast<size_t>(sources[i].sample_bytes)));
     }
-  });
-  for (const format::Shard& h : headers) model.tensors += h.header.tensors.size();
+    digests[s].name = headers[s].name;
+    digests[s].digest = fingerprint::SampledShardDigest(
+        headers[s].file_size,
+        std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size())),
+        shard_samples);
+  }
   model.checkpoint_digest = fingerprint::CombineSampledShards(digests);
-  model.segment = std::move(segment);
   model.shards = shards.size();
-  model.data_bytes = total;
-  model.reads = stats.reads + 2 * shards.size();
+  model.tensors = plan.outputs.size();
+  model.data_bytes = done;
+  model.reads = reads + 2 * shards.size();
   model.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return model;
 }

@@ -1,17 +1,22 @@
-// Reads a checkpoint into one resident segment: the one loading path, run
-// by the daemon (preload) and by an engine's disk fallback alike, so both
+// Reads a checkpoint into resident segments, one per tensor-parallel rank,
+// processed as asked (split, cast, quantized): the one loading path, run by
+// the daemon (preload, every rank in one pass) and by an engine's disk
+// fallback (its own rank, reading only what that rank needs) alike, so both
 // get the same bytes at the same offsets.
 //
-// Every header is read and checked first; then the segment is sized,
-// allocated (by the caller: the daemon checks its budget there) and its
-// manifest written; then every tensor's bytes are read and written into
-// their place in the segment, many reads in flight, each through a small
-// per-thread buffer (never a copy of the whole model).
-// The sampled fingerprint comes from the same bytes (headers and the first
-// KiB of each tensor, now in the segment), so the key a daemon publishes
-// describes exactly what it loaded. A shard that changed while it was read
-// (its stat signature moved) or came up short fails the load; nothing is
-// returned half-filled.
+// Every header is read and checked first, then the processing is planned
+// (transform::PlanTensors: every check that needs no weight bytes, so a
+// checkpoint the plan cannot serve fails before any are read); then each
+// rank's segment is sized, allocated (by the caller: the daemon checks its
+// budget there) and its manifest written; then every tensor's bytes are read
+// and written into place, many reads in flight, each through a small
+// per-thread buffer (never a copy of the whole model), processed on the way
+// where the plan says so. Each source byte is read once however many ranks
+// are built. The sampled fingerprint comes from the same reads (headers and
+// the first KiB of each tensor as the file has it), so the key a daemon
+// publishes describes exactly what it loaded. A shard that changed while it
+// was read (its stat signature moved) or came up short fails the load;
+// nothing is returned half-filled.
 //
 // Thread safety: LoadCheckpoint may run concurrently with itself.
 #pragma once
@@ -21,9 +26,11 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "io/file.h"
 #include "memory/segment.h"
+#include "transform/plan.h"
 #include "weightd/result.h"
 
 namespace weightd::loader {
@@ -34,21 +41,31 @@ struct LoadOptions {
   uint64_t chunk_bytes = 4 << 20;
   // Called now and then with bytes read so far and bytes to read.
   std::function<void(uint64_t done, uint64_t total)> progress;
-  // Makes the segment once its size is known; by default a host segment.
-  std::function<Result<std::unique_ptr<memory::Segment>>(uint64_t bytes)> allocate;
+  // What to do to the weights; by default nothing (one rank, as stored).
+  transform::Processing processing;
+  // The ranks to build, each into its own segment; empty: every rank.
+  std::vector<int> ranks;
+  // Makes a rank's segment once its size is known; by default a host
+  // segment.
+  std::function<Result<std::unique_ptr<memory::Segment>>(uint64_t bytes, int rank)> allocate;
   // When set and it turns true, the load stops with an error (a daemon
   // shutting down). Not owned.
   const std::atomic<bool>* cancel = nullptr;
-  // Names the segment (shows in /proc/PID/maps).
+  // Names the segments (shows in /proc/PID/maps).
   std::string segment_name = "model";
 };
 
-struct LoadedModel {
+struct LoadedRank {
+  int rank = 0;
   std::unique_ptr<memory::Segment> segment;  // sealed
-  std::string checkpoint_digest;             // sampled fingerprint, tagged
+};
+
+struct LoadedModel {
+  std::vector<LoadedRank> ranks;  // as asked
+  std::string checkpoint_digest;  // sampled fingerprint, tagged
   uint64_t shards = 0;
-  uint64_t tensors = 0;
-  uint64_t data_bytes = 0;  // tensor bytes read
+  uint64_t tensors = 0;     // per rank
+  uint64_t data_bytes = 0;  // tensor bytes read from the files
   uint64_t reads = 0;
   double seconds = 0;
 };

@@ -2,6 +2,10 @@
 
 namespace weightd::protocol {
 
+namespace {
+constexpr int kMaxTpSize = 1024;
+}  // namespace
+
 std::string FieldDifference::Describe() const {
   return field + ": daemon has " + daemon + ", engine wants " + engine;
 }
@@ -76,27 +80,33 @@ Result<CacheKey> KeyFromJson(const nlohmann::json& j) {
 }
 
 Status CheckSupported(const Processing& p) {
-  if (p.tp_size < 1 || p.tp_rank < 0 || p.tp_rank >= p.tp_size) {
+  if (p.tp_size < 1 || p.tp_size > kMaxTpSize) {
+    return Error("--tp-size " + std::to_string(p.tp_size) + " must be between 1 and " +
+                 std::to_string(kMaxTpSize));
+  }
+  if (p.tp_rank < 0 || p.tp_rank >= p.tp_size) {
     return Error("--tp-rank " + std::to_string(p.tp_rank) + " is not below --tp-size " +
                  std::to_string(p.tp_size));
   }
-  if (p.tp_size != 1)
-    return Error("--tp-size above 1 needs tensor-parallel sharding, not built yet");
-  if (p.dtype != "keep") return Error("--dtype " + p.dtype + " needs dtype casts, not built yet");
-  if (p.quant != "none") return Error("--quant " + p.quant + " needs quantization, not built yet");
-  if (p.shard_plan != "replicate") {
-    return Error("--shard-plan " + p.shard_plan + " needs sharding plans, not built yet");
+  if (p.dtype != "keep" && p.dtype != "bf16" && p.dtype != "fp16" && p.dtype != "fp32") {
+    return Error("--dtype " + p.dtype + ": one of keep, bf16, fp16, fp32");
   }
+  if (p.quant != "none" && p.quant != "fp8-block") {
+    return Error("--quant " + p.quant + ": one of none, fp8-block");
+  }
+  if (p.shard_plan.empty()) return Error("--shard-plan is empty");
   if (p.device != "cpu") return Error("--device " + p.device + ": only cpu (host memory) is built");
   return OkStatus();
 }
 
-CacheKey MakeKey(const std::string& checkpoint_digest, const Processing& p) {
+CacheKey MakeKey(const std::string& checkpoint_digest, const Processing& p,
+                 const std::string& plan_name, const std::string& plan_digest) {
   CacheKey key;
   key.checkpoint = checkpoint_digest;
   key.dtype = p.dtype;
   key.quant = p.quant;
-  key.shard_plan = p.shard_plan;
+  key.shard_plan = plan_name;
+  key.plan_digest = plan_digest;
   key.tp_size = p.tp_size;
   key.tp_rank = p.tp_rank;
   key.device = p.device == "cpu" ? "host" : p.device;
@@ -135,7 +145,8 @@ std::string ShortDescription(const CacheKey& key) {
   std::string digest = key.checkpoint;
   if (digest.size() > 26) digest = digest.substr(0, 26) + "…";
   return digest + " tp " + std::to_string(key.tp_rank) + "/" + std::to_string(key.tp_size) +
-         " dtype " + key.dtype + " quant " + key.quant + " on " + key.device;
+         (key.shard_plan == "replicate" ? "" : " plan " + key.shard_plan) + " dtype " + key.dtype +
+         " quant " + key.quant + " on " + key.device;
 }
 
 }  // namespace weightd::protocol

@@ -48,9 +48,10 @@ nlohmann::json ToJson(const CacheKey& key);
 // Every field must be present with the right type.
 Result<CacheKey> KeyFromJson(const nlohmann::json& j);
 
-// What an engine asks to be done to the weights (the processing flags). Only
-// what this build can do is accepted (see CheckSupported); the fields exist
-// in the key and on the wire already.
+// What an engine asks to be done to the weights (the processing flags), as
+// they travel. `shard_plan` is a preset's name or a plan file's path; the
+// transform layer resolves it (and both sides put its name and digest into
+// the key).
 struct Processing {
   int tp_size = 1;
   int tp_rank = 0;
@@ -62,7 +63,10 @@ struct Processing {
 
 // An error naming the flag when this build cannot do what is asked.
 Status CheckSupported(const Processing& p);
-CacheKey MakeKey(const std::string& checkpoint_digest, const Processing& p);
+// `plan_name` and `plan_digest` are the resolved shard plan's ("llama" or
+// "file", and the digest of its rules).
+CacheKey MakeKey(const std::string& checkpoint_digest, const Processing& p,
+                 const std::string& plan_name, const std::string& plan_digest);
 nlohmann::json ToJson(const Processing& p);
 Result<Processing> ProcessingFromJson(const nlohmann::json& j);
 
