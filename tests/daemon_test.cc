@@ -163,6 +163,19 @@ TEST_F(DaemonTest, OtherProcessingIsAMissThatNamesTheField) {
   }
 }
 
+TEST_F(DaemonTest, AnUnservablePlanFailsThePreloadAndPublishesNothing) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  CommandResult r = Run({"preload", a, "--tp-size", "3", "--shard-plan", "llama"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("is not divisible by --tp-size 3"), std::string::npos) << r.err;
+  EXPECT_EQ(Status()["models"].size(), 0u);
+  // The engine's fallback refuses the same way.
+  CommandResult load = Run({"load", a, "--tp-size", "3", "--shard-plan", "llama"});
+  EXPECT_EQ(load.exit_code, 1);
+  EXPECT_NE(load.err.find("is not divisible by --tp-size 3"), std::string::npos) << load.err;
+}
+
 // Every rank, through the daemon (one preload made them all) and from disk
 // (the engine's own rank only), for each plan, cast and quantization: the
 // same bytes. And what `--save` writes is what the engine received.

@@ -237,9 +237,9 @@ TEST(Quantize, BlocksScaleToTheirMaximumAndRoundWithinHalfAStep) {
   const uint64_t brows = 3, bcols = 3;
   std::vector<uint8_t> q(rows * cols);
   std::vector<float> scales(brows * bcols);
-  transform::QuantizeFp8Block(
-      DType::kBF16, std::as_bytes(std::span(src)).subspan(skip * 2), stride, rows, cols,
-      std::as_writable_bytes(std::span(q)), std::as_writable_bytes(std::span(scales)));
+  transform::QuantizeFp8Block(DType::kBF16, std::as_bytes(std::span(src)).subspan(skip * 2), stride,
+                              rows, cols, std::as_writable_bytes(std::span(q)),
+                              std::as_writable_bytes(std::span(scales)));
   const Candidates e4m3 = Enumerate(DType::kF8_E4M3);
   for (uint64_t br = 0; br < brows; ++br) {
     for (uint64_t bc = 0; bc < bcols; ++bc) {
@@ -298,7 +298,8 @@ TEST(ShardPlan, LlamaPresetCoversLlamaMistralAndQwenNames) {
       {"lm_head.weight", Split::kVocab},
       {"model.norm.weight", Split::kReplicate},
       {"model.layers.0.input_layernorm.weight", Split::kReplicate},
-      {"model.layers.0.self_attn.q_proj.weight_scale_inv", Split::kReplicate},  // cut with its weight
+      {"model.layers.0.self_attn.q_proj.weight_scale_inv",
+       Split::kReplicate},  // cut with its weight
   };
   for (const auto& [name, split] : cases) {
     EXPECT_EQ(transform::SplitName(plan->SplitOf(name)), transform::SplitName(split)) << name;
@@ -317,9 +318,9 @@ TEST(ShardPlan, FilesAreRulesInOrderAndEqualRulesHaveEqualDigests) {
   EXPECT_EQ(plan->SplitOf("a.special.weight"), transform::Split::kReplicate);
   EXPECT_EQ(plan->SplitOf("a.other.weight"), transform::Split::kRow);
   EXPECT_EQ(plan->SplitOf("a.other.bias"), transform::Split::kReplicate);
-  auto same = transform::ShardPlan::FromRules(
-      "x", {{"special\\.weight$", transform::Split::kReplicate},
-            {"\\.weight$", transform::Split::kRow}});
+  auto same =
+      transform::ShardPlan::FromRules("x", {{"special\\.weight$", transform::Split::kReplicate},
+                                            {"\\.weight$", transform::Split::kRow}});
   ASSERT_TRUE(same.ok());
   EXPECT_EQ((*same)->digest(), plan->digest());
   EXPECT_NE(Plan("llama")->digest(), plan->digest());
@@ -407,8 +408,9 @@ TEST(TensorPlan, HeaderOnlyChecksNameTheTensorAndTheRule) {
                 .find("tensor `a.q_proj.weight`: column split: dim 0 (100) is not divisible by "
                       "--tp-size 3"),
             std::string::npos);
-  EXPECT_NE(ErrorOf(PlanOf({T("a.o_proj.weight", DType::kBF16, {8})}, 2)).find("row split cuts dim 1"),
-            std::string::npos);
+  EXPECT_NE(
+      ErrorOf(PlanOf({T("a.o_proj.weight", DType::kBF16, {8})}, 2)).find("row split cuts dim 1"),
+      std::string::npos);
   // An FP8 shard boundary inside a 128-row block.
   EXPECT_NE(ErrorOf(PlanOf({T("a.up_proj.weight", DType::kF8_E4M3, {384, 256}),
                             T("a.up_proj.weight_scale_inv", DType::kF32, {3, 2})},
@@ -455,7 +457,6 @@ TEST(TensorPlan, OneRankWithoutQuantizationNeedsNoPlan) {
   ASSERT_TRUE(q.ok());
   EXPECT_EQ(q->plan->name(), "llama");  // it decides what is quantized
 }
-
 
 // --- through the loader ---
 
@@ -524,7 +525,8 @@ std::map<std::string, std::span<const std::byte>> TensorsOf(const loader::Loaded
   auto m = memory::ReadManifest(bytes);
   EXPECT_TRUE(m.ok());
   for (const auto& t : m->tensors) {
-    out[std::string(t.name)] = bytes.subspan(static_cast<size_t>(t.offset), static_cast<size_t>(t.bytes));
+    out[std::string(t.name)] =
+        bytes.subspan(static_cast<size_t>(t.offset), static_cast<size_t>(t.bytes));
   }
   return out;
 }
@@ -590,8 +592,9 @@ void CheckRoundTrip(const std::string& path, int tp, const std::string& plan) {
       if (split != transform::Split::kReplicate) ++split_tensors;
       const auto whole = Reassemble(t, split, pieces);
       ASSERT_EQ(whole.size(), t.bytes()) << t.name;
-      ASSERT_TRUE(std::equal(whole.begin(), whole.end(),
-                             file.begin() + static_cast<std::ptrdiff_t>(shard.header.data_offset() + t.begin)))
+      ASSERT_TRUE(std::equal(
+          whole.begin(), whole.end(),
+          file.begin() + static_cast<std::ptrdiff_t>(shard.header.data_offset() + t.begin)))
           << t.name << " at tp " << tp;
     }
   }
@@ -607,7 +610,8 @@ void CheckRoundTrip(const std::string& path, int tp, const std::string& plan) {
 TEST(Sharding, ConcatenatedRanksGiveBackEveryTensorBitForBit) {
   testing::TempDir dir;
   const std::string llama = dir.Join("llama");
-  ASSERT_TRUE(format::WriteSyntheticCheckpoint(llama, {.preset = "llama", .size_bytes = 4 << 20}).ok());
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(llama, {.preset = "llama", .size_bytes = 4 << 20}).ok());
   for (int tp : {1, 2, 4, 8}) {
     CheckRoundTrip(llama, tp, "llama");
     if (::testing::Test::HasFatalFailure()) return;
@@ -615,8 +619,10 @@ TEST(Sharding, ConcatenatedRanksGiveBackEveryTensorBitForBit) {
   // A vocabulary that does not divide: zero rows pad the last rank.
   const std::string odd = dir.Join("odd.safetensors");
   std::vector<format::TensorData> tensors;
-  for (auto [name, rows] : {std::pair{"model.embed_tokens.weight", 1001}, {"lm_head.weight", 1001},
-                            {"x.q_proj.weight", 16}, {"x.o_proj.weight", 8}}) {
+  for (auto [name, rows] : {std::pair{"model.embed_tokens.weight", 1001},
+                            {"lm_head.weight", 1001},
+                            {"x.q_proj.weight", 16},
+                            {"x.o_proj.weight", 8}}) {
     format::TensorData d{{name, DType::kBF16, {static_cast<uint64_t>(rows), 16}}, {}};
     for (int i = 0; i < rows * 16 * 2; ++i) d.bytes.push_back(static_cast<std::byte>(i * 7 + rows));
     tensors.push_back(std::move(d));
@@ -628,7 +634,8 @@ TEST(Sharding, ConcatenatedRanksGiveBackEveryTensorBitForBit) {
 TEST(Sharding, OneRankAloneIsThatRankOfAllAndReadsLess) {
   testing::TempDir dir;
   const std::string path = dir.Join("m");
-  ASSERT_TRUE(format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 4 << 20}).ok());
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 4 << 20}).ok());
   loader::LoadOptions all;
   all.processing = Resolve(4, "fp16", "fp8-block");
   auto every = loader::LoadCheckpoint(io::PosixFileSystem(), path, all);
@@ -656,7 +663,8 @@ TEST(Sharding, PlansThatCannotBeServedFailBeforeAnyWeightByteIsRead) {
   auto write = [&](const std::string& name, std::vector<transform::SourceTensor> specs) {
     std::vector<format::TensorData> tensors;
     for (auto& s : specs) {
-      tensors.push_back({{s.name, s.dtype, s.shape}, std::vector<std::byte>(s.bytes, std::byte{1})});
+      tensors.push_back(
+          {{s.name, s.dtype, s.shape}, std::vector<std::byte>(s.bytes, std::byte{1})});
     }
     const std::string path = dir.Join(name);
     EXPECT_TRUE(format::WriteSafetensors(path, tensors).ok());

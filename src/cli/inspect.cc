@@ -161,14 +161,7 @@ int ExplainPlan(const Checkpoint& ckpt, InspectOptions& o) {
   const protocol::Processing& p = o.processing;
   auto resolved = transform::ResolveProcessing(p.tp_size, p.dtype, p.quant, p.shard_plan);
   if (!resolved.ok()) return ReportError("inspect", resolved.error().message(), kExitUsage);
-  std::vector<transform::SourceTensor> sources;
-  for (const Shard& s : ckpt.shards) {
-    for (const TensorInfo& t : s.header.tensors) {
-      sources.push_back({t.name, t.dtype, t.shape, t.bytes()});
-    }
-  }
-  std::sort(sources.begin(), sources.end(),
-            [](const auto& a, const auto& b) { return a.name < b.name; });
+  const std::vector<transform::SourceTensor> sources = transform::SourcesOf(ckpt.shards);
   auto plan = transform::PlanTensors(sources, *resolved);
   if (!plan.ok()) return ReportError("inspect", ckpt.path + ": " + plan.error().message());
   const std::string plan_name = resolved->plan->name();

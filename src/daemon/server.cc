@@ -9,6 +9,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <condition_variable>
@@ -19,6 +20,7 @@
 
 #include "daemon/registry.h"
 #include "fingerprint/fingerprint.h"
+#include "format/checkpoint.h"
 #include "io/file.h"
 #include "loader/loader.h"
 #include "protocol/cache_key.h"
@@ -498,6 +500,14 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
                            transform::ResolveProcessing(processing.tp_size, processing.dtype,
                                                         processing.quant, processing.shard_plan));
   const auto start = std::chrono::steady_clock::now();
+  // A plan the checkpoint cannot serve fails on its headers alone, before
+  // the fingerprint reads its samples.
+  if (processing.tp_size > 1 || resolved.dtype || resolved.fp8_block) {
+    WEIGHTD_ASSIGN_OR_RETURN(format::Checkpoint ckpt,
+                             format::OpenCheckpoint(io::PosixFileSystem(), path));
+    auto plan = transform::PlanTensors(transform::SourcesOf(ckpt.shards), resolved);
+    if (!plan.ok()) return Error(path + ": " + plan.error().message());
+  }
   // Cheap with the stat cache: a model already resident is not read again.
   std::unique_ptr<fingerprint::StatCache> cache;
   if (options.use_stat_cache) {

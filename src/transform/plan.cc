@@ -373,6 +373,18 @@ uint64_t OutputTensor::ColOffset(int rank) const {
   return split == Split::kRow ? static_cast<uint64_t>(rank) * row_elems : 0;
 }
 
+std::vector<SourceTensor> SourcesOf(const std::vector<format::Shard>& shards) {
+  std::vector<SourceTensor> sources;
+  for (const format::Shard& s : shards) {
+    for (const format::TensorInfo& t : s.header.tensors) {
+      sources.push_back({t.name, t.dtype, t.shape, t.bytes()});
+    }
+  }
+  std::sort(sources.begin(), sources.end(),
+            [](const SourceTensor& a, const SourceTensor& b) { return a.name < b.name; });
+  return sources;
+}
+
 Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const Processing& p) {
   TensorPlan plan;
   const int n = p.tp_size;

@@ -22,6 +22,7 @@
 #include <string_view>
 #include <vector>
 
+#include "format/checkpoint.h"
 #include "format/dtype.h"
 #include "weightd/result.h"
 
@@ -131,6 +132,9 @@ struct TensorPlan {
   std::vector<OutputTensor> outputs;  // by name
   uint64_t bytes_per_rank = 0;        // tensor bytes, before alignment
 };
+
+// Every tensor of the shards' headers, by name.
+std::vector<SourceTensor> SourcesOf(const std::vector<format::Shard>& shards);
 
 // Plans every tensor, or an error naming the first tensor the plan cannot
 // serve and why. `sources` by name.
