@@ -163,6 +163,18 @@ TEST_F(DaemonTest, OtherProcessingIsAMissThatNamesTheField) {
   }
 }
 
+TEST_F(DaemonTest, APinNamesEveryRankOfThePreload) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  Preload(a, {"--tp-size", "2", "--shard-plan", "llama", "--pin", "prod"});
+  for (const auto& m : Status()["models"]) EXPECT_EQ(m["name"], "prod") << m.dump();
+  for (const std::string rank : {"0", "1"}) {
+    json j =
+        Load(a, {"--tp-size", "2", "--tp-rank", rank, "--shard-plan", "llama", "--trust", "prod"});
+    EXPECT_EQ(j["source"], "daemon") << j.dump();
+  }
+}
+
 TEST_F(DaemonTest, AnUnservablePlanFailsThePreloadAndPublishesNothing) {
   const std::string a = MakeModel("a");
   auto daemon = StartDaemon();

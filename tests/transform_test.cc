@@ -456,6 +456,13 @@ TEST(TensorPlan, OneRankWithoutQuantizationNeedsNoPlan) {
   auto q = transform::ResolveProcessing(1, "keep", "fp8-block", "llama");
   ASSERT_TRUE(q.ok());
   EXPECT_EQ(q->plan->name(), "llama");  // it decides what is quantized
+  // Splitting or quantizing with no plan named is an error, not replication.
+  for (auto [tp, quant] : {std::pair{2, "none"}, {1, "fp8-block"}}) {
+    auto none = transform::ResolveProcessing(tp, "keep", quant, "");
+    ASSERT_FALSE(none.ok());
+    EXPECT_NE(none.error().message().find("name a --shard-plan"), std::string::npos);
+  }
+  EXPECT_EQ(transform::ResolveProcessing(1, "bf16", "none", "")->plan->name(), "replicate");
 }
 
 // --- through the loader ---
@@ -629,6 +636,46 @@ TEST(Sharding, ConcatenatedRanksGiveBackEveryTensorBitForBit) {
   }
   ASSERT_TRUE(format::WriteSafetensors(odd, tensors).ok());
   for (int tp : {2, 4, 8}) CheckRoundTrip(odd, tp, "llama");
+}
+
+// Names that sort between a weight and its new scales, and packed F4 that a
+// layer rule matches, with one rank: each tensor gets its own bytes.
+TEST(Sharding, QuantizedScalesLandOnTheirOwnTensor) {
+  testing::TempDir dir;
+  const std::string path = dir.Join("m.safetensors");
+  std::vector<format::TensorData> tensors;
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 0.1f);
+  format::TensorData w{{"l.q_proj.weight", DType::kBF16, {256, 256}}, {}};
+  for (int i = 0; i < 256 * 256; ++i) {
+    const uint16_t b = transform::FloatToBF16(normal(rng));
+    w.bytes.push_back(static_cast<std::byte>(b & 0xff));
+    w.bytes.push_back(static_cast<std::byte>(b >> 8));
+  }
+  tensors.push_back(w);
+  tensors.push_back({{"l.q_proj.weight_bias", DType::kBF16, {4}},
+                     {std::byte{1}, std::byte{2}, std::byte{3}, std::byte{4}, std::byte{5},
+                      std::byte{6}, std::byte{7}, std::byte{8}}});
+  tensors.push_back({{"l.up_proj.weight", DType::kF4, {2, 3}},
+                     {std::byte{0x12}, std::byte{0x34}, std::byte{0x56}}});
+  ASSERT_TRUE(format::WriteSafetensors(path, tensors).ok());
+  loader::LoadOptions o;
+  o.processing = Resolve(1, "keep", "fp8-block");
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message();
+  auto got = TensorsOf(loaded->ranks[0]);
+  const auto& bias = got["l.q_proj.weight_bias"];
+  EXPECT_TRUE(std::equal(bias.begin(), bias.end(), tensors[1].bytes.begin()));
+  const auto& packed = got["l.up_proj.weight"];
+  EXPECT_TRUE(std::equal(packed.begin(), packed.end(), tensors[2].bytes.begin()));
+  // The scales and weights are exactly what the conversion makes.
+  std::vector<std::byte> q(256 * 256), scales(2 * 2 * 4);
+  transform::QuantizeFp8Block(DType::kBF16, w.bytes, 256, 256, 256, q, scales);
+  const auto& got_q = got["l.q_proj.weight"];
+  const auto& got_scales = got["l.q_proj.weight_scale_inv"];
+  EXPECT_TRUE(std::equal(got_q.begin(), got_q.end(), q.begin()));
+  ASSERT_EQ(got_scales.size(), scales.size());
+  EXPECT_TRUE(std::equal(got_scales.begin(), got_scales.end(), scales.begin()));
 }
 
 TEST(Sharding, OneRankAloneIsThatRankOfAllAndReadsLess) {

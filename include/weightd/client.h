@@ -33,15 +33,16 @@ namespace weightd {
 struct LoadSpec {
   std::string path;  // checkpoint directory or single .safetensors file
   // Processing: this rank's share of a tensor-parallel split (by the shard
-  // plan: "llama", "replicate" or a TOML plan file's path), cast to
-  // `dtype` (keep, bf16, fp16, fp32), quantized (none, fp8-block). Whether
-  // the daemon or the disk fallback does it, the bytes are the same.
+  // plan: "llama", "replicate" or a TOML plan file's path; it must be named
+  // to split or quantize), cast to `dtype` (keep, bf16, fp16, fp32),
+  // quantized (none, fp8-block). Whether the daemon or the disk fallback
+  // does it, the bytes are the same.
   int tp_size = 1;
   int tp_rank = 0;
   std::string dtype = "keep";
   std::string quant = "none";
-  std::string shard_plan = "replicate";
-  std::string device = "cpu";  // cpu (host memory) only in this build
+  std::string shard_plan = {};  // empty: none named
+  std::string device = "cpu";   // cpu (host memory) only in this build
 };
 
 enum class AcquireMode {

@@ -27,6 +27,18 @@ Eviction Registry::EvictLocked(size_t index) {
 
 Status Registry::Reserve(uint64_t bytes, std::vector<Eviction>* evicted) {
   std::lock_guard lock(mu_);
+  // Evict nothing for a load that would not fit even then.
+  uint64_t evictable = 0;
+  for (const auto& m : models_) {
+    if (m->leases == 0 && m->name.empty()) evictable += m->segment->reserved_bytes();
+  }
+  const uint64_t kept = used_ + reserved_ - std::min(evictable, used_);
+  if (bytes > budget_ || kept > budget_ - bytes) {
+    return Error("out of budget on host: the model needs " + Gib(bytes) + ", the budget is " +
+                 Gib(budget_) + ", and " + Gib(kept) +
+                 " are held by models in use, pinned or being loaded; evict one or raise "
+                 "--budget");
+  }
   while (used_ + reserved_ + bytes > budget_) {
     // The idle model used least recently goes first.
     size_t victim = models_.size();
@@ -35,12 +47,7 @@ Status Registry::Reserve(uint64_t bytes, std::vector<Eviction>* evicted) {
       if (victim == models_.size() || models_[i]->last_used < models_[victim]->last_used)
         victim = i;
     }
-    if (victim == models_.size()) {
-      return Error("out of budget on host: the model needs " + Gib(bytes) + ", the budget is " +
-                   Gib(budget_) + ", and " + Gib(used_ + reserved_) +
-                   " are held by models in use, pinned or being loaded; evict one or raise "
-                   "--budget");
-    }
+    if (victim == models_.size()) break;  // cannot happen: counted above
     Eviction e = EvictLocked(victim);
     if (evicted != nullptr) evicted->push_back(std::move(e));
   }
@@ -63,7 +70,7 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
       break;
     }
   }
-  if (!model->name.empty()) TakeNameLocked(model->name);
+  if (!model->name.empty()) TakeNameLocked(model->name, model->key);
   model->id = next_id_++;
   model->last_used = std::chrono::steady_clock::now();
   used_ += model->segment->reserved_bytes();
@@ -116,9 +123,14 @@ bool Registry::Has(const protocol::CacheKey& key) const {
   return std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->key == key; });
 }
 
-void Registry::TakeNameLocked(const std::string& name) {
+void Registry::TakeNameLocked(const std::string& name, const protocol::CacheKey& group) {
+  // The other ranks of the same preload keep the name: it names them all.
+  auto rank_free = [](protocol::CacheKey k) {
+    k.tp_rank = 0;
+    return k;
+  };
   for (auto& m : models_) {
-    if (m->name == name) m->name.clear();
+    if (m->name == name && !(rank_free(m->key) == rank_free(group))) m->name.clear();
   }
 }
 
@@ -126,7 +138,7 @@ bool Registry::Pin(const protocol::CacheKey& key, const std::string& name) {
   std::lock_guard lock(mu_);
   for (auto& m : models_) {
     if (m->key == key) {
-      TakeNameLocked(name);
+      TakeNameLocked(name, key);
       m->name = name;
       return true;
     }

@@ -103,8 +103,10 @@ class Registry {
  private:
   // REQUIRES: mu_ held.
   Eviction EvictLocked(size_t index);
+  // Takes `name` from every model but the ranks of `group` (keys equal but
+  // for tp_rank): a name pins all the ranks one preload made.
   // REQUIRES: mu_ held.
-  void TakeNameLocked(const std::string& name);
+  void TakeNameLocked(const std::string& name, const protocol::CacheKey& group);
 
   mutable std::mutex mu_;
   std::condition_variable load_done_;

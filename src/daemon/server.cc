@@ -92,7 +92,8 @@ struct Server::State {
   // through that thread: with 64 engines busy on every core it was starved
   // and the attaches queued behind it.
   int workers = 0;
-  int idle_workers = 0;  // blocked in accept()
+  int idle_workers = 0;                     // blocked in accept()
+  std::atomic<int64_t> last_emfile_log{0};  // steady_clock ticks
   uint64_t next_connection = 1;
 
   void Log(const std::string& line) {
@@ -184,16 +185,17 @@ Status Server::Start() {
   const timeval accept_timeout{std::chrono::seconds(kIdleExit).count(), 0};
   ::setsockopt(s.listen_fd.get(), SOL_SOCKET, SO_RCVTIMEO, &accept_timeout, sizeof accept_timeout);
 
-  // Threads ready for a burst of engines attaching at once.
-  for (int i = 0; i < kKeptWorkers; ++i) {
-    if (!s.SpawnWorker()) break;
-  }
-  if (s.workers == 0) return Error("cannot start any serving thread");
-
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) return Error(Errno("pipe"));
   s.wake_read.Reset(pipe_fds[0]);
   s.wake_write.Reset(pipe_fds[1]);
+
+  // Threads ready for a burst of engines attaching at once; the last thing
+  // Start does, so that no failure leaves them running.
+  for (int i = 0; i < kKeptWorkers; ++i) {
+    if (!s.SpawnWorker()) break;
+  }
+  if (s.workers == 0) return Error("cannot start any serving thread");
   return OkStatus();
 }
 
@@ -281,9 +283,15 @@ void Server::State::WorkerLoop() {
       if (stopping.load()) break;
       if (error == EMFILE || error == ENFILE) {
         // Out of descriptors: waiting connections stay in the backlog; wait
-        // for some descriptors to be closed instead of spinning.
-        errno = error;
-        Log(Errno("accept (waiting a moment)"));
+        // for some descriptors to be closed instead of spinning. One line
+        // every few seconds, not one per thread.
+        const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+        auto last = last_emfile_log.load();
+        if (now - last > std::chrono::nanoseconds(std::chrono::seconds(5)).count() &&
+            last_emfile_log.compare_exchange_strong(last, now)) {
+          errno = error;
+          Log(Errno("accept (waiting for descriptors to be closed)"));
+        }
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
       } else if (error != EINTR && error != EAGAIN && error != ECONNABORTED) {
         errno = error;
@@ -546,7 +554,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   }
 
   std::vector<uint64_t> reserved;  // per rank, in load order
-  std::vector<Eviction> evicted, all_evicted;
+  std::vector<Eviction> evicted;
   loader::LoadOptions lo;
   lo.progress = progress;
   lo.cancel = &stopping;
@@ -554,11 +562,17 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   lo.processing = resolved;
   lo.allocate = [&](uint64_t bytes, int rank) -> Result<std::unique_ptr<memory::Segment>> {
     const uint64_t want = (bytes + kReserveRounding - 1) / kReserveRounding * kReserveRounding;
-    WEIGHTD_RETURN_IF_ERROR(registry.Reserve(want, &evicted));
-    reserved.push_back(want);
-    for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
-    all_evicted.insert(all_evicted.end(), evicted.begin(), evicted.end());
-    evicted.clear();
+    if (reserved.empty()) {
+      // Every rank is the same size: room for all of them, or for none
+      // (no idle model evicted for a load that cannot finish).
+      uint64_t all = 0;
+      if (__builtin_mul_overflow(want, static_cast<uint64_t>(ranks), &all)) {
+        return Error("the ranks' segments add up to more than 64 bits");
+      }
+      WEIGHTD_RETURN_IF_ERROR(registry.Reserve(all, &evicted));
+      reserved.assign(static_cast<size_t>(ranks), want);
+      for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
+    }
     return memory::CreateHostSegment(
         bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""));
   };
@@ -591,7 +605,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
         std::to_string(published->tensors) + " tensors in " + std::to_string(seconds) + " s");
   }
   json evicted_json = json::array();
-  for (const Eviction& e : all_evicted) evicted_json.push_back(e.description);
+  for (const Eviction& e : evicted) evicted_json.push_back(e.description);
   return json{{"already_resident", false},
               {"key", protocol::ToJson(published_key)},
               {"ranks", ranks},

@@ -29,8 +29,10 @@ const uint64_t kSampleBytes = fingerprint::Options{}.sample_bytes;
 // filled by writes is neither faulted nor zeroed page by page. Tensors
 // below this size are read in runs of neighbours, one read per run.
 constexpr uint64_t kStepBytes = 256 << 10;
-// Source rows processed at once (cast, split by columns, quantized), about.
+// Source rows processed at once (cast, split by columns, quantized), about;
+// and what all workers' band buffers may take together.
 constexpr uint64_t kBandBytes = 1 << 20;
+constexpr uint64_t kBufferBudget = 512ull << 20;
 
 struct OpenShard {
   std::unique_ptr<io::RandomAccessFile> file;
@@ -69,9 +71,8 @@ struct Samples {
 
   // `data` holds the tensor's bytes from `offset` on.
   void Offer(const Source& s, size_t index, uint64_t offset, std::span<const std::byte> data) {
-    if (offset != 0 || data.size() < s.sample_bytes || caught[index].load()) return;
+    if (offset != 0 || data.size() < s.sample_bytes || caught[index].exchange(true)) return;
     std::memcpy(bytes.data() + s.sample_at, data.data(), static_cast<size_t>(s.sample_bytes));
-    caught[index].store(true);
   }
 };
 
@@ -185,7 +186,7 @@ Result<uint64_t> RunBand(const Context& c, const BandJob& job, Buffers& buf) {
   const uint64_t rows = job.row1 - job.row0;
   const std::span<std::byte> dst = buf.Get(buf.out, rows * out_row);
   const bool quantize = out.op == transform::Op::kQuantize;
-  const transform::OutputTensor* scale = quantize ? &c.plan.outputs[job.output + 1] : nullptr;
+  const transform::OutputTensor* scale = quantize ? &c.plan.outputs[out.scale] : nullptr;
   const uint64_t scale_row = scale ? transform::OutputRowBytes(*scale) : 0;
   const uint64_t scale_rows = scale ? (rows + transform::kFp8Block - 1) / transform::kFp8Block : 0;
   const std::span<std::byte> scales = buf.Get(buf.scales, scale_rows * scale_row);
@@ -210,7 +211,7 @@ Result<uint64_t> RunBand(const Context& c, const BandJob& job, Buffers& buf) {
     WEIGHTD_RETURN_IF_ERROR(target.segment->Write(c.offsets[job.output] + job.row0 * out_row, dst));
     if (scale != nullptr) {
       WEIGHTD_RETURN_IF_ERROR(target.segment->Write(
-          c.offsets[job.output + 1] + job.row0 / transform::kFp8Block * scale_row, scales));
+          c.offsets[out.scale] + job.row0 / transform::kFp8Block * scale_row, scales));
     }
   }
   return read_bytes;
@@ -286,8 +287,9 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     }
   }
   // The processing, checked against the headers before any weight byte.
-  WEIGHTD_ASSIGN_OR_RETURN(transform::TensorPlan plan,
-                           transform::PlanTensors(source_tensors, processing));
+  auto planned = transform::PlanTensors(source_tensors, processing);
+  if (!planned.ok()) return Error(path + ": " + planned.error().message());
+  transform::TensorPlan plan = std::move(planned).value();
   source_tensors.clear();
   std::vector<memory::TensorLayout> layout;
   layout.reserve(plan.outputs.size());
@@ -411,6 +413,30 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     }
   }
 
+  // The bands' buffers, all workers together, stay within kBufferBudget:
+  // fewer workers for long rows, and an error for rows too long for any.
+  uint64_t largest_band = 0;
+  for (const BandJob& j : bands) {
+    const transform::OutputTensor& o = plan.outputs[j.output];
+    const uint64_t rows = j.row1 - j.row0;
+    uint64_t bytes = 0;
+    if (__builtin_mul_overflow(
+            rows,
+            transform::SourceRowBytes(o, source_dtypes[o.source]) + transform::OutputRowBytes(o),
+            &bytes) ||
+        bytes > kBufferBudget) {
+      return Error(path + ": tensor `" + o.name + "`: rows of " +
+                   std::to_string(transform::SourceRowBytes(o, source_dtypes[o.source])) +
+                   " bytes are too long to process " + std::to_string(rows) + " at a time");
+    }
+    largest_band = std::max(largest_band, bytes);
+  }
+  int max_inflight = std::max(options.max_inflight, 1);
+  if (largest_band > 0) {
+    max_inflight = static_cast<int>(
+        std::min<uint64_t>(max_inflight, std::max<uint64_t>(1, kBufferBudget / largest_band)));
+  }
+
   // Run them all, many at once.
   Samples samples;
   {
@@ -433,8 +459,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   std::mutex mu;  // guards error, progress and stats
   std::optional<Error> error;
   uint64_t done = 0, reported = 0, reads = 0;
-  const int workers = static_cast<int>(
-      std::min<size_t>(jobs, static_cast<size_t>(std::max(options.max_inflight, 1))));
+  const int workers = static_cast<int>(std::min<size_t>(jobs, static_cast<size_t>(max_inflight)));
   io::RunTeam(workers, [&](int) {
     Buffers buffers;
     for (size_t i; !failed.load() && (i = next_job.fetch_add(1)) < jobs;) {

@@ -2,9 +2,10 @@
 // once and many engines map read-only, passed between processes as a file
 // descriptor. A model-rank is one segment, so attaching costs one handle.
 //
-// The host backend is a memfd: filled by writes to the descriptor (no
-// writable mapping: a page written by pwrite is neither faulted in nor
-// zeroed first, which makes filling about a tenth faster), then sealed (no write, grow or shrink,
+// The host backend is a memfd: filled by writes to the descriptor (normal
+// pages: a page written by pwrite is neither faulted in nor zeroed first,
+// which makes filling about a tenth faster than through a mapping; huge
+// pages take no write(2) and are filled through a mapping), then sealed (no write, grow or shrink,
 // ever again) so an importer that checks the seals knows the bytes cannot change under it. The
 // memory is freed when the last descriptor and the last mapping are gone, whichever process holds
 // them: an engine's mapping outlives the daemon that made it.

@@ -94,7 +94,6 @@ Status CheckSupported(const Processing& p) {
   if (p.quant != "none" && p.quant != "fp8-block") {
     return Error("--quant " + p.quant + ": one of none, fp8-block");
   }
-  if (p.shard_plan.empty()) return Error("--shard-plan is empty");
   if (p.device != "cpu") return Error("--device " + p.device + ": only cpu (host memory) is built");
   return OkStatus();
 }

@@ -57,8 +57,8 @@ struct Processing {
   int tp_rank = 0;
   std::string dtype = "keep";
   std::string quant = "none";
-  std::string shard_plan = "replicate";
-  std::string device = "cpu";  // cpu | cuda:N
+  std::string shard_plan = {};  // empty: none named (replicate, where allowed)
+  std::string device = "cpu";   // cpu | cuda:N
 };
 
 // An error naming the flag when this build cannot do what is asked.

@@ -356,7 +356,12 @@ Result<Processing> ResolveProcessing(int tp_size, const std::string& dtype,
   } else if (quant != "none") {
     return Error("--quant " + quant + ": one of none, fp8-block");
   }
-  auto plan = ShardPlan::Load(shard_plan);
+  if (shard_plan.empty() && (tp_size > 1 || p.fp8_block)) {
+    return Error("name a --shard-plan (llama, replicate or a TOML file): with --tp-size " +
+                 std::to_string(tp_size) + " and --quant " + quant +
+                 " it decides what is split and quantized");
+  }
+  auto plan = ShardPlan::Load(shard_plan.empty() ? "replicate" : shard_plan);
   if (!plan.ok()) return Error("--shard-plan: " + plan.error().message());
   p.plan = std::move(plan).value();
   if (tp_size == 1 && !p.fp8_block && p.plan->name() != "replicate") {
@@ -415,7 +420,9 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
       }
       continue;  // cut with its weight, below
     }
-    const Split split = p.plan->SplitOf(s.name);
+    // One rank cuts nothing; the rule still says what is a layer to quantize.
+    const Split rule = p.plan->SplitOf(s.name);
+    const Split split = n == 1 ? Split::kReplicate : rule;
     WEIGHTD_ASSIGN_OR_RETURN(OutputTensor o, Cut(s, split, n));
     o.source = i;
     const SourceTensor* scale = FindSource(sources, s.name + std::string(kScaleSuffix));
@@ -426,20 +433,20 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
       plan.outputs.push_back(std::move(cut_scale));
       continue;
     }
-    const bool linear = split == Split::kColumn || split == Split::kRow;
+    const bool linear = rule == Split::kColumn || rule == Split::kRow;
     const bool float_source =
         s.dtype == DType::kBF16 || s.dtype == DType::kF16 || s.dtype == DType::kF32;
     if (p.fp8_block && linear && s.shape.size() == 2 && float_source) {
       o.op = Op::kQuantize;
       o.dtype = DType::kF8_E4M3;
-      o.bytes = o.rows * o.row_elems;
+      if (!Mul(o.rows, o.row_elems, &o.bytes)) return TensorError(s.name, "too many elements");
       OutputTensor sc;
       sc.name = s.name + std::string(kScaleSuffix);
       sc.dtype = DType::kF32;
       sc.rows = (o.rows + kFp8Block - 1) / kFp8Block;
       sc.row_elems = (o.row_elems + kFp8Block - 1) / kFp8Block;
       sc.shape = {sc.rows, sc.row_elems};
-      sc.bytes = sc.rows * sc.row_elems * 4;
+      sc.bytes = sc.rows * sc.row_elems * 4;  // at most rows * cols / 4096: no overflow
       sc.source = i;
       sc.split = split;
       sc.op = Op::kScale;
@@ -464,6 +471,18 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
     if (plan.outputs[i].name == plan.outputs[i - 1].name) {
       return TensorError(plan.outputs[i].name, "produced twice (a scale name already taken)");
     }
+  }
+  // Each quantized weight's scales, by name: other names may sort between.
+  for (OutputTensor& o : plan.outputs) {
+    if (o.op != Op::kQuantize) continue;
+    const std::string scale_name = o.name + std::string(kScaleSuffix);
+    auto it = std::lower_bound(
+        plan.outputs.begin(), plan.outputs.end(), scale_name,
+        [](const OutputTensor& t, const std::string& wanted) { return t.name < wanted; });
+    if (it == plan.outputs.end() || it->name != scale_name || it->op != Op::kScale) {
+      return TensorError(o.name, "its block scales are missing from the plan");
+    }
+    o.scale = static_cast<size_t>(it - plan.outputs.begin());
   }
   for (const OutputTensor& o : plan.outputs) {
     if (__builtin_add_overflow(plan.bytes_per_rank, o.bytes, &plan.bytes_per_rank)) {

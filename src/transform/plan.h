@@ -85,8 +85,10 @@ struct Processing {
   std::string QuantName() const;  // "none", "fp8-block"
 };
 
-// Checks the flags' values. With one rank and no quantization the plan
-// changes nothing, so it becomes `replicate` (and keys agree).
+// Checks the flags' values. An empty `shard_plan` names none: fine for one
+// rank without quantization, an error otherwise (the plan says what is split
+// and what is quantized). With one rank and no quantization the plan changes
+// nothing, so it becomes `replicate` (and keys agree).
 Result<Processing> ResolveProcessing(int tp_size, const std::string& dtype,
                                      const std::string& quant, const std::string& shard_plan);
 
@@ -115,6 +117,8 @@ struct OutputTensor {
   size_t source = 0;   // index into the sources (kScale: its weight's)
   Split split = Split::kReplicate;
   Op op = Op::kCopy;
+  // kQuantize: the index of its kScale output in TensorPlan::outputs.
+  size_t scale = 0;
 
   // The geometry, in elements. A tensor is `rows` rows (dim 0; 1 for a
   // scalar) of `row_elems` each. Rank r's row i is source row
