@@ -167,7 +167,9 @@ TEST_F(DaemonTest, APinNamesEveryRankOfThePreload) {
   const std::string a = MakeModel("a");
   auto daemon = StartDaemon();
   Preload(a, {"--tp-size", "2", "--shard-plan", "llama", "--pin", "prod"});
-  for (const auto& m : Status()["models"]) EXPECT_EQ(m["name"], "prod") << m.dump();
+  const json status = Status();
+  ASSERT_EQ(status["models"].size(), 2u);
+  for (const auto& m : status["models"]) EXPECT_EQ(m["name"], "prod") << m.dump();
   for (const std::string rank : {"0", "1"}) {
     json j =
         Load(a, {"--tp-size", "2", "--tp-rank", rank, "--shard-plan", "llama", "--trust", "prod"});
