@@ -342,6 +342,19 @@ TEST(ShardPlan, BadPlansAreErrorsThatSayWhy) {
   EXPECT_NE(error_of("[[rule]]\nsplit = \"row\"\n").find("needs a `match`"), std::string::npos);
   EXPECT_NE(error_of("[[rule]]\nmatch = '(a)\\1'\nsplit = \"row\"\n").find("back-references"),
             std::string::npos);
+  // What would make compiling or matching blow up is refused, with why.
+  for (auto [pattern, why] : {std::pair{"e+++++++", "a repetition must follow"},
+                              {"a*?", "a repetition must follow"},
+                              {"a{1000}", "counted repetition"},
+                              {"((((a))))", "nested more than 3 deep"}}) {
+    const std::string message =
+        error_of(std::string("[[rule]]\nmatch = '") + pattern + "'\nsplit = \"row\"\n");
+    EXPECT_NE(message.find(why), std::string::npos) << pattern << ": " << message;
+  }
+  EXPECT_TRUE(transform::ShardPlan::FromRules(
+                  "ok", {{"(^|\\.)experts\\.[0-9]+\\.(w1|w3)\\.weight$", transform::Split::kRow},
+                         {"[]a-]+x?", transform::Split::kRow}})
+                  .ok());
   EXPECT_NE(error_of("[other]\nx = 1\n").find("unknown key `other`"), std::string::npos);
   EXPECT_NE(error_of("not toml [").find("not a TOML"), std::string::npos);
   auto unknown = transform::ShardPlan::Load("gpt");

@@ -72,6 +72,55 @@ Error TensorError(const std::string& name, const std::string& why) {
 
 bool Mul(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
 
+// The regular expressions a plan may use. glibc compiles repetition by
+// copying what it repeats, so stacked or nested repetition (`a++++`,
+// `((a+)+)+`, `a{1000}`) takes memory exponential in the pattern, and
+// back-references make matching exponential: a plan file (read from disk,
+// untrusted) gets the subset tensor names need, with the reason when not.
+Status CheckPattern(const std::string& match) {
+  constexpr size_t kMaxPattern = 256;
+  constexpr int kMaxDepth = 3;
+  const auto refuse = [&](const std::string& why) {
+    return Error("shard plan rule `" + match + "`: " + why);
+  };
+  if (match.size() > kMaxPattern) return refuse("longer than 256 characters");
+  int depth = 0;
+  bool can_repeat = false;  // the last thing was an atom a quantifier may follow
+  for (size_t i = 0; i < match.size(); ++i) {
+    const char c = match[i];
+    if (c == '\\') {
+      if (i + 1 < match.size() && match[i + 1] >= '1' && match[i + 1] <= '9') {
+        return refuse("back-references are not allowed");
+      }
+      ++i;
+      can_repeat = true;
+    } else if (c == '[') {  // a bracket expression is one atom
+      size_t j = i + 1;
+      if (j < match.size() && match[j] == '^') ++j;
+      if (j < match.size() && match[j] == ']') ++j;
+      while (j < match.size() && match[j] != ']') ++j;
+      i = j;
+      can_repeat = true;
+    } else if (c == '(') {
+      if (++depth > kMaxDepth) return refuse("groups nested more than 3 deep");
+      can_repeat = false;
+    } else if (c == ')') {
+      --depth;
+      can_repeat = true;
+    } else if (c == '*' || c == '+' || c == '?') {
+      if (!can_repeat) return refuse("a repetition must follow a character, class or group, once");
+      can_repeat = false;
+    } else if (c == '{') {
+      return refuse("counted repetition ({m,n}) is not allowed; use +, * or ?");
+    } else if (c == '|' || c == '^') {
+      can_repeat = false;
+    } else {
+      can_repeat = true;
+    }
+  }
+  return OkStatus();
+}
+
 // The output geometry of `s` under `split` over `n` ranks.
 Result<OutputTensor> Cut(const SourceTensor& s, Split split, int n) {
   OutputTensor o;
@@ -221,13 +270,7 @@ Result<std::shared_ptr<const ShardPlan>> ShardPlan::FromRules(std::string name,
   plan->name_ = std::move(name);
   std::string canonical = "weightd shard plan 1\n";
   for (const ShardRule& rule : rules) {
-    // Back-references make matching exponential; names never need them.
-    for (size_t i = 0; i + 1 < rule.match.size(); ++i) {
-      if (rule.match[i] == '\\' && rule.match[i + 1] >= '1' && rule.match[i + 1] <= '9') {
-        return Error("shard plan rule `" + rule.match + "`: back-references are not allowed");
-      }
-      if (rule.match[i] == '\\') ++i;
-    }
+    WEIGHTD_RETURN_IF_ERROR(CheckPattern(rule.match));
     regex_t re;
     if (int err = ::regcomp(&re, rule.match.c_str(), REG_EXTENDED | REG_NOSUB); err != 0) {
       char why[256];
