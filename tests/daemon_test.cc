@@ -16,6 +16,7 @@
 #include <set>
 
 #include "format/synthetic.h"
+#include "memory/cuda.h"
 #include "memory/segment.h"
 #include "protocol/channel.h"
 #include "test_util.h"
@@ -174,6 +175,32 @@ TEST_F(DaemonTest, APinNamesEveryRankOfThePreload) {
     json j =
         Load(a, {"--tp-size", "2", "--tp-rank", rank, "--shard-plan", "llama", "--trust", "prod"});
     EXPECT_EQ(j["source"], "daemon") << j.dump();
+  }
+}
+
+// A host-only daemon asked for a model on a GPU: a miss that names the
+// device, not an error or a crash; and --device says why this host has no
+// CUDA when it has none.
+TEST_F(DaemonTest, ACudaRequestToAHostDaemonIsAMissOnTheDevice) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  Preload(a);
+  json key = Status()["models"][0]["key"];
+  key["device"] = "cuda:GPU-6f0e1c2a-0000-4a6f-9c1d-1234567890ab";
+  auto ch = protocol::ConnectToDaemon(sock_);
+  ASSERT_TRUE(ch.ok()) << ch.error().message();
+  ASSERT_TRUE(ch->Send({{"type", "acquire"}, {"key", key}}).ok());
+  auto reply = ch->Receive(5000);
+  ASSERT_TRUE(reply.ok()) << reply.error().message();
+  EXPECT_EQ(reply->type(), "miss") << reply->body.dump();
+  EXPECT_EQ(reply->body["fields"], json::array({"device"})) << reply->body.dump();
+  EXPECT_EQ(Status()["models"].size(), 1u);
+
+  auto devices = memory::ListCudaDevices();
+  if (!devices.ok()) {
+    CommandResult r = Run({"load", a, "--device", "cuda:0"});
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find(devices.error().message()), std::string::npos) << r.err;
   }
 }
 

@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <array>
 #include <csignal>
 #include <cstring>
 
@@ -14,6 +15,7 @@
 #include "format/synthetic.h"
 #include "io/file.h"
 #include "loader/loader.h"
+#include "memory/cuda.h"
 #include "memory/manifest.h"
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
@@ -46,6 +48,56 @@ TEST(HostSegment, SealedSegmentsAreReadOnlyEverywhere) {
   ASSERT_TRUE(map.ok()) << map.error().message();
   EXPECT_EQ((*map)->bytes()[9999], std::byte{7});
   EXPECT_FALSE(memory::MapHostSegment(*fd, 1 << 30).ok());  // more than it holds
+}
+
+TEST(CudaDevices, NamesParseAndUuidsPrintAsNvidiaSmiDoes) {
+  using Kind = memory::DeviceSpec::Kind;
+  EXPECT_EQ(memory::ParseDevice("cpu")->kind, Kind::kHost);
+  EXPECT_EQ(memory::ParseDevice("host")->kind, Kind::kHost);
+  EXPECT_EQ(memory::ParseDevice("cuda:12")->ordinal, 12);
+  auto uuid = memory::ParseDevice("cuda:GPU-6f0e1c2a-0000-4a6f-9c1d-1234567890ab");
+  ASSERT_TRUE(uuid.ok());
+  EXPECT_EQ(uuid->kind, Kind::kCudaUuid);
+  EXPECT_EQ(uuid->uuid, "GPU-6f0e1c2a-0000-4a6f-9c1d-1234567890ab");
+  for (const char* bad : {"", "gpu", "cuda:", "cuda:-1", "cuda:x", "cuda:1x", "cuda:GPU-6f0e",
+                          "cuda:GPU-6f0e1c2a-0000-4a6f-9c1d-1234567890aZ", "CUDA:0"}) {
+    auto r = memory::ParseDevice(bad);
+    ASSERT_FALSE(r.ok()) << bad;
+    EXPECT_NE(r.error().message().find("cuda:N"), std::string::npos);
+  }
+  std::array<uint8_t, 16> bytes{};
+  for (size_t i = 0; i < bytes.size(); ++i) bytes[i] = static_cast<uint8_t>(i * 17);
+  EXPECT_EQ(memory::FormatGpuUuid(bytes), "GPU-00112233-4455-6677-8899-aabbccddeeff");
+  EXPECT_TRUE(memory::ParseDevice("cuda:" + memory::FormatGpuUuid(bytes)).ok());
+}
+
+TEST(CudaDevices, OrdinalsResolveInThisProcesssNumberingAndSizesRound) {
+  std::vector<memory::CudaDevice> visible = {{.ordinal = 0, .uuid = "GPU-a"},
+                                             {.ordinal = 1, .uuid = "GPU-b"}};
+  EXPECT_EQ(*memory::ResolveCudaOrdinal(1, visible), "GPU-b");
+  auto missing = memory::ResolveCudaOrdinal(2, visible);
+  ASSERT_FALSE(missing.ok());
+  EXPECT_NE(missing.error().message().find("sees 2 CUDA device(s)"), std::string::npos);
+  constexpr uint64_t kTwoMiB = 2 << 20;
+  EXPECT_EQ(memory::RoundToGranularity(0, kTwoMiB), 0u);
+  EXPECT_EQ(memory::RoundToGranularity(1, kTwoMiB), kTwoMiB);
+  EXPECT_EQ(memory::RoundToGranularity(kTwoMiB, kTwoMiB), kTwoMiB);
+  EXPECT_EQ(memory::RoundToGranularity(kTwoMiB + 1, kTwoMiB), 2 * kTwoMiB);
+  EXPECT_FALSE(memory::RoundToGranularity(UINT64_MAX, kTwoMiB).has_value());
+  EXPECT_FALSE(memory::RoundToGranularity(5, 0).has_value());
+}
+
+TEST(CudaDevices, ANoGpuHostSaysWhyAndDoesNotCrash) {
+  auto devices = memory::ListCudaDevices();
+  if (devices.ok()) {
+    for (const auto& d : *devices) EXPECT_TRUE(memory::ParseDevice("cuda:" + d.uuid).ok());
+  } else {
+    // No driver, no device, or built without the header: each says so.
+    EXPECT_FALSE(devices.error().message().empty());
+    auto again = memory::ListCudaDevices();  // loaded once; the same answer
+    ASSERT_FALSE(again.ok());
+    EXPECT_EQ(again.error().message(), devices.error().message());
+  }
 }
 
 TEST(HostSegment, GatheredWritesLandInOrder) {

@@ -15,6 +15,7 @@
 #include "client/admin.h"
 #include "daemon/server.h"
 #include "io/file.h"
+#include "memory/cuda.h"
 #include "protocol/paths.h"
 
 namespace weightd::cli {
@@ -147,6 +148,16 @@ int RunServe(ServeOptions o) {
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
+  // The host is always served; GPUs are listed (not yet served) or the
+  // reason there are none is said once.
+  if (auto gpus = memory::ListCudaDevices(); gpus.ok()) {
+    for (const memory::CudaDevice& d : *gpus) {
+      so.log("cuda:" + std::to_string(d.ordinal) + " is " + d.name + " (cuda:" + d.uuid +
+             "): seen, not served (the CUDA segment backend is not built yet)");
+    }
+  } else {
+    so.log("serving the host only; cuda: " + gpus.error().message());
+  }
   std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
             << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
   // Models from the config load in the background: engines may ask (and
@@ -281,6 +292,13 @@ Command AddStatusCommand(CLI::App& root) {
             for (const auto& d : (*reply)["devices"]) {
               std::cout << d.value("name", "") << ": " << FormatBytes(d.value("used", uint64_t{0}))
                         << " held of " << FormatBytes(d.value("budget", uint64_t{0})) << "\n";
+            }
+            if (const json cuda = reply->value("cuda", json::object()); !cuda.empty()) {
+              std::cout << "cuda: " << Printable(cuda.value("reason", "")) << "\n";
+              for (const auto& d : cuda.value("devices", json::array())) {
+                std::cout << "  " << d.value("name", "") << "  " << Printable(d.value("model", ""))
+                          << "  " << FormatBytes(d.value("total_bytes", uint64_t{0})) << "\n";
+              }
             }
             const auto& models = (*reply)["models"];
             if (models.empty()) std::cout << "no model is resident\n";

@@ -14,6 +14,7 @@
 #include "format/dtype.h"
 #include "io/file.h"
 #include "loader/loader.h"
+#include "memory/cuda.h"
 #include "memory/manifest.h"
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
@@ -289,6 +290,18 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
       transform::ResolveProcessing(spec.tp_size, spec.dtype, spec.quant, spec.shard_plan));
   const std::string& plan_name = resolved.plan->name();
   const std::string& plan_digest = resolved.plan->digest();
+  // A GPU is named by its UUID in the key: this process's cuda:N may be
+  // another process's cuda:M.
+  protocol::Processing keyed = processing;
+  WEIGHTD_ASSIGN_OR_RETURN(memory::DeviceSpec device, memory::ParseDevice(processing.device));
+  if (device.kind == memory::DeviceSpec::Kind::kCudaOrdinal) {
+    auto visible = memory::ListCudaDevices();
+    if (!visible.ok())
+      return Error("--device " + processing.device + ": " + visible.error().message());
+    WEIGHTD_ASSIGN_OR_RETURN(std::string uuid,
+                             memory::ResolveCudaOrdinal(device.ordinal, *visible));
+    keyed.device = "cuda:" + uuid;
+  }
 
   protocol::CacheKey key;
   if (options.trust.empty()) {
@@ -302,9 +315,9 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
         fingerprint::Fingerprint fp,
         fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), spec.path, fo));
     if (cache) (void)cache->Save();
-    key = protocol::MakeKey(fp.digest, processing, plan_name, plan_digest);
+    key = protocol::MakeKey(fp.digest, keyed, plan_name, plan_digest);
   } else {
-    key = protocol::MakeKey("", processing, plan_name, plan_digest);
+    key = protocol::MakeKey("", keyed, plan_name, plan_digest);
   }
 
   Miss miss;
@@ -317,6 +330,10 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     return std::unique_ptr<Weights>(std::move(hit));
   }
   if (!options.fallback) return Error("not served by the daemon: " + miss.reason);
+  if (device.kind != memory::DeviceSpec::Kind::kHost) {
+    return Error("--device " + keyed.device + ": not served by the daemon (" + miss.reason +
+                 "), and loading onto a GPU from disk is not built yet");
+  }
   log("loading " + spec.path + " from disk: " + miss.reason);
 
   // The same loader as the daemon's, for this rank only.

@@ -23,6 +23,7 @@
 #include "format/checkpoint.h"
 #include "io/file.h"
 #include "loader/loader.h"
+#include "memory/cuda.h"
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
 #include "protocol/paths.h"
@@ -57,6 +58,25 @@ std::string ReadSmallFile(int fd) {
   std::string s(buf, n > 0 ? static_cast<size_t>(n) : 0);
   while (!s.empty() && (s.back() == '\n' || s.back() == ' ')) s.pop_back();
   return s;
+}
+
+// The CUDA devices this daemon sees, or why it sees none. Models live in
+// host memory only until the CUDA segment backend is built.
+json CudaJson() {
+  auto devices = memory::ListCudaDevices();
+  if (!devices.ok()) return {{"available", false}, {"reason", devices.error().message()}};
+  json list = json::array();
+  for (const memory::CudaDevice& d : *devices) {
+    list.push_back({{"name", "cuda:" + d.uuid},
+                    {"ordinal", d.ordinal},
+                    {"model", d.name},
+                    {"total_bytes", d.total_bytes},
+                    {"fd_handles", d.posix_fd_handles},
+                    {"granularity", d.granularity}});
+  }
+  return {{"available", true},
+          {"devices", list},
+          {"reason", "seen, not served: the CUDA segment backend is not built yet"}};
 }
 
 json DeviceJson(const Registry::Snapshot& s) {
@@ -459,7 +479,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
 
   if (type == "status" || type == "memory") {
     Registry::Snapshot snap = registry.Take();
-    json reply = {{"type", type}, {"devices", DeviceJson(snap)}};
+    json reply = {{"type", type}, {"devices", DeviceJson(snap)}, {"cuda", CudaJson()}};
     if (type == "status") {
       json models = json::array();
       for (size_t i = 0; i < snap.models.size(); ++i) {
@@ -504,6 +524,11 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
                                     const std::string& pin,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
+  if (processing.device != "cpu") {
+    return Error("--device " + processing.device +
+                 ": this daemon keeps models in host memory only (the CUDA segment backend is "
+                 "not built yet)");
+  }
   WEIGHTD_ASSIGN_OR_RETURN(transform::Processing resolved,
                            transform::ResolveProcessing(processing.tp_size, processing.dtype,
                                                         processing.quant, processing.shard_plan));

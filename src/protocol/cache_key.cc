@@ -1,5 +1,7 @@
 #include "protocol/cache_key.h"
 
+#include "memory/cuda.h"
+
 namespace weightd::protocol {
 
 namespace {
@@ -94,7 +96,9 @@ Status CheckSupported(const Processing& p) {
   if (p.quant != "none" && p.quant != "fp8-block") {
     return Error("--quant " + p.quant + ": one of none, fp8-block");
   }
-  if (p.device != "cpu") return Error("--device " + p.device + ": only cpu (host memory) is built");
+  if (auto device = memory::ParseDevice(p.device); !device.ok()) {
+    return Error("--device: " + device.error().message());
+  }
   return OkStatus();
 }
 

@@ -1,0 +1,68 @@
+// The CUDA driver, loaded at run time: `dlopen("libcuda.so.1")` and every
+// entry point by `cuGetProcAddress` at an explicit API version, so one
+// build runs on hosts with and without a driver, and a host without one
+// (or without a GPU) is told why, not crashed. Compiled wherever the
+// toolkit's headers are (only the header is used, never libcudart).
+//
+// Devices are named by UUID ("cuda:GPU-6f0e...") in keys and status, since
+// ordinals depend on each process's CUDA_VISIBLE_DEVICES: `--device cuda:N`
+// is resolved through this process's own numbering (the driver applies
+// CUDA_VISIBLE_DEVICES), so a daemon and an engine that number the GPUs
+// differently still agree on the physical one.
+//
+// This is the first piece of the CUDA backend: driver loading, device
+// naming, the allocation granularity. The VMM segment itself
+// (cuMemCreate, exported as a file descriptor) is not built yet.
+//
+// Thread safety: everything here may be called from any thread.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "weightd/result.h"
+
+namespace weightd::memory {
+
+// What a --device flag names.
+struct DeviceSpec {
+  enum class Kind { kHost, kCudaOrdinal, kCudaUuid };
+  Kind kind = Kind::kHost;
+  int ordinal = 0;   // kCudaOrdinal
+  std::string uuid;  // kCudaUuid: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
+};
+
+// "cpu" or "host"; "cuda:N"; "cuda:GPU-<uuid>" (as nvidia-smi -L prints
+// it). Anything else is an error that lists the forms.
+Result<DeviceSpec> ParseDevice(std::string_view text);
+
+// 16 UUID bytes as nvidia-smi prints them: "GPU-" and 8-4-4-4-12 hex digits.
+std::string FormatGpuUuid(const std::array<uint8_t, 16>& bytes);
+
+// `size` rounded up to a multiple of `granularity` (a VMM allocation's
+// size must be one), or nullopt on overflow or a zero granularity.
+std::optional<uint64_t> RoundToGranularity(uint64_t size, uint64_t granularity);
+
+struct CudaDevice {
+  int ordinal = 0;  // in this process's numbering
+  std::string uuid = {};
+  std::string name = {};
+  uint64_t total_bytes = 0;
+  // Whether the device can export VMM allocations as file descriptors.
+  bool posix_fd_handles = false;
+  uint64_t granularity = 0;  // of a pinned device allocation
+};
+
+// What the driver sees, or why there is no CUDA here ("libcuda.so.1 not
+// found: ...", "no CUDA device: ..."). Loads the driver once.
+Result<std::vector<CudaDevice>> ListCudaDevices();
+
+// The device an ordinal names in this process, by UUID.
+// `visible` is what ListCudaDevices returned.
+Result<std::string> ResolveCudaOrdinal(int ordinal, const std::vector<CudaDevice>& visible);
+
+}  // namespace weightd::memory

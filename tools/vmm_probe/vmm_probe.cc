@@ -1,0 +1,277 @@
+// What the CUDA driver does with a VMM allocation shared as a file
+// descriptor, the way weightd's CUDA backend will share model segments:
+//
+//   1. the exporter allocates (cuMemCreate, POSIX file descriptor handles),
+//      fills it and exports it as a descriptor;
+//   2. another process imports it, maps it, and asks for read-only access
+//      (CU_MEM_ACCESS_FLAGS_PROT_READ). Does the driver accept that? Do the
+//      importer's writes then fail, or go through silently? Nothing we found
+//      documents it: this measures it;
+//   3. the bytes survive the exporter's own release while the importer maps
+//      them;
+//   4. host-to-device bandwidth from pageable and from pinned memory.
+//
+// Standalone on purpose: it needs only cuda.h and a compiler, so it builds on
+// a GPU machine without weightd's other dependencies (scripts/gpu-check).
+//
+//   vmm_probe [--mib N]      prints `key: value` lines; exit 3 without a GPU
+#include <cuda.h>
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+namespace {
+
+struct Api {
+  CUresult (*cuInit)(unsigned);
+  CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuDeviceGet)(CUdevice*, int);
+  CUresult (*cuDeviceGetAttribute)(int*, CUdevice_attribute, CUdevice);
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
+  CUresult (*cuCtxSetCurrent)(CUcontext);
+  CUresult (*cuCtxSynchronize)();
+  CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*,
+                                            CUmemAllocationGranularity_flags);
+  CUresult (*cuMemCreate)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                          unsigned long long);
+  CUresult (*cuMemExportToShareableHandle)(void*, CUmemGenericAllocationHandle,
+                                           CUmemAllocationHandleType, unsigned long long);
+  CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*,
+                                             CUmemAllocationHandleType);
+  CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+  CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                       unsigned long long);
+  CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+  CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
+  CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
+  CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
+  CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t);
+  CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t);
+  CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, size_t);
+  CUresult (*cuMemAllocHost)(void**, size_t);
+  CUresult (*cuMemFreeHost)(void*);
+} api;
+
+std::string Describe(CUresult r) {
+  const char* s = nullptr;
+  if (api.cuGetErrorString != nullptr && api.cuGetErrorString(r, &s) == CUDA_SUCCESS && s) return s;
+  return "CUDA error " + std::to_string(static_cast<int>(r));
+}
+
+// Exit 3: no GPU here (not a failure of the check itself).
+[[noreturn]] void NoGpu(const std::string& why) {
+  std::printf("gpu: none (%s)\n", why.c_str());
+  std::exit(3);
+}
+
+[[noreturn]] void Fail(const char* what, CUresult r) {
+  std::printf("error: %s: %s\n", what, Describe(r).c_str());
+  std::exit(1);
+}
+
+void Check(const char* what, CUresult r) {
+  if (r != CUDA_SUCCESS) Fail(what, r);
+}
+
+template <typename F>
+void Load(void* get_proc, const char* name, F& fn) {
+  using GetProc = CUresult (*)(const char*, void**, int, cuuint64_t,
+                               CUdriverProcAddressQueryResult*);
+  void* p = nullptr;
+  CUdriverProcAddressQueryResult found{};
+  if (reinterpret_cast<GetProc>(get_proc)(name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &found) !=
+          CUDA_SUCCESS ||
+      p == nullptr) {
+    NoGpu(std::string("the driver has no ") + name);
+  }
+  fn = reinterpret_cast<F>(p);
+}
+
+CUdevice Start() {
+  void* lib = ::dlopen("libcuda.so.1", RTLD_NOW);
+  if (lib == nullptr) NoGpu(::dlerror());
+  void* get = ::dlsym(lib, "cuGetProcAddress_v2");
+  if (get == nullptr) NoGpu("driver older than CUDA 12");
+#define LOAD(f) Load(get, #f, api.f)
+  LOAD(cuInit);
+  LOAD(cuGetErrorString);
+  LOAD(cuDeviceGet);
+  LOAD(cuDeviceGetAttribute);
+  LOAD(cuDevicePrimaryCtxRetain);
+  LOAD(cuCtxSetCurrent);
+  LOAD(cuCtxSynchronize);
+  LOAD(cuMemGetAllocationGranularity);
+  LOAD(cuMemCreate);
+  LOAD(cuMemExportToShareableHandle);
+  LOAD(cuMemImportFromShareableHandle);
+  LOAD(cuMemAddressReserve);
+  LOAD(cuMemMap);
+  LOAD(cuMemSetAccess);
+  LOAD(cuMemUnmap);
+  LOAD(cuMemAddressFree);
+  LOAD(cuMemRelease);
+  LOAD(cuMemcpyHtoD);
+  LOAD(cuMemcpyDtoH);
+  LOAD(cuMemsetD8);
+  LOAD(cuMemAllocHost);
+  LOAD(cuMemFreeHost);
+#undef LOAD
+  if (CUresult r = api.cuInit(0); r != CUDA_SUCCESS) NoGpu("cuInit: " + Describe(r));
+  CUdevice dev;
+  if (CUresult r = api.cuDeviceGet(&dev, 0); r != CUDA_SUCCESS) NoGpu("cuDeviceGet: " + Describe(r));
+  CUcontext ctx;
+  Check("cuDevicePrimaryCtxRetain", api.cuDevicePrimaryCtxRetain(&ctx, dev));
+  Check("cuCtxSetCurrent", api.cuCtxSetCurrent(ctx));
+  return dev;
+}
+
+CUdeviceptr Map(CUmemGenericAllocationHandle h, size_t size, CUdevice dev,
+                CUmemAccess_flags flags, CUresult* access) {
+  CUdeviceptr ptr;
+  Check("cuMemAddressReserve", api.cuMemAddressReserve(&ptr, size, 0, 0, 0));
+  Check("cuMemMap", api.cuMemMap(ptr, size, 0, h, 0));
+  CUmemAccessDesc desc{};
+  desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  desc.location.id = dev;
+  desc.flags = flags;
+  *access = api.cuMemSetAccess(ptr, size, &desc, 1);
+  return ptr;
+}
+
+uint8_t Pattern(size_t i) { return static_cast<uint8_t>(i * 131 + 7); }
+
+bool HoldsPattern(CUdeviceptr ptr, size_t size) {
+  std::vector<uint8_t> back(size);
+  Check("cuMemcpyDtoH", api.cuMemcpyDtoH(back.data(), ptr, size));
+  for (size_t i = 0; i < size; ++i) {
+    if (back[i] != Pattern(i)) return false;
+  }
+  return true;
+}
+
+// The importer: maps read-only and tries to write.
+int Child(int fd, size_t size) {
+  const CUdevice dev = Start();
+  CUmemGenericAllocationHandle h;
+  Check("cuMemImportFromShareableHandle",
+        api.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
+                                           CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+  CUresult access;
+  CUdeviceptr ptr = Map(h, size, dev, CU_MEM_ACCESS_FLAGS_PROT_READ, &access);
+  std::printf("importer_read_only_access: %s\n",
+              access == CUDA_SUCCESS ? "accepted" : ("refused: " + Describe(access)).c_str());
+  if (access != CUDA_SUCCESS) {
+    // What weightd would do then: read-write, with a warning.
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = dev;
+    desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    Check("cuMemSetAccess (read-write fallback)", api.cuMemSetAccess(ptr, size, &desc, 1));
+  }
+  std::printf("importer_reads_exporter_bytes: %s\n", HoldsPattern(ptr, size) ? "yes" : "NO");
+  std::fflush(stdout);
+  // Writes into the read-only mapping: a copy engine write, then a kernel
+  // (memset). A fault may poison this context: each reported, then stop.
+  const uint8_t junk[64] = {};
+  const CUresult copy = api.cuMemcpyHtoD(ptr, junk, sizeof junk);
+  const CUresult copy_sync = api.cuCtxSynchronize();
+  std::printf("importer_write_by_copy: %s / sync %s\n", Describe(copy).c_str(),
+              Describe(copy_sync).c_str());
+  std::fflush(stdout);
+  if (copy == CUDA_SUCCESS && copy_sync == CUDA_SUCCESS) {
+    const CUresult set = api.cuMemsetD8(ptr + 4096, 0, 64);
+    const CUresult set_sync = api.cuCtxSynchronize();
+    std::printf("importer_write_by_kernel: %s / sync %s\n", Describe(set).c_str(),
+                Describe(set_sync).c_str());
+  }
+  std::fflush(stdout);
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  if (argc == 4 && std::strcmp(argv[1], "--child") == 0) {
+    return Child(std::atoi(argv[2]), static_cast<size_t>(std::strtoull(argv[3], nullptr, 10)));
+  }
+  size_t mib = 1024;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    if (std::strcmp(argv[i], "--mib") == 0) mib = std::strtoull(argv[i + 1], nullptr, 10);
+  }
+  const CUdevice dev = Start();
+  int vmm = 0, fds = 0;
+  api.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
+  api.cuDeviceGetAttribute(&fds, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+                           dev);
+  std::printf("vmm: %s\nposix_fd_handles: %s\n", vmm ? "yes" : "no", fds ? "yes" : "no");
+  if (!vmm || !fds) return 1;
+
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  size_t granularity = 0;
+  Check("cuMemGetAllocationGranularity",
+        api.cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM));
+  const size_t size = (mib * (1ull << 20) + granularity - 1) / granularity * granularity;
+  std::printf("granularity: %zu\nbytes: %zu\n", granularity, size);
+  CUmemGenericAllocationHandle h;
+  Check("cuMemCreate", api.cuMemCreate(&h, size, &prop, 0));
+  CUresult access;
+  CUdeviceptr ptr = Map(h, size, dev, CU_MEM_ACCESS_FLAGS_PROT_READWRITE, &access);
+  Check("cuMemSetAccess (exporter)", access);
+
+  // Bandwidth: pageable and pinned host memory into the allocation.
+  std::vector<uint8_t> pageable(size);
+  for (size_t i = 0; i < size; ++i) pageable[i] = Pattern(i);
+  void* pinned = nullptr;
+  Check("cuMemAllocHost", api.cuMemAllocHost(&pinned, size));
+  std::memcpy(pinned, pageable.data(), size);
+  auto timed = [&](const void* src) {
+    const auto t0 = std::chrono::steady_clock::now();
+    Check("cuMemcpyHtoD", api.cuMemcpyHtoD(ptr, src, size));
+    Check("cuCtxSynchronize", api.cuCtxSynchronize());
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  };
+  timed(pinned);  // warm-up
+  const double pageable_s = timed(pageable.data());
+  const double pinned_s = timed(pinned);
+  const auto gb = static_cast<double>(size) / 1e9;
+  std::printf("htod_pageable_gbps: %.2f\nhtod_pinned_gbps: %.2f\n", gb / pageable_s,
+              gb / pinned_s);
+  api.cuMemFreeHost(pinned);
+
+  int fd = -1;
+  Check("cuMemExportToShareableHandle",
+        api.cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+  ::fcntl(fd, F_SETFD, 0);  // the importer inherits it
+  // The exporter lets go of its own handle: the importer's keeps the memory.
+  Check("cuMemRelease (exporter's handle)", api.cuMemRelease(h));
+  std::fflush(stdout);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    const std::string fd_text = std::to_string(fd), size_text = std::to_string(size);
+    ::execl("/proc/self/exe", argv[0], "--child", fd_text.c_str(), size_text.c_str(), nullptr);
+    ::_exit(127);
+  }
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  std::printf("importer_exit: %s %d\n", WIFSIGNALED(status) ? "signal" : "code",
+              WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
+  // Did the importer's writes reach the memory the exporter maps?
+  std::printf("exporter_bytes_after_importer_writes: %s\n",
+              HoldsPattern(ptr, size) ? "unchanged" : "CHANGED (read-only not enforced)");
+  Check("cuMemUnmap", api.cuMemUnmap(ptr, size));
+  Check("cuMemAddressFree", api.cuMemAddressFree(ptr, size));
+  ::close(fd);
+  return 0;
+}
