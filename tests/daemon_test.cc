@@ -204,6 +204,33 @@ TEST_F(DaemonTest, ACudaRequestToAHostDaemonIsAMissOnTheDevice) {
   }
 }
 
+// One rank evicted: the next preload loads that rank alone, and the rest
+// stay as they were (their leases too).
+TEST_F(DaemonTest, APreloadLoadsOnlyTheRanksNotResident) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  const std::vector<std::string> flags = {"--tp-size", "4", "--shard-plan", "llama"};
+  Preload(a, flags);
+  json before = Status()["models"];
+  ASSERT_EQ(before.size(), 4u);
+  int rank2 = -1;
+  for (const auto& m : before) {
+    if (m["key"]["tp_rank"] == 2) rank2 = m["id"].get<int>();
+  }
+  CommandResult evict = Run({"evict", "#" + std::to_string(rank2)});
+  ASSERT_EQ(evict.exit_code, 0) << evict.err;
+  ASSERT_EQ(Status()["models"].size(), 3u);
+  std::vector<std::string> args = {"preload", a, "--json"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  CommandResult again = Run(args);
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_EQ(json::parse(again.out)["loaded_ranks"], json::array({2})) << again.out;
+  EXPECT_EQ(Status()["models"].size(), 4u);
+  std::vector<std::string> load = flags;
+  load.insert(load.end(), {"--tp-rank", "2"});
+  EXPECT_EQ(Load(a, load)["source"], "daemon");
+}
+
 TEST_F(DaemonTest, AnUnservablePlanFailsThePreloadAndPublishesNothing) {
   const std::string a = MakeModel("a");
   auto daemon = StartDaemon();

@@ -321,9 +321,10 @@ Command AddEvictCommand(CLI::App& root) {
   auto o = std::make_shared<Options>();
   CLI::App* app = root.add_subcommand(
       "evict",
-      "Drop resident models: WHAT is `all`, a pinned name, or the start (8+ characters) of a\n"
-      "checkpoint digest. Engines that mapped them keep their bytes until they let go.");
-  app->add_option("WHAT", o->what, "all | NAME | DIGEST-PREFIX")->required();
+      "Drop resident models: WHAT is `all`, a pinned name, the start (8+ characters) of a\n"
+      "checkpoint digest, or #ID for one model as `status --json` numbers it (one rank). Engines\n"
+      "that mapped them keep their bytes until they let go.");
+  app->add_option("WHAT", o->what, "all | NAME | DIGEST-PREFIX | #ID")->required();
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");
   app->add_flag("--json", o->json, "print JSON: models evicted");
   return {app, [o] {

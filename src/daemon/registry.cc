@@ -173,7 +173,8 @@ std::vector<Eviction> Registry::Evict(const std::string& what) {
     const size_t at = digest.find(':');
     const std::string bare = at == std::string::npos ? digest : digest.substr(at + 1);
     const bool match = what == "all" || (!m.name.empty() && m.name == what) ||
-                       (bare_what.size() >= 8 && bare.rfind(bare_what, 0) == 0);
+                       (bare_what.size() >= 8 && bare.rfind(bare_what, 0) == 0) ||
+                       what == "#" + std::to_string(m.id);
     if (match) out.push_back(EvictLocked(i));
   }
   return out;

@@ -86,8 +86,9 @@ class Registry {
   void BeginLoad(const protocol::CacheKey& key);
   void EndLoad(const protocol::CacheKey& key);
 
-  // Evicts models matching `what`: "all", a pinned name, or a prefix (at
-  // least 8 characters) of the checkpoint digest.
+  // Evicts models matching `what`: "all", a pinned name, a prefix (at
+  // least 8 characters) of the checkpoint digest, or "#ID" (one model, as
+  // status numbers it: one rank of a tensor-parallel preload).
   std::vector<Eviction> Evict(const std::string& what);
 
   struct Snapshot {

@@ -567,14 +567,19 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     const protocol::CacheKey& k;
     ~EndLoad() { r.EndLoad(k); }
   } end_load{registry, expected};
-  bool all_resident = true;
-  for (int r = 0; r < ranks && all_resident; ++r)
-    all_resident = registry.Has(key_of(fp->digest, r));
-  if (all_resident) {
-    if (!pin.empty()) {
-      for (int r = 0; r < ranks; ++r) registry.Pin(key_of(fp->digest, r), pin);
-      Log("pinned " + protocol::ShortDescription(expected) + " as `" + pin + "`");
-    }
+  // Only the ranks not resident are loaded (one may have been evicted).
+  std::vector<int> missing;
+  for (int r = 0; r < ranks; ++r) {
+    if (!registry.Has(key_of(fp->digest, r))) missing.push_back(r);
+  }
+  auto pin_all = [&](const std::string& digest) {
+    if (pin.empty()) return;
+    for (int r = 0; r < ranks; ++r) registry.Pin(key_of(digest, r), pin);
+    Log("pinned " + protocol::ShortDescription(key_of(digest, 0)) + " (" + std::to_string(ranks) +
+        " rank(s)) as `" + pin + "`");
+  };
+  if (missing.empty()) {
+    pin_all(fp->digest);
     return json{{"already_resident", true}, {"key", protocol::ToJson(expected)}, {"ranks", ranks}};
   }
 
@@ -585,17 +590,18 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   lo.cancel = &stopping;
   lo.segment_name = io::BaseName(path);
   lo.processing = resolved;
+  lo.ranks = missing;
   lo.allocate = [&](uint64_t bytes, int rank) -> Result<std::unique_ptr<memory::Segment>> {
     const uint64_t want = (bytes + kReserveRounding - 1) / kReserveRounding * kReserveRounding;
     if (reserved.empty()) {
       // Every rank is the same size: room for all of them, or for none
       // (no idle model evicted for a load that cannot finish).
       uint64_t all = 0;
-      if (__builtin_mul_overflow(want, static_cast<uint64_t>(ranks), &all)) {
+      if (__builtin_mul_overflow(want, static_cast<uint64_t>(missing.size()), &all)) {
         return Error("the ranks' segments add up to more than 64 bits");
       }
       WEIGHTD_RETURN_IF_ERROR(registry.Reserve(all, &evicted));
-      reserved.assign(static_cast<size_t>(ranks), want);
+      reserved.assign(missing.size(), want);
       for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
     }
     return memory::CreateHostSegment(
@@ -610,7 +616,6 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   uint64_t bytes = 0;
-  protocol::CacheKey published_key;
   for (size_t i = 0; i < loaded->ranks.size(); ++i) {
     loader::LoadedRank& rank = loaded->ranks[i];
     auto model = std::make_unique<ResidentModel>();
@@ -623,17 +628,19 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     model->segment = std::move(rank.segment);
     bytes += model->segment->size();
     auto published = registry.Publish(std::move(model), reserved[i]);
-    if (i == 0) published_key = published->key;
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
         (pin.empty() ? "" : " (pinned as `" + pin + "`)") + ": " +
         std::to_string(published->segment->size()) + " bytes, " +
         std::to_string(published->tensors) + " tensors in " + std::to_string(seconds) + " s");
   }
+  // Ranks that stayed resident take the name too.
+  if (missing.size() < static_cast<size_t>(ranks)) pin_all(loaded->checkpoint_digest);
   json evicted_json = json::array();
   for (const Eviction& e : evicted) evicted_json.push_back(e.description);
   return json{{"already_resident", false},
-              {"key", protocol::ToJson(published_key)},
+              {"key", protocol::ToJson(key_of(loaded->checkpoint_digest, 0))},
               {"ranks", ranks},
+              {"loaded_ranks", missing},
               {"bytes", bytes},
               {"tensors", loaded->tensors},
               {"seconds", seconds},

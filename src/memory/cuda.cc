@@ -108,8 +108,8 @@ Result<const Driver*> LoadDriver() {
       failure = std::string("no CUDA driver: ") + (why ? why : "libcuda.so.1 not found");
       return;
     }
-    using GetProc = CUresult (*)(const char*, void**, int, cuuint64_t,
-                                 CUdriverProcAddressQueryResult*);
+    using GetProc =
+        CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
     auto get = reinterpret_cast<GetProc>(::dlsym(lib, "cuGetProcAddress_v2"));
     if (get == nullptr) {
       failure = "the CUDA driver is older than 12.0 (no cuGetProcAddress_v2)";

@@ -83,8 +83,8 @@ void Check(const char* what, CUresult r) {
 
 template <typename F>
 void Load(void* get_proc, const char* name, F& fn) {
-  using GetProc = CUresult (*)(const char*, void**, int, cuuint64_t,
-                               CUdriverProcAddressQueryResult*);
+  using GetProc =
+      CUresult (*)(const char*, void**, int, cuuint64_t, CUdriverProcAddressQueryResult*);
   void* p = nullptr;
   CUdriverProcAddressQueryResult found{};
   if (reinterpret_cast<GetProc>(get_proc)(name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &found) !=
@@ -126,15 +126,16 @@ CUdevice Start() {
 #undef LOAD
   if (CUresult r = api.cuInit(0); r != CUDA_SUCCESS) NoGpu("cuInit: " + Describe(r));
   CUdevice dev;
-  if (CUresult r = api.cuDeviceGet(&dev, 0); r != CUDA_SUCCESS) NoGpu("cuDeviceGet: " + Describe(r));
+  if (CUresult r = api.cuDeviceGet(&dev, 0); r != CUDA_SUCCESS)
+    NoGpu("cuDeviceGet: " + Describe(r));
   CUcontext ctx;
   Check("cuDevicePrimaryCtxRetain", api.cuDevicePrimaryCtxRetain(&ctx, dev));
   Check("cuCtxSetCurrent", api.cuCtxSetCurrent(ctx));
   return dev;
 }
 
-CUdeviceptr Map(CUmemGenericAllocationHandle h, size_t size, CUdevice dev,
-                CUmemAccess_flags flags, CUresult* access) {
+CUdeviceptr Map(CUmemGenericAllocationHandle h, size_t size, CUdevice dev, CUmemAccess_flags flags,
+                CUresult* access) {
   CUdeviceptr ptr;
   Check("cuMemAddressReserve", api.cuMemAddressReserve(&ptr, size, 0, 0, 0));
   Check("cuMemMap", api.cuMemMap(ptr, size, 0, h, 0));
@@ -246,8 +247,7 @@ int main(int argc, char** argv) {
   const double pageable_s = timed(pageable.data());
   const double pinned_s = timed(pinned);
   const auto gb = static_cast<double>(size) / 1e9;
-  std::printf("htod_pageable_gbps: %.2f\nhtod_pinned_gbps: %.2f\n", gb / pageable_s,
-              gb / pinned_s);
+  std::printf("htod_pageable_gbps: %.2f\nhtod_pinned_gbps: %.2f\n", gb / pageable_s, gb / pinned_s);
   api.cuMemFreeHost(pinned);
 
   int fd = -1;
