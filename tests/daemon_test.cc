@@ -16,6 +16,7 @@
 #include <set>
 
 #include "format/synthetic.h"
+#include "format/writer.h"
 #include "memory/cuda.h"
 #include "memory/segment.h"
 #include "protocol/channel.h"
@@ -229,6 +230,61 @@ TEST_F(DaemonTest, APreloadLoadsOnlyTheRanksNotResident) {
   std::vector<std::string> load = flags;
   load.insert(load.end(), {"--tp-rank", "2"});
   EXPECT_EQ(Load(a, load)["source"], "daemon");
+}
+
+// Making room for a missing rank evicts other models, never the ranks that
+// stayed resident; and a reloaded rank keeps its siblings' pin.
+TEST_F(DaemonTest, ReloadingARankKeepsItsSiblingsAndTheirName) {
+  const std::string a = MakeModel("a"), b = dir_.Join("b.safetensors");
+  const std::vector<std::string> flags = {"--tp-size", "2", "--shard-plan", "llama"};
+  uint64_t rank_bytes = 0;
+  {
+    auto probe = StartDaemon();
+    Preload(a, flags);
+    const json status = Status();
+    for (const auto& m : status["models"]) rank_bytes = m["reserved_bytes"].get<uint64_t>();
+    ASSERT_GT(rank_bytes, 0u);
+    probe->Signal(SIGTERM);
+    probe->Wait();
+  }
+  // Room for A's two ranks and nothing more (a preload reserves in 2 MiB
+  // steps); B fits where rank 1 was, but not beside both ranks.
+  const uint64_t step = 2 << 20;
+  const uint64_t rounded = (rank_bytes + step - 1) / step * step;
+  const uint64_t budget = 2 * rounded;
+  const uint64_t b_bytes = rounded - rank_bytes + (1 << 20);
+  ASSERT_LE(rank_bytes + (b_bytes + 2 * 4096 + step - 1) / step * step, budget);
+  ASSERT_TRUE(format::WriteSafetensors(
+                  b, {{{"blob", format::DType::kU8, {b_bytes}}, std::vector<std::byte>(b_bytes)}})
+                  .ok());
+  auto daemon = StartDaemon({"--budget", "host=" + std::to_string(budget)});
+  auto id_of_rank = [&](int rank) {
+    const json status = Status();
+    for (const auto& m : status["models"]) {
+      if (m["key"]["tp_rank"] == rank && m["path"] == a) return m["id"].get<int>();
+    }
+    return -1;
+  };
+  auto only_a_named = [&](const std::string& name) {
+    const json status = Status();
+    ASSERT_EQ(status["models"].size(), 2u) << status.dump();
+    for (const auto& m : status["models"]) {
+      EXPECT_EQ(m["path"], a) << m.dump();
+      EXPECT_EQ(m["name"], name) << m.dump();
+    }
+  };
+  Preload(a, flags);
+  ASSERT_EQ(Run({"evict", "#" + std::to_string(id_of_rank(1))}).exit_code, 0);
+  Preload(b);         // takes the freed room
+  Preload(a, flags);  // b makes room again, not rank 0
+  only_a_named("");
+
+  std::vector<std::string> pinned = flags;
+  pinned.insert(pinned.end(), {"--pin", "prod"});
+  Preload(a, pinned);
+  ASSERT_EQ(Run({"evict", "#" + std::to_string(id_of_rank(1))}).exit_code, 0);
+  Preload(a, flags);  // no --pin: the new rank takes its sibling's name
+  only_a_named("prod");
 }
 
 TEST_F(DaemonTest, AnUnservablePlanFailsThePreloadAndPublishesNothing) {

@@ -346,14 +346,18 @@ TEST(ShardPlan, BadPlansAreErrorsThatSayWhy) {
   for (auto [pattern, why] : {std::pair{"e+++++++", "a repetition must follow"},
                               {"a*?", "a repetition must follow"},
                               {"a{1000}", "counted repetition"},
-                              {"((((a))))", "nested more than 3 deep"}}) {
+                              {"((((a))))", "nested more than 3 deep"},
+                              {"[[=a=])]((((a)+)+)+)+", "nested more than 3 deep"},
+                              {"a)(b", "a ) without its ("},
+                              {"[[:alpha:]", "unclosed bracket"}}) {
     const std::string message =
         error_of(std::string("[[rule]]\nmatch = '") + pattern + "'\nsplit = \"row\"\n");
     EXPECT_NE(message.find(why), std::string::npos) << pattern << ": " << message;
   }
   EXPECT_TRUE(transform::ShardPlan::FromRules(
                   "ok", {{"(^|\\.)experts\\.[0-9]+\\.(w1|w3)\\.weight$", transform::Split::kRow},
-                         {"[]a-]+x?", transform::Split::kRow}})
+                         {"[]a-]+x?", transform::Split::kRow},
+                         {"^[[:alpha:]_.]+[[:digit:]]*$", transform::Split::kRow}})
                   .ok());
   EXPECT_NE(error_of("[other]\nx = 1\n").find("unknown key `other`"), std::string::npos);
   EXPECT_NE(error_of("not toml [").find("not a TOML"), std::string::npos);

@@ -127,7 +127,8 @@ void AddProcessingFlags(CLI::App& app, protocol::Processing& p) {
       ->check(CLI::IsMember({"none", "fp8-block"}));
   app.add_option("--shard-plan,--plan", p.shard_plan,
                  "llama | replicate | FILE (TOML rules): how tensors split across ranks");
-  app.add_option("--device", p.device, "cpu (this build)");
+  app.add_option("--device", p.device,
+                 "cpu | cuda:N | cuda:GPU-<uuid> (GPU residency is not built yet: a clear error)");
 }
 
 Status FinishProcessingFlags(protocol::Processing& p) {

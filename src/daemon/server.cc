@@ -524,7 +524,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
                                     const std::string& pin,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
-  if (processing.device != "cpu") {
+  if (memory::ParseDevice(processing.device)->kind != memory::DeviceSpec::Kind::kHost) {
     return Error("--device " + processing.device +
                  ": this daemon keeps models in host memory only (the CUDA segment backend is "
                  "not built yet)");
@@ -567,19 +567,36 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     const protocol::CacheKey& k;
     ~EndLoad() { r.EndLoad(k); }
   } end_load{registry, expected};
-  // Only the ranks not resident are loaded (one may have been evicted).
+  // Only the ranks not resident are loaded (one may have been evicted). The
+  // resident ones are leased meanwhile, so that making room for the others
+  // cannot evict them; their name (a pin) goes to the new ranks too.
   std::vector<int> missing;
+  std::vector<std::shared_ptr<ResidentModel>> held;
+  struct ReleaseHeld {
+    Registry& r;
+    std::vector<std::shared_ptr<ResidentModel>>& models;
+    ~ReleaseHeld() {
+      for (const auto& m : models) r.Release(m);
+    }
+  } release_held{registry, held};
+  std::string name = pin;
   for (int r = 0; r < ranks; ++r) {
-    if (!registry.Has(key_of(fp->digest, r))) missing.push_back(r);
+    Registry::Lookup found = registry.Acquire(key_of(fp->digest, r), "");
+    if (!found.model) {
+      missing.push_back(r);
+      continue;
+    }
+    if (name.empty()) name = found.model->name;
+    held.push_back(std::move(found.model));
   }
   auto pin_all = [&](const std::string& digest) {
-    if (pin.empty()) return;
-    for (int r = 0; r < ranks; ++r) registry.Pin(key_of(digest, r), pin);
+    if (name.empty()) return;
+    for (int r = 0; r < ranks; ++r) registry.Pin(key_of(digest, r), name);
     Log("pinned " + protocol::ShortDescription(key_of(digest, 0)) + " (" + std::to_string(ranks) +
-        " rank(s)) as `" + pin + "`");
+        " rank(s)) as `" + name + "`");
   };
   if (missing.empty()) {
-    pin_all(fp->digest);
+    if (!pin.empty()) pin_all(fp->digest);
     return json{{"already_resident", true}, {"key", protocol::ToJson(expected)}, {"ranks", ranks}};
   }
 
@@ -613,6 +630,14 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     return Error("preload of " + path + ": " + loaded.error().message() +
                  "; nothing was published");
   }
+  if (!held.empty() && loaded->checkpoint_digest != fp->digest) {
+    // Rewritten between the fingerprint and the load: the resident ranks
+    // are of the old files, the loaded ones of the new.
+    for (uint64_t r : reserved) registry.Unreserve(r);
+    return Error("preload of " + path +
+                 ": the checkpoint changed while it was preloaded; nothing was published (preload "
+                 "again)");
+  }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   uint64_t bytes = 0;
@@ -620,7 +645,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     loader::LoadedRank& rank = loaded->ranks[i];
     auto model = std::make_unique<ResidentModel>();
     model->key = key_of(loaded->checkpoint_digest, rank.rank);
-    model->name = pin;
+    model->name = name;
     model->path = path;
     model->tensors = loaded->tensors;
     // What the asker waited for: the fingerprint first, then the load.
@@ -629,12 +654,12 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     bytes += model->segment->size();
     auto published = registry.Publish(std::move(model), reserved[i]);
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
-        (pin.empty() ? "" : " (pinned as `" + pin + "`)") + ": " +
+        (name.empty() ? "" : " (pinned as `" + name + "`)") + ": " +
         std::to_string(published->segment->size()) + " bytes, " +
         std::to_string(published->tensors) + " tensors in " + std::to_string(seconds) + " s");
   }
-  // Ranks that stayed resident take the name too.
-  if (missing.size() < static_cast<size_t>(ranks)) pin_all(loaded->checkpoint_digest);
+  // Ranks that stayed resident take a new name too.
+  if (!pin.empty() && !held.empty()) pin_all(loaded->checkpoint_digest);
   json evicted_json = json::array();
   for (const Eviction& e : evicted) evicted_json.push_back(e.description);
   return json{{"already_resident", false},

@@ -8,6 +8,10 @@
 
 #ifdef WEIGHTD_CUDA_HEADERS
 #include <cuda.h>
+// cuGetProcAddress_v2 and its query result came with CUDA 12.0.
+#if CUDA_VERSION >= 12000
+#define WEIGHTD_CUDA_DRIVER 1
+#endif
 #endif
 
 namespace weightd::memory {
@@ -21,7 +25,7 @@ Result<DeviceSpec> ParseDevice(std::string_view text) {
   };
   if (text.substr(0, 5) != "cuda:") return bad();
   const std::string_view rest = text.substr(5);
-  if (rest.substr(0, 4) == "GPU-") {
+  if (rest.substr(0, 4) == "GPU-" || rest.substr(0, 4) == "MIG-") {
     // 8-4-4-4-12 hex digits.
     const std::string_view hex = rest.substr(4);
     if (hex.size() != 36) return bad();
@@ -67,7 +71,7 @@ Result<std::string> ResolveCudaOrdinal(int ordinal, const std::vector<CudaDevice
                std::to_string(visible.size()) + " CUDA device(s) (CUDA_VISIBLE_DEVICES applies)");
 }
 
-#ifdef WEIGHTD_CUDA_HEADERS
+#ifdef WEIGHTD_CUDA_DRIVER
 namespace {
 
 // The API version every entry point is asked for: the functions' behaviour
@@ -195,10 +199,10 @@ Result<std::vector<CudaDevice>> ListCudaDevices() {
   return out;
 }
 
-#else  // no CUDA headers at build time
+#else  // no CUDA 12 headers at build time
 
 Result<std::vector<CudaDevice>> ListCudaDevices() {
-  return Error("this weightd was built without the CUDA headers");
+  return Error("this weightd was built without the CUDA 12 (or newer) driver header");
 }
 
 #endif

@@ -36,11 +36,13 @@ struct DeviceSpec {
   std::string uuid;  // kCudaUuid: "GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx"
 };
 
-// "cpu" or "host"; "cuda:N"; "cuda:GPU-<uuid>" (as nvidia-smi -L prints
-// it). Anything else is an error that lists the forms.
+// "cpu" or "host"; "cuda:N"; "cuda:GPU-<uuid>" or "cuda:MIG-<uuid>" (as
+// nvidia-smi -L prints them). Anything else is an error that lists the forms.
 Result<DeviceSpec> ParseDevice(std::string_view text);
 
-// 16 UUID bytes as nvidia-smi prints them: "GPU-" and 8-4-4-4-12 hex digits.
+// 16 UUID bytes as nvidia-smi prints a GPU's: "GPU-" and 8-4-4-4-12 hex
+// digits. (A MIG instance's UUID comes out with "GPU-" too; nvidia-smi
+// shows it as "MIG-": not yet told apart.)
 std::string FormatGpuUuid(const std::array<uint8_t, 16>& bytes);
 
 // `size` rounded up to a multiple of `granularity` (a VMM allocation's

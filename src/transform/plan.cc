@@ -98,14 +98,27 @@ Status CheckPattern(const std::string& match) {
       size_t j = i + 1;
       if (j < match.size() && match[j] == '^') ++j;
       if (j < match.size() && match[j] == ']') ++j;
-      while (j < match.size() && match[j] != ']') ++j;
+      while (j < match.size() && match[j] != ']') {
+        // [:alpha:], [=a=] and [.a.] end at their own closing pair.
+        if (match[j] == '[' && j + 1 < match.size() &&
+            (match[j + 1] == ':' || match[j + 1] == '=' || match[j + 1] == '.')) {
+          const char kind = match[j + 1];
+          size_t k = j + 2;
+          while (k + 1 < match.size() && !(match[k] == kind && match[k + 1] == ']')) ++k;
+          if (k + 1 >= match.size()) return refuse("an unclosed [" + std::string(1, kind));
+          j = k + 2;
+          continue;
+        }
+        ++j;
+      }
+      if (j >= match.size()) return refuse("an unclosed bracket expression");
       i = j;
       can_repeat = true;
     } else if (c == '(') {
       if (++depth > kMaxDepth) return refuse("groups nested more than 3 deep");
       can_repeat = false;
     } else if (c == ')') {
-      --depth;
+      if (--depth < 0) return refuse("a ) without its (");
       can_repeat = true;
     } else if (c == '*' || c == '+' || c == '?') {
       if (!can_repeat) return refuse("a repetition must follow a character, class or group, once");

@@ -7,8 +7,8 @@
 //      (CU_MEM_ACCESS_FLAGS_PROT_READ). Does the driver accept that? Do the
 //      importer's writes then fail, or go through silently? Nothing we found
 //      documents it: this measures it;
-//   3. the bytes survive the exporter's own release while the importer maps
-//      them;
+//   3. the bytes survive the exporter letting go of everything (its
+//      mapping, its handle, its descriptor) while an importer maps them;
 //   4. host-to-device bandwidth from pageable and from pinned memory.
 //
 // Standalone on purpose: it needs only cuda.h and a compiler, so it builds on
@@ -158,50 +158,105 @@ bool HoldsPattern(CUdeviceptr ptr, size_t size) {
   return true;
 }
 
-// The importer: maps read-only and tries to write.
-int Child(int fd, size_t size) {
-  const CUdevice dev = Start();
+// Imports the descriptor and maps it read-only (read-write, said so, when
+// the driver refuses read-only).
+CUdeviceptr Import(int fd, size_t size, CUdevice dev, bool* read_only) {
   CUmemGenericAllocationHandle h;
   Check("cuMemImportFromShareableHandle",
         api.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fd)),
                                            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
   CUresult access;
   CUdeviceptr ptr = Map(h, size, dev, CU_MEM_ACCESS_FLAGS_PROT_READ, &access);
-  std::printf("importer_read_only_access: %s\n",
-              access == CUDA_SUCCESS ? "accepted" : ("refused: " + Describe(access)).c_str());
-  if (access != CUDA_SUCCESS) {
-    // What weightd would do then: read-write, with a warning.
+  *read_only = access == CUDA_SUCCESS;
+  if (!*read_only) {
+    std::printf("importer_read_only_access: refused: %s (mapped read-write instead)\n",
+                Describe(access).c_str());
     CUmemAccessDesc desc{};
     desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     desc.location.id = dev;
     desc.flags = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
     Check("cuMemSetAccess (read-write fallback)", api.cuMemSetAccess(ptr, size, &desc, 1));
+  } else {
+    std::printf("importer_read_only_access: accepted\n");
   }
-  std::printf("importer_reads_exporter_bytes: %s\n", HoldsPattern(ptr, size) ? "yes" : "NO");
+  return ptr;
+}
+
+// Importer 1: reads, then tries to write through its read-only mapping.
+int WritingImporter(int fd, size_t size) {
+  const CUdevice dev = Start();
+  bool read_only = false;
+  CUdeviceptr ptr = Import(fd, size, dev, &read_only);
+  const bool reads = HoldsPattern(ptr, size);
+  std::printf("importer_reads_exporter_bytes: %s\n", reads ? "yes" : "NO");
   std::fflush(stdout);
-  // Writes into the read-only mapping: a copy engine write, then a kernel
-  // (memset). A fault may poison this context: each reported, then stop.
+  // A copy-engine write, then a kernel (memset). A fault may poison this
+  // context: each is reported, and the exporter checks its bytes after.
   const uint8_t junk[64] = {};
   const CUresult copy = api.cuMemcpyHtoD(ptr, junk, sizeof junk);
   const CUresult copy_sync = api.cuCtxSynchronize();
-  std::printf("importer_write_by_copy: %s / sync %s\n", Describe(copy).c_str(),
-              Describe(copy_sync).c_str());
+  std::printf("importer_write_by_copy%s: %s / sync %s\n", read_only ? "" : " (read-write)",
+              Describe(copy).c_str(), Describe(copy_sync).c_str());
   std::fflush(stdout);
   if (copy == CUDA_SUCCESS && copy_sync == CUDA_SUCCESS) {
     const CUresult set = api.cuMemsetD8(ptr + 4096, 0, 64);
     const CUresult set_sync = api.cuCtxSynchronize();
-    std::printf("importer_write_by_kernel: %s / sync %s\n", Describe(set).c_str(),
-                Describe(set_sync).c_str());
+    std::printf("importer_write_by_kernel%s: %s / sync %s\n", read_only ? "" : " (read-write)",
+                Describe(set).c_str(), Describe(set_sync).c_str());
   }
   std::fflush(stdout);
-  return 0;
+  return reads ? 0 : 1;
+}
+
+// Importer 2: maps, tells the exporter (on `signal_fd`) to let go of
+// everything, waits until it has (on `wait_fd`), then reads again.
+int SurvivingImporter(int fd, size_t size, int signal_fd, int wait_fd) {
+  const CUdevice dev = Start();
+  bool read_only = false;
+  CUdeviceptr ptr = Import(fd, size, dev, &read_only);
+  ::close(fd);
+  const char c = 'm';
+  char done = 0;
+  if (::write(signal_fd, &c, 1) != 1 || ::read(wait_fd, &done, 1) != 1) return 1;
+  const bool survived = HoldsPattern(ptr, size);
+  std::printf("bytes_after_exporter_let_go: %s\n", survived ? "intact" : "LOST");
+  std::fflush(stdout);
+  return survived ? 0 : 1;
+}
+
+// Starts this program again as an importer with `args`; the descriptors
+// named in `keep` are inherited.
+pid_t Spawn(const char* self, const std::vector<std::string>& args, const std::vector<int>& keep) {
+  for (int fd : keep) ::fcntl(fd, F_SETFD, 0);
+  std::fflush(stdout);
+  const pid_t child = ::fork();
+  if (child == 0) {
+    std::vector<char*> argv = {const_cast<char*>(self)};
+    for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    ::execv("/proc/self/exe", argv.data());
+    ::_exit(127);
+  }
+  return child;
+}
+
+int Wait(pid_t child, const char* what) {
+  int status = 0;
+  ::waitpid(child, &status, 0);
+  const int code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  std::printf("%s_exit: %d\n", what, code);
+  return code;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc == 4 && std::strcmp(argv[1], "--child") == 0) {
-    return Child(std::atoi(argv[2]), static_cast<size_t>(std::strtoull(argv[3], nullptr, 10)));
+  if (argc == 4 && std::strcmp(argv[1], "--write") == 0) {
+    return WritingImporter(std::atoi(argv[2]), std::strtoull(argv[3], nullptr, 10));
+  }
+  if (argc == 6 && std::strcmp(argv[1], "--survive") == 0) {
+    return SurvivingImporter(std::atoi(argv[2]), std::strtoull(argv[3], nullptr, 10),
+                             std::atoi(argv[4]), std::atoi(argv[5]));
   }
   size_t mib = 1024;
   for (int i = 1; i + 1 < argc; i += 2) {
@@ -253,25 +308,33 @@ int main(int argc, char** argv) {
   int fd = -1;
   Check("cuMemExportToShareableHandle",
         api.cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
-  ::fcntl(fd, F_SETFD, 0);  // the importer inherits it
-  // The exporter lets go of its own handle: the importer's keeps the memory.
-  Check("cuMemRelease (exporter's handle)", api.cuMemRelease(h));
-  std::fflush(stdout);
-  const pid_t child = ::fork();
-  if (child == 0) {
-    const std::string fd_text = std::to_string(fd), size_text = std::to_string(size);
-    ::execl("/proc/self/exe", argv[0], "--child", fd_text.c_str(), size_text.c_str(), nullptr);
-    ::_exit(127);
-  }
-  int status = 0;
-  ::waitpid(child, &status, 0);
-  std::printf("importer_exit: %s %d\n", WIFSIGNALED(status) ? "signal" : "code",
-              WIFSIGNALED(status) ? WTERMSIG(status) : WEXITSTATUS(status));
-  // Did the importer's writes reach the memory the exporter maps?
+  const std::string size_text = std::to_string(size), fd_text = std::to_string(fd);
+
+  // 1. An importer writes through its read-only mapping; the exporter,
+  //    still mapping the memory, looks at its bytes after.
+  int failed = Wait(Spawn(argv[0], {"--write", fd_text, size_text}, {fd}), "writing_importer");
+  const bool unchanged = HoldsPattern(ptr, size);
   std::printf("exporter_bytes_after_importer_writes: %s\n",
-              HoldsPattern(ptr, size) ? "unchanged" : "CHANGED (read-only not enforced)");
+              unchanged ? "unchanged" : "CHANGED (the importer's writes went through)");
+
+  // 2. Another importer maps; the exporter lets go of everything; the
+  //    importer reads again (the pattern restored first, if 1 changed it).
+  if (!unchanged) Check("cuMemcpyHtoD", api.cuMemcpyHtoD(ptr, pageable.data(), size));
+  int to_parent[2], to_child[2];
+  if (::pipe(to_parent) != 0 || ::pipe(to_child) != 0) return 1;
+  const pid_t survivor = Spawn(
+      argv[0],
+      {"--survive", fd_text, size_text, std::to_string(to_parent[1]), std::to_string(to_child[0])},
+      {fd, to_parent[1], to_child[0]});
+  ::close(to_parent[1]);  // a survivor that dies ends the read below
+  ::close(to_child[0]);
+  char c = 0;
+  const bool mapped = ::read(to_parent[0], &c, 1) == 1;
   Check("cuMemUnmap", api.cuMemUnmap(ptr, size));
   Check("cuMemAddressFree", api.cuMemAddressFree(ptr, size));
+  Check("cuMemRelease", api.cuMemRelease(h));
   ::close(fd);
-  return 0;
+  if (mapped && ::write(to_child[1], "r", 1) != 1) return 1;
+  failed |= Wait(survivor, "surviving_importer");
+  return failed != 0 ? 1 : 0;
 }
