@@ -15,7 +15,6 @@
 #include "client/admin.h"
 #include "daemon/server.h"
 #include "io/file.h"
-#include "memory/cuda.h"
 #include "protocol/paths.h"
 
 namespace weightd::cli {
@@ -148,16 +147,6 @@ int RunServe(ServeOptions o) {
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
-  // The host is always served; GPUs are listed (not yet served) or the
-  // reason there are none is said once.
-  if (auto gpus = memory::ListCudaDevices(); gpus.ok()) {
-    for (const memory::CudaDevice& d : *gpus) {
-      so.log("cuda:" + std::to_string(d.ordinal) + " is " + d.name + " (cuda:" + d.uuid +
-             "): seen, not served (the CUDA segment backend is not built yet)");
-    }
-  } else {
-    so.log("serving the host only; cuda: " + gpus.error().message());
-  }
   std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
             << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
   // Models from the config load in the background: engines may ask (and

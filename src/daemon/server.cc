@@ -14,6 +14,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <future>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -60,10 +61,14 @@ std::string ReadSmallFile(int fd) {
   return s;
 }
 
-// The CUDA devices this daemon sees, or why it sees none. Models live in
-// host memory only until the CUDA segment backend is built.
-json CudaJson() {
-  auto devices = memory::ListCudaDevices();
+// The CUDA devices this daemon sees, or why it sees none; `probe` is the
+// driver's answer, asked once in the background at start (a slow or hung
+// driver must not hold up the host), not ready yet while it thinks.
+json CudaJson(const std::shared_future<Result<std::vector<memory::CudaDevice>>>& probe) {
+  if (!probe.valid() || probe.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+    return {{"available", false}, {"reason", "still asking the CUDA driver"}};
+  }
+  const auto& devices = probe.get();
   if (!devices.ok()) return {{"available", false}, {"reason", devices.error().message()}};
   json list = json::array();
   for (const memory::CudaDevice& d : *devices) {
@@ -114,6 +119,7 @@ struct Server::State {
   int workers = 0;
   int idle_workers = 0;                     // blocked in accept()
   std::atomic<int64_t> last_emfile_log{0};  // steady_clock ticks
+  std::shared_future<Result<std::vector<memory::CudaDevice>>> cuda_probe;
   uint64_t next_connection = 1;
 
   void Log(const std::string& line) {
@@ -204,6 +210,27 @@ Status Server::Start() {
   // end (when enough others are idle too).
   const timeval accept_timeout{std::chrono::seconds(kIdleExit).count(), 0};
   ::setsockopt(s.listen_fd.get(), SOL_SOCKET, SO_RCVTIMEO, &accept_timeout, sizeof accept_timeout);
+
+  // The GPUs, asked in the background and logged once known: the host is
+  // served meanwhile, and a hung driver holds up neither serving nor exit
+  // (the thread is detached and owns what it uses).
+  try {
+    auto answer = std::make_shared<std::promise<Result<std::vector<memory::CudaDevice>>>>();
+    s.cuda_probe = answer->get_future().share();
+    std::thread([answer, log = s.options.log] {
+      auto gpus = memory::ListCudaDevices();
+      if (log && !gpus.ok()) log("serving the host only; cuda: " + gpus.error().message());
+      if (log && gpus.ok()) {
+        for (const memory::CudaDevice& d : *gpus) {
+          log("cuda:" + std::to_string(d.ordinal) + " is " + d.name + " (cuda:" + d.uuid +
+              "): seen, not served (the CUDA segment backend is not built yet)");
+        }
+      }
+      answer->set_value(std::move(gpus));
+    }).detach();
+  } catch (const std::system_error&) {
+    // No thread for it: status says the driver was not asked.
+  }
 
   int pipe_fds[2];
   if (::pipe2(pipe_fds, O_CLOEXEC | O_NONBLOCK) != 0) return Error(Errno("pipe"));
@@ -479,7 +506,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
 
   if (type == "status" || type == "memory") {
     Registry::Snapshot snap = registry.Take();
-    json reply = {{"type", type}, {"devices", DeviceJson(snap)}, {"cuda", CudaJson()}};
+    json reply = {{"type", type}, {"devices", DeviceJson(snap)}, {"cuda", CudaJson(cuda_probe)}};
     if (type == "status") {
       json models = json::array();
       for (size_t i = 0; i < snap.models.size(); ++i) {
