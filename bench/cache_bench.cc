@@ -70,16 +70,21 @@ json Weightd(std::vector<std::string> args) {
   return json::parse(bench::RunCapture(args));
 }
 
-double LoadSeconds(const std::string& model, const std::string& sock, const std::string& source) {
-  json j = Weightd({"load", model, "--json", "--socket-dir", sock});
+// `flags`: processing flags (and --tp-rank), after the rest.
+double LoadSeconds(const std::string& model, const std::string& sock, const std::string& source,
+                   const std::vector<std::string>& flags = {}) {
+  std::vector<std::string> args = {"load", model, "--json", "--socket-dir", sock};
+  args.insert(args.end(), flags.begin(), flags.end());
+  json j = Weightd(args);
   if (j["source"] != source) Die("load of " + model + " came from " + j["source"].dump());
   return j["seconds"];
 }
 
-double PreloadSeconds(const std::string& model) {
+double PreloadSeconds(const std::string& model, const std::vector<std::string>& flags = {}) {
   Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
-  json j = Weightd({"preload", model, "--json", "--socket-dir", socket_dir});
-  return j["seconds"];
+  std::vector<std::string> args = {"preload", model, "--json", "--socket-dir", socket_dir};
+  args.insert(args.end(), flags.begin(), flags.end());
+  return Weightd(args)["seconds"];
 }
 
 double CopyToShm(const std::string& model) {
@@ -133,20 +138,11 @@ void MeasureProcessing(const std::string& work, int gb) {
   constexpr int kRanks = 4;
   const std::vector<std::string> flags = {
       "--tp-size", std::to_string(kRanks), "--shard-plan", "llama", "--quant", "fp8-block"};
-  auto preload = [&] {
-    Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
-    std::vector<std::string> args = {"preload", model, "--json", "--socket-dir", socket_dir};
-    args.insert(args.end(), flags.begin(), flags.end());
-    return Weightd(args)["seconds"].get<double>();
-  };
+  auto preload = [&] { return PreloadSeconds(model, flags); };
   auto load = [&](int rank, const std::string& sock, const std::string& source) {
-    std::vector<std::string> args = {
-        "load", model, "--json", "--socket-dir", sock, "--tp-rank", std::to_string(rank)};
-    args.insert(args.end(), flags.begin(), flags.end());
-    json j = Weightd(args);
-    if (j["source"] != source)
-      Die("rank " + std::to_string(rank) + " came from " + j["source"].dump());
-    return j["seconds"].get<double>();
+    std::vector<std::string> rank_flags = flags;
+    rank_flags.insert(rank_flags.end(), {"--tp-rank", std::to_string(rank)});
+    return LoadSeconds(model, sock, source, rank_flags);
   };
   std::cerr << "processing\n";
   const int n = std::max(1, repeats / 2);

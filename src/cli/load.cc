@@ -132,19 +132,18 @@ void AddProcessingFlags(CLI::App& app, protocol::Processing& p) {
 }
 
 Status FinishProcessingFlags(protocol::Processing& p) {
-  if (p.shard_plan.empty()) {
-    if (p.tp_size > 1 || p.quant != "none") {
-      return Error("name a --shard-plan (llama, replicate or a TOML file): with --tp-size " +
-                   std::to_string(p.tp_size) + " and --quant " + p.quant +
-                   " it decides what is split and quantized");
-    }
-    p.shard_plan = "replicate";
+  WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(p));
+  // The same checks the library makes (a plan named where one is needed, a
+  // plan file that reads), reported as usage errors.
+  if (auto resolved = transform::ResolveProcessing(p.tp_size, p.dtype, p.quant, p.shard_plan);
+      !resolved.ok()) {
+    return resolved.error();
   }
   // A plan file is read by the daemon too, from another directory.
   if (transform::IsPlanFile(p.shard_plan)) {
     WEIGHTD_ASSIGN_OR_RETURN(p.shard_plan, io::PosixFileSystem().RealPath(p.shard_plan));
   }
-  return protocol::CheckSupported(p);
+  return OkStatus();
 }
 
 Command AddLoadCommand(CLI::App& root) {

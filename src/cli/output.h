@@ -65,8 +65,8 @@ Command AddLoadCommand(CLI::App& root);
 // The processing flags `preload` and `load` share (--tp-size, --tp-rank,
 // --dtype, --quant, --shard-plan, --device).
 void AddProcessingFlags(CLI::App& app, protocol::Processing& p);
-// After parsing: the plan's default (replicate, unless splitting or
-// quantizing needs one named), a plan file's absolute path, the checks.
+// After parsing: the checks (a plan named where splitting or quantizing
+// needs one, a plan file that reads), and a plan file's absolute path.
 Status FinishProcessingFlags(protocol::Processing& p);
 
 }  // namespace weightd::cli

@@ -349,8 +349,15 @@ Result<std::shared_ptr<const ShardPlan>> ShardPlan::FromToml(std::string_view te
 }
 
 Result<std::shared_ptr<const ShardPlan>> ShardPlan::Load(const std::string& spec) {
-  if (spec == "llama") return FromRules("llama", LlamaRules());
-  if (spec == "replicate") return FromRules("replicate", {});
+  // Presets are compiled once: every engine start resolves one.
+  if (spec == "llama") {
+    static const auto llama = FromRules("llama", LlamaRules());
+    return llama;
+  }
+  if (spec == "replicate") {
+    static const auto replicate = FromRules("replicate", {});
+    return replicate;
+  }
   if (!IsPlanFile(spec)) {
     return Error("unknown shard plan `" + spec +
                  "` (presets: llama, replicate; or the path of a TOML plan file)");
