@@ -9,8 +9,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto map = weightd::format::ParseIndex(
       "fuzz.index.json", std::string_view(reinterpret_cast<const char*>(data), size));
   if (map.ok()) {
-    for (size_t i = 1; i < map->size(); ++i) {
-      if (!((*map)[i - 1].first < (*map)[i].first)) __builtin_trap();  // sorted, unique
+    const auto& entries = map->entries();
+    for (size_t i = 1; i < entries.size(); ++i) {
+      if (!(entries[i - 1].tensor < entries[i].tensor)) __builtin_trap();  // sorted, unique
+    }
+    for (const auto& e : entries) {
+      if (e.shard >= map->shards().size()) __builtin_trap();
     }
   }
   return 0;

@@ -8,6 +8,7 @@
 #include <optional>
 #include <system_error>
 #include <thread>
+#include <unordered_map>
 
 #include "format/rules.h"
 #include "io/read_many.h"
@@ -132,8 +133,7 @@ uint64_t Checkpoint::file_bytes() const {
   return n;
 }
 
-Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_view label,
-                                                                    std::string_view json) {
+Result<WeightMap> ParseIndex(std::string_view label, std::string_view json) {
   auto fail = [&](const std::string& detail) {
     return Error(std::string(label) + ": " + std::string(rules::kIndexNotJson) +
                  (detail.empty() ? "" : " (" + detail + ")"));
@@ -148,23 +148,47 @@ Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_
   if (root["weight_map"].get_object().get(weight_map) != simdjson::SUCCESS) {
     return fail("no weight_map object");
   }
-  std::vector<std::pair<std::string, std::string>> entries;
-  entries.reserve(weight_map.size());
+  WeightMap map;
+  // Unescaped keys are never longer than the text that spells them, so
+  // the buffer never moves and the views into it stay put.
+  auto names = std::make_shared<std::string>();
+  names->reserve(json.size());
+  map.entries_.reserve(weight_map.size());
+  std::unordered_map<std::string_view, uint32_t> shard_index;
   for (auto field : weight_map) {
     std::string_view shard;
     if (field.value.get_string().get(shard) != simdjson::SUCCESS) {
       return fail("weight_map value for `" + std::string(field.key) + "` is not a string");
     }
-    entries.emplace_back(std::string(field.key), std::string(shard));
+    // Neighbours mostly share a shard.
+    uint32_t index;
+    if (!map.shards_.empty() && map.shards_[map.entries_.back().shard] == shard) {
+      index = map.entries_.back().shard;
+    } else if (auto it = shard_index.find(shard); it != shard_index.end()) {
+      index = it->second;
+    } else {
+      index = static_cast<uint32_t>(map.shards_.size());
+      map.shards_.emplace_back(shard);
+      shard_index.emplace(shard, index);  // a view into the parser's strings
+    }
+    const size_t at = names->size();
+    names->append(field.key);
+    map.entries_.push_back({std::string_view(*names).substr(at, field.key.size()), index});
   }
+  map.names_ = std::move(names);
   // Index files are usually written sorted already.
-  if (!std::is_sorted(entries.begin(), entries.end())) std::sort(entries.begin(), entries.end());
-  for (size_t i = 1; i < entries.size(); ++i) {
-    if (entries[i].first == entries[i - 1].first) {
-      return fail("tensor `" + entries[i].first + "` listed twice");
+  auto by_tensor = [](const WeightMap::Entry& a, const WeightMap::Entry& b) {
+    return a.tensor < b.tensor;
+  };
+  if (!std::is_sorted(map.entries_.begin(), map.entries_.end(), by_tensor)) {
+    std::sort(map.entries_.begin(), map.entries_.end(), by_tensor);
+  }
+  for (size_t i = 1; i < map.entries_.size(); ++i) {
+    if (map.entries_[i].tensor == map.entries_[i - 1].tensor) {
+      return fail("tensor `" + std::string(map.entries_[i].tensor) + "` listed twice");
     }
   }
-  return entries;
+  return map;
 }
 
 Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
@@ -231,9 +255,7 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
     // Remember the list under the signature of the bytes actually read.
     if (index_signature && !(*index_signature == read_signature)) index_signature.reset();
     // Neighbouring tensors mostly share a shard: sorted and made unique below.
-    for (const auto& [tensor, shard] : *listing.weight_map) {
-      if (names.empty() || names.back() != shard) names.push_back(shard);
-    }
+    names = listing.weight_map->shards();
     listing.round_trips += 2;  // open, read
     listing.reads = 1;
     listing.bytes_read = text.size();
@@ -311,16 +333,14 @@ std::vector<std::pair<size_t, size_t>> TensorsByName(const std::vector<Shard>& s
   return out;
 }
 
-Status CheckAcrossShards(
-    const std::string& path, const std::vector<Shard>& shards,
-    const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map) {
+Status CheckAcrossShards(const std::string& path, const std::vector<Shard>& shards,
+                         const std::optional<WeightMap>& weight_map) {
   return CheckAcrossShards(path, shards, weight_map, TensorsByName(shards));
 }
 
-Status CheckAcrossShards(
-    const std::string& path, const std::vector<Shard>& shards,
-    const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map,
-    const std::vector<std::pair<size_t, size_t>>& all) {
+Status CheckAcrossShards(const std::string& path, const std::vector<Shard>& shards,
+                         const std::optional<WeightMap>& weight_map,
+                         const std::vector<std::pair<size_t, size_t>>& all) {
   auto name = [&](const std::pair<size_t, size_t>& t) -> const std::string& {
     return shards[t.first].header.tensors[t.second].name;
   };
@@ -338,10 +358,12 @@ Status CheckAcrossShards(
   if (weight_map) {
     const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
     size_t at = 0;
-    for (const auto& [tensor, shard_name] : *weight_map) {
-      while (at < all.size() && name(all[at]) < tensor) ++at;
-      if (at == all.size() || name(all[at]) != tensor || shards[all[at].first].name != shard_name) {
-        return Error(index_path + ": tensor `" + tensor +
+    for (const WeightMap::Entry& e : weight_map->entries()) {
+      while (at < all.size() && name(all[at]) < e.tensor) ++at;
+      const std::string& shard_name = weight_map->shard_of(e);
+      if (at == all.size() || name(all[at]) != e.tensor ||
+          shards[all[at].first].name != shard_name) {
+        return Error(index_path + ": tensor `" + std::string(e.tensor) +
                      "`: " + std::string(rules::kIndexTensorMissing) + " (" + shard_name + ")");
       }
     }

@@ -14,7 +14,9 @@
 // Thread safety: pure functions over the FileSystem given; safe from any thread.
 #pragma once
 
+#include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <string>
 #include <utility>
@@ -53,6 +55,27 @@ struct Checkpoint {
   uint64_t file_bytes() const;
 };
 
+// An index's weight_map: each tensor it names, by name, and its shard. The
+// names are views into one buffer the map owns (an index of 70,000 tensors
+// is one allocation, not 140,000).
+class WeightMap {
+ public:
+  struct Entry {
+    std::string_view tensor;
+    uint32_t shard;  // into shards()
+  };
+  const std::vector<Entry>& entries() const { return entries_; }
+  // Every shard the map names, in the order first named.
+  const std::vector<std::string>& shards() const { return shards_; }
+  const std::string& shard_of(const Entry& e) const { return shards_[e.shard]; }
+
+ private:
+  friend Result<WeightMap> ParseIndex(std::string_view label, std::string_view json);
+  std::shared_ptr<const std::string> names_;  // shared: copies keep the views valid
+  std::vector<Entry> entries_;
+  std::vector<std::string> shards_;
+};
+
 struct ShardListing {
   std::vector<ShardRef> shards;  // by name
   bool has_index = false;
@@ -63,8 +86,8 @@ struct ShardListing {
   // single-file checkpoint): a shard whose `resolved` is this joined with its
   // name is the regular file the listing saw, not a symlink.
   std::string real_dir;
-  // The index's weight_map (tensor -> shard name, by tensor), when there is one.
-  std::optional<std::vector<std::pair<std::string, std::string>>> weight_map;
+  // The index's weight_map, when there is one.
+  std::optional<WeightMap> weight_map;
   // File-system operations one after another that the listing cost (stat,
   // index lookup/open/read or directory read, shard lookups): what it costs
   // in round trips on a latency-bound file system.
@@ -101,9 +124,9 @@ struct ListOptions {
 Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
                                 const ListOptions& options = {});
 
-// Parses an index's weight_map: tensor name -> shard name, sorted by tensor.
-Result<std::vector<std::pair<std::string, std::string>>> ParseIndex(std::string_view label,
-                                                                    std::string_view json);
+// Parses an index's weight_map: tensor name -> shard name, sorted by tensor;
+// a name listed twice is an error.
+Result<WeightMap> ParseIndex(std::string_view label, std::string_view json);
 
 // Every tensor of `shards` in name order, as (shard index, tensor index):
 // a merge of the headers' own name order, cheaper than sorting the names.
@@ -112,14 +135,12 @@ std::vector<std::pair<size_t, size_t>> TensorsByName(const std::vector<Shard>& s
 // The checks across shards, once every header is read: a tensor name in one
 // shard only, and (with an index) each tensor the index maps found in the
 // shard it names. `shards` by name.
-Status CheckAcrossShards(
-    const std::string& path, const std::vector<Shard>& shards,
-    const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map);
+Status CheckAcrossShards(const std::string& path, const std::vector<Shard>& shards,
+                         const std::optional<WeightMap>& weight_map);
 // The same, for a caller that has TensorsByName(shards) already.
-Status CheckAcrossShards(
-    const std::string& path, const std::vector<Shard>& shards,
-    const std::optional<std::vector<std::pair<std::string, std::string>>>& weight_map,
-    const std::vector<std::pair<size_t, size_t>>& by_name);
+Status CheckAcrossShards(const std::string& path, const std::vector<Shard>& shards,
+                         const std::optional<WeightMap>& weight_map,
+                         const std::vector<std::pair<size_t, size_t>>& by_name);
 
 // Lists the shards and reads and validates every header (many at once).
 // With an index, also checks that each tensor it maps is in the shard it
