@@ -152,8 +152,9 @@ TEST(HostSegment, WritingThroughAMappingFaults) {
 }
 
 TEST(Manifest, RoundTripsAndAlignsEveryTensor) {
+  const std::vector<uint64_t> b_shape = {3, 5}, c_shape = {7};
   std::vector<memory::TensorLayout> tensors = {
-      {"b", "BF16", {3, 5}, 30, 0}, {"a", "F32", {}, 4, 0}, {"c", "U8", {7}, 7, 0}};
+      {"b", "BF16", b_shape, 30, 0}, {"a", "F32", {}, 4, 0}, {"c", "U8", c_shape, 7, 0}};
   auto plan = memory::PlanSegment(tensors);
   ASSERT_TRUE(plan.ok());
   std::vector<std::byte> seg(plan->total_bytes + 4096);
@@ -174,7 +175,8 @@ TEST(Manifest, RoundTripsAndAlignsEveryTensor) {
 }
 
 TEST(Manifest, CorruptTablesAreErrorsNotCrashes) {
-  auto plan = memory::PlanSegment({{"w", "F32", {2}, 8, 0}});
+  const std::vector<uint64_t> shape = {2};
+  auto plan = memory::PlanSegment({{"w", "F32", shape, 8, 0}});
   ASSERT_TRUE(plan.ok());
   std::vector<uint64_t> words(plan->total_bytes / 8 + 1);
   std::span<std::byte> seg(reinterpret_cast<std::byte*>(words.data()), plan->total_bytes);
@@ -273,6 +275,50 @@ TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
           << t.name;
     }
   }
+}
+
+// A segment the loader cannot read back, as a GPU's memory is.
+class UnreadableSegment final : public memory::Segment {
+ public:
+  explicit UnreadableSegment(std::unique_ptr<memory::Segment> inner) : inner_(std::move(inner)) {}
+  memory::Device device() const override { return inner_->device(); }
+  uint64_t size() const override { return inner_->size(); }
+  uint64_t reserved_bytes() const override { return inner_->reserved_bytes(); }
+  bool huge_pages() const override { return inner_->huge_pages(); }
+  Status Write(uint64_t offset, std::span<const std::span<const std::byte>> pieces) override {
+    return inner_->Write(offset, pieces);
+  }
+  Status Seal() override { return inner_->Seal(); }
+  std::span<const std::byte> readable() const override { return {}; }
+  Result<memory::UniqueFd> Export() const override { return inner_->Export(); }
+
+ private:
+  std::unique_ptr<memory::Segment> inner_;
+};
+
+TEST(Loader, DigestIsTheSameWhenTheSegmentCannotBeReadBack) {
+  TempDir dir;
+  const std::string path = dir.Join("m");
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(path, {.preset = "tiny"}).ok());
+  loader::LoadOptions o;
+  uint64_t reads_readable = 0;
+  {
+    auto readable = loader::LoadCheckpoint(io::PosixFileSystem(), path);
+    ASSERT_TRUE(readable.ok());
+    reads_readable = readable->reads;
+  }
+  o.allocate = [](uint64_t bytes, int) -> Result<std::unique_ptr<memory::Segment>> {
+    auto inner = memory::CreateHostSegment(bytes, "unreadable");
+    if (!inner.ok()) return inner.error();
+    return std::unique_ptr<memory::Segment>(new UnreadableSegment(std::move(inner).value()));
+  };
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message();
+  auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, {});
+  ASSERT_TRUE(fp.ok());
+  EXPECT_EQ(loaded->checkpoint_digest, fp->digest);
+  // Its samples were read again from the files.
+  EXPECT_GT(loaded->reads, reads_readable);
 }
 
 TEST(Loader, AnAllocationRefusedIsTheLoadsError) {

@@ -7,6 +7,7 @@
 #include <bit>
 #include <cmath>
 #include <cstring>
+#include <deque>
 #include <fstream>
 #include <limits>
 #include <map>
@@ -368,10 +369,15 @@ TEST(ShardPlan, BadPlansAreErrorsThatSayWhy) {
 
 // --- the per-tensor plan, from headers only ---
 
+// Source tensors are views into parsed headers; these tests' names and
+// shapes live here, for the length of the test program.
 transform::SourceTensor T(std::string name, DType dtype, std::vector<uint64_t> shape) {
+  static std::deque<std::string> names;
+  static std::deque<std::vector<uint64_t>> shapes;
   uint64_t n = 1;
   for (uint64_t d : shape) n *= d;
-  return {std::move(name), dtype, std::move(shape), n * format::DTypeBits(dtype) / 8};
+  return {names.emplace_back(std::move(name)), dtype, shapes.emplace_back(std::move(shape)),
+          n * format::DTypeBits(dtype) / 8};
 }
 
 Result<transform::TensorPlan> PlanOf(std::vector<transform::SourceTensor> sources, int tp,
@@ -727,8 +733,8 @@ TEST(Sharding, PlansThatCannotBeServedFailBeforeAnyWeightByteIsRead) {
   auto write = [&](const std::string& name, std::vector<transform::SourceTensor> specs) {
     std::vector<format::TensorData> tensors;
     for (auto& s : specs) {
-      tensors.push_back(
-          {{s.name, s.dtype, s.shape}, std::vector<std::byte>(s.bytes, std::byte{1})});
+      tensors.push_back({{std::string(s.name), s.dtype, {s.shape.begin(), s.shape.end()}},
+                         std::vector<std::byte>(s.bytes, std::byte{1})});
     }
     const std::string path = dir.Join(name);
     EXPECT_TRUE(format::WriteSafetensors(path, tensors).ok());

@@ -182,7 +182,8 @@ int ExplainPlan(const Checkpoint& ckpt, InspectOptions& o) {
            {"split", std::string(transform::SplitName(t.split))},
            {"op", std::string(transform::OpName(t.op))},
            {"source_dtype", std::string(format::DTypeName(sources[t.source].dtype))},
-           {"source_shape", sources[t.source].shape},
+           {"source_shape",
+            std::vector<uint64_t>(sources[t.source].shape.begin(), sources[t.source].shape.end())},
            {"dtype", std::string(format::DTypeName(t.dtype))},
            {"shape", t.shape},
            {"bytes_per_rank", t.bytes}});

@@ -224,7 +224,7 @@ Result<ShardHeader> ParsePadded(std::string_view label, const simdjson::padded_s
 
 }  // namespace
 
-std::string ShapeString(const std::vector<uint64_t>& shape) {
+std::string ShapeString(std::span<const uint64_t> shape) {
   std::string s = "[";
   for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
   return s + "]";

@@ -60,7 +60,7 @@ struct ShardHeader {
 };
 
 // "[2, 3]": a shape as errors and listings print it.
-std::string ShapeString(const std::vector<uint64_t>& shape);
+std::string ShapeString(std::span<const uint64_t> shape);
 
 // Checks the 8-byte prefix against the file's size and returns N.
 // `label` names the file in errors.

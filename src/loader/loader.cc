@@ -20,6 +20,8 @@ namespace weightd::loader {
 namespace {
 
 constexpr int kParallelHeaderReads = 16;
+// Shards hashed at once, from memory.
+constexpr size_t kDigestThreads = 4;
 // Progress is reported between batches of reads of about this many bytes.
 constexpr uint64_t kProgressBatchBytes = 256ull << 20;
 const uint64_t kSampleBytes = fingerprint::Options{}.sample_bytes;
@@ -60,19 +62,24 @@ struct Source {
   size_t shard;
   uint64_t file_offset;  // of its first byte
   uint64_t bytes;
-  uint64_t sample_at;  // into Samples::bytes
+  uint64_t sample_at;  // into Samples::bytes, unless `whole`
   uint64_t sample_bytes;
+  // Copied whole and unchanged into every segment, at `whole_at`.
+  bool whole = false;
+  uint64_t whole_at = 0;
 };
 
-// The first KiB of every tensor, caught as the reads pass by.
+// The first KiB of every tensor the segments do not hold as the file has
+// it, caught as the reads pass by. (Those copied whole are hashed from the
+// sealed segment: no copy of tens of megabytes for 70,000 small tensors.)
 struct Samples {
-  std::vector<std::byte> bytes;
+  std::unique_ptr<std::byte[]> bytes;
   std::unique_ptr<std::atomic<bool>[]> caught;
 
   // `data` holds the tensor's bytes from `offset` on.
   void Offer(const Source& s, size_t index, uint64_t offset, std::span<const std::byte> data) {
     if (offset != 0 || data.size() < s.sample_bytes || caught[index].exchange(true)) return;
-    std::memcpy(bytes.data() + s.sample_at, data.data(), static_cast<size_t>(s.sample_bytes));
+    std::memcpy(bytes.get() + s.sample_at, data.data(), static_cast<size_t>(s.sample_bytes));
   }
 };
 
@@ -274,7 +281,6 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     source_tensors.reserve(by_name.size());
     sources.reserve(by_name.size());
     for (size_t s = 0; s < shards.size(); ++s) index_of[s].resize(headers[s].header.tensors.size());
-    uint64_t sample_at = 0;
     for (const auto& [s, t] : by_name) {
       const format::ShardHeader& h = headers[s].header;
       const format::TensorInfo& info = h.tensors[t];
@@ -282,8 +288,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       source_tensors.push_back({info.name, info.dtype, info.shape, info.bytes()});
       source_dtypes.push_back(info.dtype);
       const uint64_t sample = std::min(kSampleBytes, info.bytes());
-      sources.push_back({s, h.data_offset() + info.begin, info.bytes(), sample_at, sample});
-      sample_at += sample;
+      sources.push_back({s, h.data_offset() + info.begin, info.bytes(), 0, sample});
     }
   }
   // The processing, checked against the headers before any weight byte.
@@ -294,7 +299,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   std::vector<memory::TensorLayout> layout;
   layout.reserve(plan.outputs.size());
   for (const transform::OutputTensor& o : plan.outputs) {
-    layout.push_back({o.name, std::string(format::DTypeName(o.dtype)), o.shape, o.bytes, 0});
+    layout.push_back({o.name, format::DTypeName(o.dtype), o.shape, o.bytes, 0});
   }
   WEIGHTD_ASSIGN_OR_RETURN(memory::SegmentPlan segment_plan,
                            memory::PlanSegment(std::move(layout)));
@@ -338,6 +343,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     if (o.op == transform::Op::kScale) continue;  // made with the weight before it
     if (o.op == transform::Op::kCopy && o.split == transform::Split::kReplicate) {
       replicated_by_shard[src.shard].push_back(i);
+      sources[o.source].whole = true;
+      sources[o.source].whole_at = offsets[i];
       continue;
     }
     if (o.op == transform::Op::kCopy && o.split != transform::Split::kRow) {
@@ -425,7 +432,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
             transform::SourceRowBytes(o, source_dtypes[o.source]) + transform::OutputRowBytes(o),
             &bytes) ||
         bytes > kBufferBudget) {
-      return Error(path + ": tensor `" + o.name + "`: rows of " +
+      return Error(path + ": tensor `" + std::string(o.name) + "`: rows of " +
                    std::to_string(transform::SourceRowBytes(o, source_dtypes[o.source])) +
                    " bytes are too long to process " + std::to_string(rows) + " at a time");
     }
@@ -441,11 +448,15 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   Samples samples;
   {
     uint64_t total = 0;
-    for (const Source& s : sources) total += s.sample_bytes;
-    samples.bytes.resize(static_cast<size_t>(total));
+    for (Source& s : sources) {
+      if (s.whole) continue;
+      s.sample_at = total;
+      total += s.sample_bytes;
+    }
+    samples.bytes.reset(new std::byte[total]);
   }
   samples.caught.reset(new std::atomic<bool>[sources.size()]);
-  for (size_t i = 0; i < sources.size(); ++i) samples.caught[i].store(false);
+  for (size_t i = 0; i < sources.size(); ++i) samples.caught[i].store(sources[i].whole);
   const Context context{shards, sources, source_dtypes, plan, offsets, targets, samples};
   const size_t jobs = copies.size() + bands.size();
   uint64_t total = 0;
@@ -492,13 +503,29 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     WEIGHTD_RETURN_IF_ERROR(targets[t].segment->Write(range.first, zero));
   }
 
+  for (LoadedRank& r : model.ranks) WEIGHTD_RETURN_IF_ERROR(r.segment->Seal());
+  // Whole copies' samples are in every segment, where it can be read back
+  // (host memory); else they are read again from the files.
+  const std::span<const std::byte> segment = targets.front().segment->readable();
+  std::vector<std::byte> reread;
+  const bool from_segment = segment.size() >= segment_plan.total_bytes;
+  if (!from_segment) {
+    for (Source& s : sources) {
+      if (!s.whole) continue;
+      s.whole_at = reread.size();
+      reread.resize(reread.size() + s.sample_bytes);
+    }
+    for (size_t i = 0; i < sources.size(); ++i) {
+      if (sources[i].whole) samples.caught[i].store(false);
+    }
+  }
   // Samples no read passed by (a rank that reads only part of a tensor).
   for (size_t i = 0; i < sources.size(); ++i) {
     if (samples.caught[i].load() || sources[i].sample_bytes == 0) continue;
     const Source& s = sources[i];
+    std::byte* to = s.whole ? reread.data() + s.whole_at : samples.bytes.get() + s.sample_at;
     WEIGHTD_RETURN_IF_ERROR(shards[s.shard].file->ReadExactly(
-        s.file_offset,
-        std::span(samples.bytes.data() + s.sample_at, static_cast<size_t>(s.sample_bytes))));
+        s.file_offset, std::span(to, static_cast<size_t>(s.sample_bytes))));
     ++reads;
     done += s.sample_bytes;
   }
@@ -510,23 +537,28 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       return Error(headers[s].path + ": changed while being loaded; nothing was published");
     }
   }
-  for (LoadedRank& r : model.ranks) WEIGHTD_RETURN_IF_ERROR(r.segment->Seal());
 
-  // The sampled fingerprint of what was read.
+  // The sampled fingerprint of what was read, shards many at once.
+  const std::byte* wholes = from_segment ? segment.data() : reread.data();
   std::vector<fingerprint::ShardFingerprint> digests(shards.size());
-  for (size_t s = 0; s < shards.size(); ++s) {
+  std::atomic<size_t> next_shard{0};
+  io::RunTeam(static_cast<int>(std::min<size_t>(shards.size(), kDigestThreads)), [&](int) {
     std::vector<std::span<const std::byte>> shard_samples;
-    shard_samples.reserve(index_of[s].size());
-    for (size_t i : index_of[s]) {
-      shard_samples.push_back(std::span(samples.bytes.data() + sources[i].sample_at,
-                                        static_cast<size_t>(sources[i].sample_bytes)));
+    for (size_t s; (s = next_shard.fetch_add(1)) < shards.size();) {
+      shard_samples.clear();
+      for (size_t i : index_of[s]) {
+        const Source& src = sources[i];
+        const std::byte* at =
+            src.whole ? wholes + src.whole_at : samples.bytes.get() + src.sample_at;
+        shard_samples.push_back(std::span(at, static_cast<size_t>(src.sample_bytes)));
+      }
+      digests[s].name = headers[s].name;
+      digests[s].digest = fingerprint::SampledShardDigest(
+          headers[s].file_size,
+          std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size())),
+          shard_samples);
     }
-    digests[s].name = headers[s].name;
-    digests[s].digest = fingerprint::SampledShardDigest(
-        headers[s].file_size,
-        std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size())),
-        shard_samples);
-  }
+  });
   model.checkpoint_digest = fingerprint::CombineSampledShards(digests);
   model.shards = shards.size();
   model.tensors = plan.outputs.size();

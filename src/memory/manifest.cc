@@ -72,10 +72,11 @@ Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors) {
   uint64_t dims = 0, strings = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (i > 0 && tensors[i].name == tensors[i - 1].name) {
-      return Error("tensor `" + tensors[i].name + "` twice in one segment");
+      return Error("tensor `" + std::string(tensors[i].name) + "` twice in one segment");
     }
     if (tensors[i].dtype.size() >= kDTypeField) {
-      return Error("dtype name `" + tensors[i].dtype + "` is too long for a segment manifest");
+      return Error("dtype name `" + std::string(tensors[i].dtype) +
+                   "` is too long for a segment manifest");
     }
     dims += tensors[i].shape.size();
     strings += tensors[i].name.size();

@@ -32,10 +32,11 @@ namespace weightd::memory {
 
 inline constexpr uint64_t kTensorAlignment = 256;  // cache lines, and what GPU kernels like
 
+// Views: whatever they point into must outlive the SegmentPlan made of them.
 struct TensorLayout {
-  std::string name;
-  std::string dtype;  // safetensors spelling, e.g. "BF16"
-  std::vector<uint64_t> shape;
+  std::string_view name;
+  std::string_view dtype;  // safetensors spelling, e.g. "BF16"
+  std::span<const uint64_t> shape;
   uint64_t bytes = 0;
   uint64_t offset = 0;  // set by PlanSegment
 };

@@ -66,8 +66,8 @@ std::optional<std::string_view> ForeignQuantization(std::string_view name) {
   return std::nullopt;
 }
 
-Error TensorError(const std::string& name, const std::string& why) {
-  return Error("tensor `" + name + "`: " + why);
+Error TensorError(std::string_view name, const std::string& why) {
+  return Error("tensor `" + std::string(name) + "`: " + why);
 }
 
 bool Mul(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow(a, b, out); }
@@ -139,7 +139,7 @@ Result<OutputTensor> Cut(const SourceTensor& s, Split split, int n) {
   OutputTensor o;
   o.name = s.name;
   o.dtype = s.dtype;
-  o.shape = s.shape;
+  o.shape.assign(s.shape.begin(), s.shape.end());
   o.split = split;
   const auto ranks = static_cast<uint64_t>(n);
   const std::string how = std::string(SplitName(split)) + " split";
@@ -204,7 +204,7 @@ Result<OutputTensor> CutScale(const SourceTensor& weight, const OutputTensor& cu
   if (scale.dtype != DType::kF32 && scale.dtype != DType::kBF16) {
     return TensorError(scale.name, "block scales must be F32 or BF16");
   }
-  if (scale.shape != std::vector<uint64_t>{block_rows, block_cols}) {
+  if (scale.shape.size() != 2 || scale.shape[0] != block_rows || scale.shape[1] != block_cols) {
     return TensorError(scale.name, "block scales of shape [" + std::to_string(block_rows) + ", " +
                                        std::to_string(block_cols) +
                                        "] (128x128 blocks of its weight) expected");
@@ -457,6 +457,7 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
   TensorPlan plan;
   const int n = p.tp_size;
   const bool identity = n == 1 && !p.dtype && !p.fp8_block;
+  plan.outputs.reserve(sources.size());
   for (size_t i = 0; i < sources.size(); ++i) {
     const SourceTensor& s = sources[i];
     if (identity) {  // every tensor as it is, whatever its format
@@ -472,7 +473,7 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
                                      "and --quant none");
     }
     if (EndsWith(s.name, kScaleSuffix)) {
-      const std::string weight_name = s.name.substr(0, s.name.size() - kScaleSuffix.size());
+      const std::string weight_name(s.name.substr(0, s.name.size() - kScaleSuffix.size()));
       const SourceTensor* weight = FindSource(sources, weight_name);
       if (weight == nullptr) {
         return TensorError(s.name, "block scales without their weight `" + weight_name + "`");
@@ -484,11 +485,12 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
       continue;  // cut with its weight, below
     }
     // One rank cuts nothing; the rule still says what is a layer to quantize.
-    const Split rule = p.plan->SplitOf(s.name);
+    const Split rule = p.plan->SplitOf(std::string(s.name));
     const Split split = n == 1 ? Split::kReplicate : rule;
     WEIGHTD_ASSIGN_OR_RETURN(OutputTensor o, Cut(s, split, n));
     o.source = i;
-    const SourceTensor* scale = FindSource(sources, s.name + std::string(kScaleSuffix));
+    const SourceTensor* scale =
+        FindSource(sources, std::string(s.name) + std::string(kScaleSuffix));
     if (scale != nullptr) {  // pre-quantized: weight and scales pass through, cut alike
       WEIGHTD_ASSIGN_OR_RETURN(OutputTensor cut_scale, CutScale(s, o, *scale, n));
       cut_scale.source = static_cast<size_t>(scale - sources.data());
@@ -504,7 +506,7 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
       o.dtype = DType::kF8_E4M3;
       if (!Mul(o.rows, o.row_elems, &o.bytes)) return TensorError(s.name, "too many elements");
       OutputTensor sc;
-      sc.name = s.name + std::string(kScaleSuffix);
+      sc.name = plan.made_names->emplace_back(std::string(s.name) + std::string(kScaleSuffix));
       sc.dtype = DType::kF32;
       sc.rows = (o.rows + kFp8Block - 1) / kFp8Block;
       sc.row_elems = (o.row_elems + kFp8Block - 1) / kFp8Block;
@@ -528,8 +530,12 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
     }
     plan.outputs.push_back(std::move(o));
   }
-  std::sort(plan.outputs.begin(), plan.outputs.end(),
-            [](const OutputTensor& a, const OutputTensor& b) { return a.name < b.name; });
+  // Outputs come in the sources' order, by name, with new scales after their
+  // weights; only a checkpoint that quantizes has some to move.
+  auto by_name = [](const OutputTensor& a, const OutputTensor& b) { return a.name < b.name; };
+  if (!std::is_sorted(plan.outputs.begin(), plan.outputs.end(), by_name)) {
+    std::sort(plan.outputs.begin(), plan.outputs.end(), by_name);
+  }
   for (size_t i = 1; i < plan.outputs.size(); ++i) {
     if (plan.outputs[i].name == plan.outputs[i - 1].name) {
       return TensorError(plan.outputs[i].name, "produced twice (a scale name already taken)");
@@ -538,7 +544,7 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
   // Each quantized weight's scales, by name: other names may sort between.
   for (OutputTensor& o : plan.outputs) {
     if (o.op != Op::kQuantize) continue;
-    const std::string scale_name = o.name + std::string(kScaleSuffix);
+    const std::string scale_name = std::string(o.name) + std::string(kScaleSuffix);
     auto it = std::lower_bound(
         plan.outputs.begin(), plan.outputs.end(), scale_name,
         [](const OutputTensor& t, const std::string& wanted) { return t.name < wanted; });

@@ -16,8 +16,10 @@
 #include <regex.h>
 
 #include <cstdint>
+#include <deque>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -92,11 +94,12 @@ struct Processing {
 Result<Processing> ResolveProcessing(int tp_size, const std::string& dtype,
                                      const std::string& quant, const std::string& shard_plan);
 
-// A tensor as the headers describe it.
+// A tensor as the headers describe it: views into the parsed header, which
+// must outlive it (a plan of 70,000 tensors copies no names to make one).
 struct SourceTensor {
-  std::string name;
+  std::string_view name;
   format::DType dtype = format::DType::kU8;
-  std::vector<uint64_t> shape;
+  std::span<const uint64_t> shape;
   uint64_t bytes = 0;
 };
 
@@ -110,7 +113,7 @@ std::string_view OpName(Op op);
 
 // One tensor of every rank's segment. Every rank's has the same shape.
 struct OutputTensor {
-  std::string name;
+  std::string_view name;  // its source's, or one in TensorPlan::made_names
   format::DType dtype = format::DType::kU8;
   std::vector<uint64_t> shape;
   uint64_t bytes = 0;  // per rank
@@ -134,7 +137,10 @@ struct OutputTensor {
 
 struct TensorPlan {
   std::vector<OutputTensor> outputs;  // by name
-  uint64_t bytes_per_rank = 0;        // tensor bytes, before alignment
+  // Names of the tensors the plan makes (block scales); the others' are
+  // their sources'. Kept where a move of the plan leaves them.
+  std::unique_ptr<std::deque<std::string>> made_names = std::make_unique<std::deque<std::string>>();
+  uint64_t bytes_per_rank = 0;  // tensor bytes, before alignment
 };
 
 // Every tensor of the shards' headers, by name.
