@@ -306,12 +306,11 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   std::vector<uint64_t> offsets(plan.outputs.size());
   for (size_t i = 0; i < offsets.size(); ++i) offsets[i] = segment_plan.tensors[i].offset;
 
-  // Every rank's segment, with its manifest (the same for all ranks).
+  // Every rank's segment. Its manifest (the same for all ranks) is written
+  // by the first worker, while the others read.
   LoadedModel model;
   std::vector<Target> targets;
   {
-    std::vector<std::byte> manifest(static_cast<size_t>(segment_plan.manifest_bytes));
-    memory::WriteManifest(segment_plan, manifest);
     for (int r : ranks) {
       auto allocated =
           options.allocate
@@ -323,7 +322,6 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       if ((*allocated)->size() < segment_plan.total_bytes) {
         return Error("the segment allocated is too small");
       }
-      WEIGHTD_RETURN_IF_ERROR((*allocated)->Write(0, manifest));
       model.ranks.push_back({r, std::move(allocated).value()});
       targets.push_back({r, model.ranks.back().segment.get()});
     }
@@ -458,7 +456,13 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   samples.caught.reset(new std::atomic<bool>[sources.size()]);
   for (size_t i = 0; i < sources.size(); ++i) samples.caught[i].store(sources[i].whole);
   const Context context{shards, sources, source_dtypes, plan, offsets, targets, samples};
-  const size_t jobs = copies.size() + bands.size();
+  auto write_manifests = [&]() -> Status {
+    std::vector<std::byte> manifest(static_cast<size_t>(segment_plan.manifest_bytes));
+    memory::WriteManifest(segment_plan, manifest);
+    for (const Target& t : targets) WEIGHTD_RETURN_IF_ERROR(t.segment->Write(0, manifest));
+    return OkStatus();
+  };
+  const size_t jobs = 1 + copies.size() + bands.size();  // the manifests first
   uint64_t total = 0;
   for (const CopyJob& j : copies) total += j.bytes;
   for (const BandJob& j : bands) {
@@ -480,16 +484,21 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
         failed.store(true);
         return;
       }
-      Result<uint64_t> read = i < copies.size()
-                                  ? RunCopy(context, copies[i], buffers)
-                                  : RunBand(context, bands[i - copies.size()], buffers);
+      Result<uint64_t> read = uint64_t{0};
+      if (i == 0) {
+        if (Status s = write_manifests(); !s.ok()) read = s.error();
+      } else if (i <= copies.size()) {
+        read = RunCopy(context, copies[i - 1], buffers);
+      } else {
+        read = RunBand(context, bands[i - 1 - copies.size()], buffers);
+      }
       std::lock_guard lock(mu);
       if (!read.ok()) {
         if (!error) error = read.error();
         failed.store(true);
         return;
       }
-      ++reads;
+      reads += i > 0;
       done += *read;
       if (options.progress && (done - reported >= kProgressBatchBytes || done == total)) {
         reported = done;
