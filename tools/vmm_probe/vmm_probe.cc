@@ -9,7 +9,12 @@
 //      documents it: this measures it;
 //   3. the bytes survive the exporter letting go of everything (its
 //      mapping, its handle, its descriptor) while an importer maps them;
-//   4. host-to-device bandwidth from pageable and from pinned memory.
+//   4. host-to-device bandwidth from pageable and from pinned memory;
+//   5. the host-tier reload: a sealed memfd mapped read-only, as an engine
+//      maps a host segment, registered with the driver
+//      (CU_MEMHOSTREGISTER_READ_ONLY) and copied to the GPU. Is a sealed
+//      mapping accepted, what does pinning it cost, and is the copy as
+//      fast as one from memory the driver allocated pinned?
 //
 // Standalone on purpose: it needs only cuda.h and a compiler, so it builds on
 // a GPU machine without weightd's other dependencies (scripts/gpu-check).
@@ -18,9 +23,11 @@
 #include <cuda.h>
 #include <dlfcn.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -58,6 +65,8 @@ struct Api {
   CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, size_t);
   CUresult (*cuMemAllocHost)(void**, size_t);
   CUresult (*cuMemFreeHost)(void*);
+  CUresult (*cuMemHostRegister)(void*, size_t, unsigned);
+  CUresult (*cuMemHostUnregister)(void*);
 } api;
 
 std::string Describe(CUresult r) {
@@ -123,6 +132,8 @@ CUdevice Start() {
   LOAD(cuMemsetD8);
   LOAD(cuMemAllocHost);
   LOAD(cuMemFreeHost);
+  LOAD(cuMemHostRegister);
+  LOAD(cuMemHostUnregister);
 #undef LOAD
   if (CUresult r = api.cuInit(0); r != CUDA_SUCCESS) NoGpu("cuInit: " + Describe(r));
   CUdevice dev;
@@ -250,6 +261,55 @@ int Wait(pid_t child, const char* what) {
 
 }  // namespace
 
+// 5. A sealed memfd, mapped read-only as an engine maps a host segment,
+//    registered and copied into the allocation at `ptr`.
+void HostTierReload(CUdeviceptr ptr, size_t size, const std::vector<uint8_t>& pattern,
+                    double pinned_gbps) {
+  const int fd = ::memfd_create("vmm-probe-host-segment", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+  bool filled = fd >= 0 && ::ftruncate(fd, static_cast<off_t>(size)) == 0;
+  for (size_t at = 0; filled && at < size;) {
+    const ssize_t n = ::pwrite(fd, pattern.data() + at, size - at, static_cast<off_t>(at));
+    filled = n > 0;
+    at += filled ? static_cast<size_t>(n) : 0;
+  }
+  if (!filled ||
+      ::fcntl(fd, F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK | F_SEAL_SEAL) != 0) {
+    std::printf("host_register_sealed_memfd: not tried (cannot make a sealed memfd: %s)\n",
+                std::strerror(errno));
+    return;
+  }
+  void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (map == MAP_FAILED) {
+    std::printf("host_register_sealed_memfd: not tried (mmap: %s)\n", std::strerror(errno));
+    return;
+  }
+  Check("cuMemsetD8", api.cuMemsetD8(ptr, 0, size));
+  Check("cuCtxSynchronize", api.cuCtxSynchronize());
+  const auto t0 = std::chrono::steady_clock::now();
+  const CUresult registered = api.cuMemHostRegister(map, size, CU_MEMHOSTREGISTER_READ_ONLY);
+  const double register_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("host_register_sealed_memfd: %s\n",
+              registered == CUDA_SUCCESS ? "accepted (READ_ONLY)"
+                                         : ("refused: " + Describe(registered)).c_str());
+  const auto t1 = std::chrono::steady_clock::now();
+  Check("cuMemcpyHtoD (host segment)", api.cuMemcpyHtoD(ptr, map, size));
+  Check("cuCtxSynchronize", api.cuCtxSynchronize());
+  const double copy_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+  const double gb = static_cast<double>(size) / 1e9;
+  if (registered == CUDA_SUCCESS) {
+    std::printf("host_register_seconds: %.3f\n", register_s);
+    api.cuMemHostUnregister(map);
+  }
+  std::printf("htod_host_segment_gbps: %.2f (%s)\n", gb / copy_s,
+              registered == CUDA_SUCCESS ? "registered" : "pageable");
+  std::printf("host_segment_vs_pinned: %.2f\n", (gb / copy_s) / pinned_gbps);
+  std::printf("host_segment_bytes_on_gpu: %s\n", HoldsPattern(ptr, size) ? "match" : "DIFFER");
+  ::munmap(map, size);
+}
+
 int main(int argc, char** argv) {
   if (argc == 4 && std::strcmp(argv[1], "--write") == 0) {
     return WritingImporter(std::atoi(argv[2]), std::strtoull(argv[3], nullptr, 10));
@@ -304,6 +364,7 @@ int main(int argc, char** argv) {
   const auto gb = static_cast<double>(size) / 1e9;
   std::printf("htod_pageable_gbps: %.2f\nhtod_pinned_gbps: %.2f\n", gb / pageable_s, gb / pinned_s);
   api.cuMemFreeHost(pinned);
+  HostTierReload(ptr, size, pageable, gb / pinned_s);
 
   int fd = -1;
   Check("cuMemExportToShareableHandle",
