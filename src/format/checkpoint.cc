@@ -149,10 +149,11 @@ Result<WeightMap> ParseIndex(std::string_view label, std::string_view json) {
     return fail("no weight_map object");
   }
   WeightMap map;
-  // Unescaped keys are never longer than the text that spells them, so
-  // the buffer never moves and the views into it stay put.
+  // Sized first, so the buffer never moves and the views into it stay put.
+  size_t name_bytes = 0;
+  for (auto field : weight_map) name_bytes += field.key.size();
   auto names = std::make_shared<std::string>();
-  names->reserve(json.size());
+  names->reserve(name_bytes);
   map.entries_.reserve(weight_map.size());
   std::unordered_map<std::string_view, uint32_t> shard_index;
   for (auto field : weight_map) {

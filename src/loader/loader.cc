@@ -64,14 +64,16 @@ struct Source {
   uint64_t bytes;
   uint64_t sample_at;  // into Samples::bytes, unless `whole`
   uint64_t sample_bytes;
-  // Copied whole and unchanged into every segment, at `whole_at`.
+  // Copied whole and unchanged into every segment, at `whole_at`, where
+  // its sample is hashed from.
   bool whole = false;
   uint64_t whole_at = 0;
 };
 
 // The first KiB of every tensor the segments do not hold as the file has
-// it, caught as the reads pass by. (Those copied whole are hashed from the
-// sealed segment: no copy of tens of megabytes for 70,000 small tensors.)
+// it, caught as the reads pass by. (Where the segments can be read back,
+// those copied whole are hashed from the sealed segment: no copy of tens of
+// megabytes for 70,000 small tensors.)
 struct Samples {
   std::unique_ptr<std::byte[]> bytes;
   std::unique_ptr<std::atomic<bool>[]> caught;
@@ -326,6 +328,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       targets.push_back({r, model.ranks.back().segment.get()});
     }
   }
+  if (targets.empty()) return Error("no rank to load");
+  const bool hash_from_segment = targets.front().segment->readable_when_sealed();
 
   // The jobs. Bytes kept as they are go by runs of small neighbours (in
   // file order) and chunks of big tensors; whatever is cut by columns,
@@ -341,7 +345,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     if (o.op == transform::Op::kScale) continue;  // made with the weight before it
     if (o.op == transform::Op::kCopy && o.split == transform::Split::kReplicate) {
       replicated_by_shard[src.shard].push_back(i);
-      sources[o.source].whole = true;
+      sources[o.source].whole = hash_from_segment;
       sources[o.source].whole_at = offsets[i];
       continue;
     }
@@ -487,10 +491,10 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       Result<uint64_t> read = uint64_t{0};
       if (i == 0) {
         if (Status s = write_manifests(); !s.ok()) read = s.error();
-      } else if (i <= copies.size()) {
-        read = RunCopy(context, copies[i - 1], buffers);
+      } else if (const size_t copy = i - 1; copy < copies.size()) {
+        read = RunCopy(context, copies[copy], buffers);
       } else {
-        read = RunBand(context, bands[i - 1 - copies.size()], buffers);
+        read = RunBand(context, bands[copy - copies.size()], buffers);
       }
       std::lock_guard lock(mu);
       if (!read.ok()) {
@@ -498,7 +502,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
         failed.store(true);
         return;
       }
-      reads += i > 0;
+      if (i == 0) continue;  // the manifests: no read, no progress
+      ++reads;
       done += *read;
       if (options.progress && (done - reported >= kProgressBatchBytes || done == total)) {
         reported = done;
@@ -512,31 +517,21 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     WEIGHTD_RETURN_IF_ERROR(targets[t].segment->Write(range.first, zero));
   }
 
-  for (LoadedRank& r : model.ranks) WEIGHTD_RETURN_IF_ERROR(r.segment->Seal());
-  // Whole copies' samples are in every segment, where it can be read back
-  // (host memory); else they are read again from the files.
-  const std::span<const std::byte> segment = targets.front().segment->readable();
-  std::vector<std::byte> reread;
-  const bool from_segment = segment.size() >= segment_plan.total_bytes;
-  if (!from_segment) {
-    for (Source& s : sources) {
-      if (!s.whole) continue;
-      s.whole_at = reread.size();
-      reread.resize(reread.size() + s.sample_bytes);
-    }
-    for (size_t i = 0; i < sources.size(); ++i) {
-      if (sources[i].whole) samples.caught[i].store(false);
-    }
-  }
   // Samples no read passed by (a rank that reads only part of a tensor).
   for (size_t i = 0; i < sources.size(); ++i) {
     if (samples.caught[i].load() || sources[i].sample_bytes == 0) continue;
     const Source& s = sources[i];
-    std::byte* to = s.whole ? reread.data() + s.whole_at : samples.bytes.get() + s.sample_at;
     WEIGHTD_RETURN_IF_ERROR(shards[s.shard].file->ReadExactly(
-        s.file_offset, std::span(to, static_cast<size_t>(s.sample_bytes))));
+        s.file_offset,
+        std::span(samples.bytes.get() + s.sample_at, static_cast<size_t>(s.sample_bytes))));
     ++reads;
     done += s.sample_bytes;
+  }
+
+  for (LoadedRank& r : model.ranks) WEIGHTD_RETURN_IF_ERROR(r.segment->Seal());
+  const std::byte* wholes = targets.front().segment->readable().data();
+  if (hash_from_segment && targets.front().segment->readable().size() < segment_plan.total_bytes) {
+    return Error("the sealed segment cannot be read back");
   }
 
   // The files must be what they were when their headers were read.
@@ -548,7 +543,6 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   }
 
   // The sampled fingerprint of what was read, shards many at once.
-  const std::byte* wholes = from_segment ? segment.data() : reread.data();
   std::vector<fingerprint::ShardFingerprint> digests(shards.size());
   std::atomic<size_t> next_shard{0};
   io::RunTeam(static_cast<int>(std::min<size_t>(shards.size(), kDigestThreads)), [&](int) {

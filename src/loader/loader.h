@@ -8,15 +8,16 @@
 // (transform::PlanTensors: every check that needs no weight bytes, so a
 // checkpoint the plan cannot serve fails before any are read); then each
 // rank's segment is sized, allocated (by the caller: the daemon checks its
-// budget there) and its manifest written; then every tensor's bytes are read
-// and written into place, many reads in flight, each through a small
-// per-thread buffer (never a copy of the whole model), processed on the way
-// where the plan says so. Each source byte is read once however many ranks
-// are built. The sampled fingerprint comes from the same reads (headers and
-// the first KiB of each tensor as the file has it), so the key a daemon
-// publishes describes exactly what it loaded. A shard that changed while it
-// was read (its stat signature moved) or came up short fails the load;
-// nothing is returned half-filled.
+// budget there); then every tensor's bytes are read and written into place,
+// many reads in flight, each through a small per-thread buffer (never a copy
+// of the whole model), processed on the way where the plan says so, while
+// one worker writes the manifest. Each source byte is read once however
+// many ranks are built. The sampled fingerprint (headers and the first KiB
+// of each tensor as the file has it) comes from the same reads: caught as
+// they pass, or hashed from the sealed segment for tensors copied into it
+// unchanged. So the key a daemon publishes describes exactly what it
+// loaded. A shard that changed while it was read (its stat signature moved)
+// or came up short fails the load; nothing is returned half-filled.
 //
 // Thread safety: LoadCheckpoint may run concurrently with itself.
 #pragma once

@@ -58,6 +58,7 @@ class HostSegment final : public Segment {
     return WriteAll(offset, pieces);
   }
 
+  bool readable_when_sealed() const override { return true; }
   std::span<const std::byte> readable() const override {
     if (!sealed_) return {};
     return {map_, static_cast<size_t>(size_)};

@@ -76,9 +76,12 @@ class Segment {
   Status Write(uint64_t offset, std::span<const std::byte> bytes) {
     return Write(offset, std::span(&bytes, 1));
   }
-  // Ends writing for good. Afterwards the bytes can be read (readable()),
-  // and exported.
+  // Ends writing for good. Afterwards the segment can be exported, and read
+  // where this process can read it (readable()).
   virtual Status Seal() = 0;
+  // Whether readable() will give the bytes once sealed (host memory does; a
+  // GPU's does not).
+  virtual bool readable_when_sealed() const = 0;
   virtual std::span<const std::byte> readable() const = 0;
   // A new descriptor for the sealed segment, to hand to another process.
   virtual Result<UniqueFd> Export() const = 0;

@@ -138,7 +138,8 @@ struct OutputTensor {
 struct TensorPlan {
   std::vector<OutputTensor> outputs;  // by name
   // Names of the tensors the plan makes (block scales); the others' are
-  // their sources'. Kept where a move of the plan leaves them.
+  // their sources'. On the heap, so that moving the plan keeps the outputs'
+  // views valid (and the plan cannot be copied, for the same reason).
   std::unique_ptr<std::deque<std::string>> made_names = std::make_unique<std::deque<std::string>>();
   uint64_t bytes_per_rank = 0;  // tensor bytes, before alignment
 };
