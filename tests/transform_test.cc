@@ -126,13 +126,22 @@ void CheckOne(const Candidates& c, DType to, double x, uint32_t got) {
   ASSERT_EQ(got, Reference(c, x, to)) << "x = " << x << " (" << std::hexfloat << x << ")";
 }
 
-// Every 16-bit pattern of `from` into `to`.
+// Every 16-bit pattern of `from` into `to`; for a 16-bit `to`, through the
+// array cast too (its vector loops and dispatch), all in one call.
 void ExhaustiveFrom16(DType from, DType to) {
   const Candidates c = Enumerate(to);
+  std::vector<uint16_t> all(0x10000), cast(0x10000);
+  for (uint32_t bits = 0; bits < 0x10000; ++bits) all[bits] = static_cast<uint16_t>(bits);
+  const bool array = to == DType::kBF16 || to == DType::kF16;
+  if (array) {
+    transform::Cast(from, std::as_bytes(std::span(all)), to,
+                    std::as_writable_bytes(std::span(cast)), all.size());
+  }
   for (uint32_t bits = 0; bits < 0x10000; ++bits) {
     const float x = from == DType::kBF16 ? format::DecodeBF16(static_cast<uint16_t>(bits))
                                          : format::DecodeF16(static_cast<uint16_t>(bits));
     CheckOne(c, to, x, Convert(to, x));
+    if (array) CheckOne(c, to, x, cast[bits]);
     if (::testing::Test::HasFatalFailure()) return;
   }
 }
@@ -217,29 +226,57 @@ double HalfStep(double y) {
   return std::ldexp(1.0, e - 1 - 3 - 1);
 }
 
-TEST(Quantize, BlocksScaleToTheirMaximumAndRoundWithinHalfAStep) {
+// `values` encoded as `dtype` (F32, F16 or BF16), and decoded back.
+std::vector<std::byte> Encode(DType dtype, const std::vector<float>& values) {
+  std::vector<std::byte> out(values.size() * format::DTypeBits(dtype) / 8);
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (dtype == DType::kF32) {
+      std::memcpy(out.data() + i * 4, &values[i], 4);
+      continue;
+    }
+    const uint16_t b = dtype == DType::kBF16 ? transform::FloatToBF16(values[i])
+                                             : transform::FloatToF16(values[i]);
+    std::memcpy(out.data() + i * 2, &b, 2);
+  }
+  return out;
+}
+
+float Decode(DType dtype, const std::vector<std::byte>& bytes, size_t i) {
+  if (dtype == DType::kF32) {
+    float x;
+    std::memcpy(&x, bytes.data() + i * 4, 4);
+    return x;
+  }
+  uint16_t b;
+  std::memcpy(&b, bytes.data() + i * 2, 2);
+  return dtype == DType::kBF16 ? format::DecodeBF16(b) : format::DecodeF16(b);
+}
+
+void CheckQuantize(DType from) {
   // 300 x 260: partial blocks at both edges; a wider source (stride 300) so
   // the columns come from the middle of each row.
   const uint64_t rows = 300, cols = 260, stride = 300, skip = 17;
   std::mt19937 rng(3);
   std::normal_distribution<float> normal(0.0f, 1.0f);
-  std::vector<uint16_t> src(rows * stride);
+  std::vector<float> values(rows * stride);
   for (uint64_t r = 0; r < rows; ++r) {
     // Each block row at its own magnitude, one block all zeros.
     const float magnitude = std::ldexp(1.0f, static_cast<int>(r / 128) * 6 - 8);
     for (uint64_t c = 0; c < stride; ++c) {
       float v = normal(rng) * magnitude;
       if (r < 128 && c >= skip + 128 && c < skip + 256) v = 0;
-      src[r * stride + c] = transform::FloatToBF16(v);
+      values[r * stride + c] = v;
     }
   }
-  src[5 * stride + skip + 3] = 0x7fc0;  // NaN
-  src[6 * stride + skip + 3] = 0xff80;  // -inf
+  values[5 * stride + skip + 3] = std::numeric_limits<float>::quiet_NaN();
+  values[6 * stride + skip + 3] = -std::numeric_limits<float>::infinity();
+  const std::vector<std::byte> src = Encode(from, values);
+  const size_t size = format::DTypeBits(from) / 8;
   const uint64_t brows = 3, bcols = 3;
   std::vector<uint8_t> q(rows * cols);
   std::vector<float> scales(brows * bcols);
-  transform::QuantizeFp8Block(DType::kBF16, std::as_bytes(std::span(src)).subspan(skip * 2), stride,
-                              rows, cols, std::as_writable_bytes(std::span(q)),
+  transform::QuantizeFp8Block(from, std::span(src).subspan(skip * size), stride, rows, cols,
+                              std::as_writable_bytes(std::span(q)),
                               std::as_writable_bytes(std::span(scales)));
   const Candidates e4m3 = Enumerate(DType::kF8_E4M3);
   for (uint64_t br = 0; br < brows; ++br) {
@@ -247,7 +284,7 @@ TEST(Quantize, BlocksScaleToTheirMaximumAndRoundWithinHalfAStep) {
       double amax = 0;
       for (uint64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r) {
         for (uint64_t c = bc * 128; c < std::min(cols, bc * 128 + 128); ++c) {
-          const double x = format::DecodeBF16(src[r * stride + skip + c]);
+          const double x = Decode(from, src, r * stride + skip + c);
           if (std::isfinite(x)) amax = std::max(amax, std::fabs(x));
         }
       }
@@ -255,7 +292,7 @@ TEST(Quantize, BlocksScaleToTheirMaximumAndRoundWithinHalfAStep) {
       EXPECT_EQ(scale, amax > 0 ? static_cast<float>(amax) / 448.0f : 1.0f) << br << "," << bc;
       for (uint64_t r = br * 128; r < std::min(rows, br * 128 + 128); ++r) {
         for (uint64_t c = bc * 128; c < std::min(cols, bc * 128 + 128); ++c) {
-          const float x = format::DecodeBF16(src[r * stride + skip + c]);
+          const float x = Decode(from, src, r * stride + skip + c);
           const uint8_t got = q[r * cols + c];
           const float y = x / scale;
           if (std::isnan(x)) {
@@ -270,6 +307,14 @@ TEST(Quantize, BlocksScaleToTheirMaximumAndRoundWithinHalfAStep) {
         }
       }
     }
+  }
+}
+
+TEST(Quantize, BlocksScaleToTheirMaximumAndRoundWithinHalfAStep) {
+  for (DType from : {DType::kBF16, DType::kF16, DType::kF32}) {
+    SCOPED_TRACE(std::string(format::DTypeName(from)));
+    CheckQuantize(from);
+    if (::testing::Test::HasFatalFailure()) return;
   }
 }
 
@@ -596,9 +641,24 @@ std::vector<std::byte> Reassemble(const format::TensorInfo& t, transform::Split 
   return out;
 }
 
-void CheckRoundTrip(const std::string& path, int tp, const std::string& plan) {
+// BF16 widened to F32 by hand, bit by bit (exact: the same value), as the
+// reference for a load cast to fp32.
+std::vector<std::byte> WidenBf16(std::span<const std::byte> bf16) {
+  std::vector<std::byte> out(bf16.size() * 2, std::byte{0});
+  for (size_t i = 0; i < bf16.size() / 2; ++i) {
+    out[i * 4 + 2] = bf16[i * 2];
+    out[i * 4 + 3] = bf16[i * 2 + 1];
+  }
+  return out;
+}
+
+// Loads `path` split for `tp` ranks (`dtype` keep, or fp32 for BF16
+// checkpoints) and puts every tensor back together from the ranks: it must
+// be the file's bytes, widened where cast.
+void CheckRoundTrip(const std::string& path, int tp, const std::string& plan,
+                    const std::string& dtype = "keep") {
   loader::LoadOptions o;
-  o.processing = Resolve(tp, "keep", "none", plan);
+  o.processing = Resolve(tp, dtype, "none", plan);
   o.max_inflight = 4;
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
   ASSERT_TRUE(loaded.ok()) << loaded.error().message();
@@ -607,7 +667,7 @@ void CheckRoundTrip(const std::string& path, int tp, const std::string& plan) {
   for (const auto& r : loaded->ranks) ranks.push_back(TensorsOf(r));
   auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), path);
   ASSERT_TRUE(ckpt.ok());
-  size_t split_tensors = 0;
+  size_t split_tensors = 0, cast_tensors = 0;
   for (const auto& shard : ckpt->shards) {
     const auto file = testing::ReadFileBytes(shard.path);
     for (const auto& t : shard.header.tensors) {
@@ -620,16 +680,29 @@ void CheckRoundTrip(const std::string& path, int tp, const std::string& plan) {
       const transform::Split split =
           tp == 1 ? transform::Split::kReplicate : o.processing.plan->SplitOf(t.name);
       if (split != transform::Split::kReplicate) ++split_tensors;
-      const auto whole = Reassemble(t, split, pieces);
-      ASSERT_EQ(whole.size(), t.bytes()) << t.name;
-      ASSERT_TRUE(std::equal(
-          whole.begin(), whole.end(),
-          file.begin() + static_cast<std::ptrdiff_t>(shard.header.data_offset() + t.begin)))
-          << t.name << " at tp " << tp;
+      const auto at =
+          file.begin() + static_cast<std::ptrdiff_t>(shard.header.data_offset() + t.begin);
+      std::vector<std::byte> expected(at, at + static_cast<std::ptrdiff_t>(t.bytes()));
+      format::TensorInfo held = t;  // as the ranks hold it
+      if (dtype == "fp32") {
+        ASSERT_TRUE(t.dtype == DType::kBF16 || !transform::IsCastSource(t.dtype)) << t.name;
+        if (t.dtype == DType::kBF16) {
+          expected = WidenBf16(expected);
+          held.dtype = DType::kF32;
+          held.end = held.begin + expected.size();
+          ++cast_tensors;
+        }
+      }
+      const auto whole = Reassemble(held, split, pieces);
+      ASSERT_EQ(whole.size(), expected.size()) << t.name;
+      ASSERT_TRUE(whole == expected) << t.name << " at tp " << tp << ", dtype " << dtype;
     }
   }
   if (tp > 1 && plan == "llama") {
     EXPECT_GT(split_tensors, 0u);
+  }
+  if (dtype == "fp32") {
+    EXPECT_GT(cast_tensors, 0u);
   }
   // The digest is the checkpoint's, whatever was done to the bytes.
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, {});
@@ -646,6 +719,11 @@ TEST(Sharding, ConcatenatedRanksGiveBackEveryTensorBitForBit) {
     CheckRoundTrip(llama, tp, "llama");
     if (::testing::Test::HasFatalFailure()) return;
   }
+  // Cast on the way, by bands of rows, each rank its own columns or rows.
+  for (int tp : {1, 4}) {
+    CheckRoundTrip(llama, tp, "llama", "fp32");
+    if (::testing::Test::HasFatalFailure()) return;
+  }
   // A vocabulary that does not divide: zero rows pad the last rank.
   const std::string odd = dir.Join("odd.safetensors");
   std::vector<format::TensorData> tensors;
@@ -659,6 +737,7 @@ TEST(Sharding, ConcatenatedRanksGiveBackEveryTensorBitForBit) {
   }
   ASSERT_TRUE(format::WriteSafetensors(odd, tensors).ok());
   for (int tp : {2, 4, 8}) CheckRoundTrip(odd, tp, "llama");
+  for (int tp : {2, 8}) CheckRoundTrip(odd, tp, "llama", "fp32");
 }
 
 // Names that sort between a weight and its new scales, and packed F4 that a
