@@ -189,6 +189,7 @@ Result<ShardHeader> ParsePadded(std::string_view label, const simdjson::padded_s
 
   ShardHeader header;
   header.header_bytes = json.size();
+  header.tensors.reserve(object.size());
   bool have_metadata = false;
   for (auto field : object) {
     if (field.key == "__metadata__") {
