@@ -132,13 +132,13 @@ void AddProcessingFlags(CLI::App& app, protocol::Processing& p) {
 }
 
 Status FinishProcessingFlags(protocol::Processing& p) {
-  WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(p));
   // The same checks the library makes (a plan named where one is needed, a
   // plan file that reads), reported as usage errors.
   if (auto resolved = transform::ResolveProcessing(p.tp_size, p.dtype, p.quant, p.shard_plan);
       !resolved.ok()) {
     return resolved.error();
   }
+  WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(p));
   // A plan file is read by the daemon too, from another directory.
   if (transform::IsPlanFile(p.shard_plan)) {
     WEIGHTD_ASSIGN_OR_RETURN(p.shard_plan, io::PosixFileSystem().RealPath(p.shard_plan));

@@ -283,11 +283,11 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   };
   const protocol::Processing processing{spec.tp_size, spec.tp_rank,    spec.dtype,
                                         spec.quant,   spec.shard_plan, spec.device};
-  WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
   // The plan (a file's included) is read and checked before anything else.
   WEIGHTD_ASSIGN_OR_RETURN(
       transform::Processing resolved,
       transform::ResolveProcessing(spec.tp_size, spec.dtype, spec.quant, spec.shard_plan));
+  WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
   const std::string& plan_name = resolved.plan->name();
   const std::string& plan_digest = resolved.plan->digest();
   // A GPU is named by its UUID in the key: this process's cuda:N may be

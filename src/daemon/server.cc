@@ -550,15 +550,15 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
 Result<json> Server::State::Preload(const std::string& path, const protocol::Processing& processing,
                                     const std::string& pin,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
+  WEIGHTD_ASSIGN_OR_RETURN(transform::Processing resolved,
+                           transform::ResolveProcessing(processing.tp_size, processing.dtype,
+                                                        processing.quant, processing.shard_plan));
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
   if (memory::ParseDevice(processing.device)->kind != memory::DeviceSpec::Kind::kHost) {
     return Error("--device " + processing.device +
                  ": this daemon keeps models in host memory only (the CUDA segment backend is "
                  "not built yet)");
   }
-  WEIGHTD_ASSIGN_OR_RETURN(transform::Processing resolved,
-                           transform::ResolveProcessing(processing.tp_size, processing.dtype,
-                                                        processing.quant, processing.shard_plan));
   const auto start = std::chrono::steady_clock::now();
   // A plan the checkpoint cannot serve fails on its headers alone, before
   // the fingerprint reads its samples.

@@ -4,10 +4,6 @@
 
 namespace weightd::protocol {
 
-namespace {
-constexpr int kMaxTpSize = 1024;
-}  // namespace
-
 std::string FieldDifference::Describe() const {
   return field + ": daemon has " + daemon + ", engine wants " + engine;
 }
@@ -82,19 +78,9 @@ Result<CacheKey> KeyFromJson(const nlohmann::json& j) {
 }
 
 Status CheckSupported(const Processing& p) {
-  if (p.tp_size < 1 || p.tp_size > kMaxTpSize) {
-    return Error("--tp-size " + std::to_string(p.tp_size) + " must be between 1 and " +
-                 std::to_string(kMaxTpSize));
-  }
   if (p.tp_rank < 0 || p.tp_rank >= p.tp_size) {
     return Error("--tp-rank " + std::to_string(p.tp_rank) + " is not below --tp-size " +
                  std::to_string(p.tp_size));
-  }
-  if (p.dtype != "keep" && p.dtype != "bf16" && p.dtype != "fp16" && p.dtype != "fp32") {
-    return Error("--dtype " + p.dtype + ": one of keep, bf16, fp16, fp32");
-  }
-  if (p.quant != "none" && p.quant != "fp8-block") {
-    return Error("--quant " + p.quant + ": one of none, fp8-block");
   }
   if (auto device = memory::ParseDevice(p.device); !device.ok()) {
     return Error("--device: " + device.error().message());

@@ -61,7 +61,9 @@ struct Processing {
   std::string device = "cpu";   // cpu | cuda:N
 };
 
-// An error naming the flag when this build cannot do what is asked.
+// An error naming the flag when the rank or the device cannot be served.
+// The rest (--tp-size, --dtype, --quant, --shard-plan) is checked where it is
+// parsed, by transform::ResolveProcessing: call that first.
 Status CheckSupported(const Processing& p);
 // `plan_name` and `plan_digest` are the resolved shard plan's ("llama" or
 // "file", and the digest of its rules).
