@@ -3,7 +3,6 @@
 #include <chrono>
 #include <cstring>
 #include <iostream>
-#include <map>
 #include <memory>
 #include <thread>
 
@@ -31,18 +30,16 @@ struct LoadCommandOptions {
 // Writes what the engine received as one safetensors file.
 Status SaveWeights(const Weights& w, const std::string& path) {
   std::vector<format::TensorSpec> specs;
-  std::map<std::string, std::span<const std::byte>, std::less<>> data;
   for (const Tensor& t : w.tensors()) {
     auto dtype = format::ParseDType(t.dtype);
     if (!dtype) return Error("tensor `" + std::string(t.name) + "` has an unknown dtype");
     specs.push_back({std::string(t.name), *dtype, {t.shape.begin(), t.shape.end()}});
-    data[std::string(t.name)] = t.data;
   }
   WEIGHTD_ASSIGN_OR_RETURN(format::ShardLayout layout,
                            format::LayoutShard(std::move(specs), {{"format", "pt"}}));
   return format::WriteShard(
       path, layout, [&](const format::TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
-        std::memcpy(dst.data(), data.find(t.name)->second.data() + offset, dst.size());
+        std::memcpy(dst.data(), w.Find(t.name)->data.data() + offset, dst.size());
       });
 }
 

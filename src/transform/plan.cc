@@ -17,10 +17,6 @@ using format::DType;
 constexpr std::string_view kScaleSuffix = "_scale_inv";
 constexpr uint64_t kMaxPlanFileBytes = 1 << 20;
 
-bool EndsWith(std::string_view s, std::string_view suffix) {
-  return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
-}
-
 // Llama, Mistral (Mixtral's experts too) and Qwen naming.
 std::vector<ShardRule> LlamaRules() {
   return {
@@ -60,7 +56,7 @@ std::optional<std::string_view> ForeignQuantization(std::string_view name) {
       {".SCB", "bitsandbytes int8"},
   };
   for (const Known& k : kKnown) {
-    if (EndsWith(name, k.suffix)) return k.format;
+    if (name.ends_with(k.suffix)) return k.format;
   }
   if (name.find(".quant_state.") != std::string_view::npos) return "bitsandbytes";
   return std::nullopt;
@@ -381,7 +377,7 @@ Split ShardPlan::SplitOf(const std::string& tensor) const {
 std::vector<std::string> ShardPlanPresets() { return {"llama", "replicate"}; }
 
 bool IsPlanFile(const std::string& spec) {
-  return spec.find('/') != std::string::npos || EndsWith(spec, ".toml");
+  return spec.find('/') != std::string::npos || spec.ends_with(".toml");
 }
 
 std::string Processing::DTypeName() const {
@@ -442,14 +438,13 @@ uint64_t OutputTensor::ColOffset(int rank) const {
 }
 
 std::vector<SourceTensor> SourcesOf(const std::vector<format::Shard>& shards) {
+  const std::vector<std::pair<size_t, size_t>> by_name = format::TensorsByName(shards);
   std::vector<SourceTensor> sources;
-  for (const format::Shard& s : shards) {
-    for (const format::TensorInfo& t : s.header.tensors) {
-      sources.push_back({t.name, t.dtype, t.shape, t.bytes()});
-    }
+  sources.reserve(by_name.size());
+  for (const auto& [s, i] : by_name) {
+    const format::TensorInfo& t = shards[s].header.tensors[i];
+    sources.push_back({t.name, t.dtype, t.shape, t.bytes()});
   }
-  std::sort(sources.begin(), sources.end(),
-            [](const SourceTensor& a, const SourceTensor& b) { return a.name < b.name; });
   return sources;
 }
 
@@ -472,7 +467,7 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
                                      "); it can pass through only with --tp-size 1, --dtype keep "
                                      "and --quant none");
     }
-    if (EndsWith(s.name, kScaleSuffix)) {
+    if (s.name.ends_with(kScaleSuffix)) {
       const std::string weight_name(s.name.substr(0, s.name.size() - kScaleSuffix.size()));
       const SourceTensor* weight = FindSource(sources, weight_name);
       if (weight == nullptr) {
