@@ -75,7 +75,9 @@ std::string Describe(CUresult r) {
   return "CUDA error " + std::to_string(static_cast<int>(r));
 }
 
-// Exit 3: no GPU here (not a failure of the check itself).
+// Exit 3: no GPU here (not a failure of the check itself): no driver library,
+// or a driver that sees no device. A driver that is there and fails is a
+// failure (Fail, exit 1), so a broken GPU machine never reads as "no GPU".
 [[noreturn]] void NoGpu(const std::string& why) {
   std::printf("gpu: none (%s)\n", why.c_str());
   std::exit(3);
@@ -99,7 +101,8 @@ void Load(void* get_proc, const char* name, F& fn) {
   if (reinterpret_cast<GetProc>(get_proc)(name, &p, 12000, CU_GET_PROC_ADDRESS_DEFAULT, &found) !=
           CUDA_SUCCESS ||
       p == nullptr) {
-    NoGpu(std::string("the driver has no ") + name);
+    std::printf("error: the driver has no %s\n", name);
+    std::exit(1);
   }
   fn = reinterpret_cast<F>(p);
 }
@@ -108,7 +111,10 @@ CUdevice Start() {
   void* lib = ::dlopen("libcuda.so.1", RTLD_NOW);
   if (lib == nullptr) NoGpu(::dlerror());
   void* get = ::dlsym(lib, "cuGetProcAddress_v2");
-  if (get == nullptr) NoGpu("driver older than CUDA 12");
+  if (get == nullptr) {
+    std::printf("error: the driver is older than CUDA 12 (no cuGetProcAddress_v2)\n");
+    std::exit(1);
+  }
 #define LOAD(f) Load(get, #f, api.f)
   LOAD(cuInit);
   LOAD(cuGetErrorString);
@@ -135,10 +141,17 @@ CUdevice Start() {
   LOAD(cuMemHostRegister);
   LOAD(cuMemHostUnregister);
 #undef LOAD
-  if (CUresult r = api.cuInit(0); r != CUDA_SUCCESS) NoGpu("cuInit: " + Describe(r));
+  if (CUresult r = api.cuInit(0); r != CUDA_SUCCESS) {
+    if (r == CUDA_ERROR_NO_DEVICE) NoGpu("cuInit: " + Describe(r));
+    Fail("cuInit", r);
+  }
   CUdevice dev;
-  if (CUresult r = api.cuDeviceGet(&dev, 0); r != CUDA_SUCCESS)
-    NoGpu("cuDeviceGet: " + Describe(r));
+  if (CUresult r = api.cuDeviceGet(&dev, 0); r != CUDA_SUCCESS) {
+    if (r == CUDA_ERROR_NO_DEVICE || r == CUDA_ERROR_INVALID_DEVICE) {
+      NoGpu("cuDeviceGet: " + Describe(r));
+    }
+    Fail("cuDeviceGet", r);
+  }
   CUcontext ctx;
   Check("cuDevicePrimaryCtxRetain", api.cuDevicePrimaryCtxRetain(&ctx, dev));
   Check("cuCtxSetCurrent", api.cuCtxSetCurrent(ctx));
