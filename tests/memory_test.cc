@@ -107,6 +107,22 @@ TEST(CudaDevices, ANoGpuHostSaysWhyAndDoesNotCrash) {
   }
 }
 
+TEST(CudaSegment, AnAbsentGpuIsAnErrorThatSaysWhy) {
+  const std::string uuid = "GPU-00000000-0000-0000-0000-000000000000";
+  auto segment = memory::CreateCudaSegment(4096, uuid);
+  ASSERT_FALSE(segment.ok());
+  auto mapping = memory::MapCudaSegment(memory::UniqueFd(), 4096, uuid);
+  ASSERT_FALSE(mapping.ok());
+  auto devices = memory::ListCudaDevices();
+  if (!devices.ok()) {  // no CUDA here: the same reason, from either side
+    EXPECT_EQ(segment.error().message(), devices.error().message());
+    EXPECT_EQ(mapping.error().message(), devices.error().message());
+  } else {  // a GPU, but not this one
+    EXPECT_NE(segment.error().message().find("no such GPU"), std::string::npos)
+        << segment.error().message();
+  }
+}
+
 TEST(HostSegment, GatheredWritesLandInOrder) {
   // More pieces than one pwritev takes (IOV_MAX), some empty, at an offset.
   constexpr size_t kPieces = 3000;

@@ -2,8 +2,10 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdio>
+#include <memory>
 #include <mutex>
 
 #ifdef WEIGHTD_CUDA_HEADERS
@@ -90,6 +92,27 @@ struct Driver {
   CUresult (*cuDeviceGetAttribute)(int*, CUdevice_attribute, CUdevice) = nullptr;
   CUresult (*cuMemGetAllocationGranularity)(size_t*, const CUmemAllocationProp*,
                                             CUmemAllocationGranularity_flags) = nullptr;
+  // The segment's.
+  CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
+  CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
+  CUresult (*cuCtxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*cuCtxSynchronize)() = nullptr;
+  CUresult (*cuMemCreate)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
+                          unsigned long long) = nullptr;
+  CUresult (*cuMemRelease)(CUmemGenericAllocationHandle) = nullptr;
+  CUresult (*cuMemAddressReserve)(CUdeviceptr*, size_t, size_t, CUdeviceptr,
+                                  unsigned long long) = nullptr;
+  CUresult (*cuMemAddressFree)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
+                       unsigned long long) = nullptr;
+  CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = nullptr;
+  CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*cuMemExportToShareableHandle)(void*, CUmemGenericAllocationHandle,
+                                           CUmemAllocationHandleType, unsigned long long) = nullptr;
+  CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*,
+                                             CUmemAllocationHandleType) = nullptr;
+  CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t) = nullptr;
+  CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t) = nullptr;
 
   std::string Describe(CUresult r) const {
     const char* s = nullptr;
@@ -139,6 +162,21 @@ Result<const Driver*> LoadDriver() {
     load("cuDeviceTotalMem", driver.cuDeviceTotalMem);
     load("cuDeviceGetAttribute", driver.cuDeviceGetAttribute);
     load("cuMemGetAllocationGranularity", driver.cuMemGetAllocationGranularity);
+    load("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain);
+    load("cuDevicePrimaryCtxRelease", driver.cuDevicePrimaryCtxRelease);
+    load("cuCtxSetCurrent", driver.cuCtxSetCurrent);
+    load("cuCtxSynchronize", driver.cuCtxSynchronize);
+    load("cuMemCreate", driver.cuMemCreate);
+    load("cuMemRelease", driver.cuMemRelease);
+    load("cuMemAddressReserve", driver.cuMemAddressReserve);
+    load("cuMemAddressFree", driver.cuMemAddressFree);
+    load("cuMemMap", driver.cuMemMap);
+    load("cuMemUnmap", driver.cuMemUnmap);
+    load("cuMemSetAccess", driver.cuMemSetAccess);
+    load("cuMemExportToShareableHandle", driver.cuMemExportToShareableHandle);
+    load("cuMemImportFromShareableHandle", driver.cuMemImportFromShareableHandle);
+    load("cuMemcpyHtoD", driver.cuMemcpyHtoD);
+    load("cuMemcpyDtoH", driver.cuMemcpyDtoH);
     if (!failure.empty()) return;
     if (CUresult r = driver.cuInit(0); r != CUDA_SUCCESS) {
       failure = "the CUDA driver did not start: " + driver.Describe(r);
@@ -199,10 +237,265 @@ Result<std::vector<CudaDevice>> ListCudaDevices() {
   return out;
 }
 
+namespace {
+
+// What a segment's allocation asks for: pinned device memory on `dev`,
+// exportable as a POSIX file descriptor.
+CUmemAllocationProp SegmentProp(CUdevice dev) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  return prop;
+}
+
+Error CudaError(const Driver& d, const char* call, CUresult r) {
+  return Error(std::string(call) + ": " + d.Describe(r));
+}
+
+// One GPU, found by UUID, with its primary context retained for as long as
+// this lives; Use() makes the context current on the calling thread (the
+// loader writes from many).
+class GpuContext {
+ public:
+  static Result<std::unique_ptr<GpuContext>> Open(const std::string& uuid) {
+    WEIGHTD_ASSIGN_OR_RETURN(const Driver* d, LoadDriver());
+    WEIGHTD_ASSIGN_OR_RETURN(std::vector<CudaDevice> devices, ListCudaDevices());
+    for (const CudaDevice& info : devices) {
+      if (info.uuid != uuid) continue;
+      if (!info.posix_fd_handles || info.granularity == 0) {
+        return Error("cuda:" + uuid + ": this GPU cannot export memory as file descriptors");
+      }
+      auto g = std::unique_ptr<GpuContext>(new GpuContext(*d, info.granularity));
+      if (CUresult r = d->cuDeviceGet(&g->dev_, info.ordinal); r != CUDA_SUCCESS) {
+        return CudaError(*d, "cuDeviceGet", r);
+      }
+      if (CUresult r = d->cuDevicePrimaryCtxRetain(&g->ctx_, g->dev_); r != CUDA_SUCCESS) {
+        return CudaError(*d, "cuDevicePrimaryCtxRetain", r);
+      }
+      g->retained_ = true;
+      return g;
+    }
+    return Error("cuda:" + uuid + ": no such GPU in this process (CUDA_VISIBLE_DEVICES applies)");
+  }
+  ~GpuContext() {
+    if (retained_) d_.cuDevicePrimaryCtxRelease(dev_);
+  }
+
+  Status Use() const {
+    if (CUresult r = d_.cuCtxSetCurrent(ctx_); r != CUDA_SUCCESS) {
+      return CudaError(d_, "cuCtxSetCurrent", r);
+    }
+    return OkStatus();
+  }
+  const Driver& driver() const { return d_; }
+  CUdevice device() const { return dev_; }
+  uint64_t granularity() const { return granularity_; }
+
+ private:
+  GpuContext(const Driver& d, uint64_t granularity) : d_(d), granularity_(granularity) {}
+  const Driver& d_;
+  uint64_t granularity_;
+  CUdevice dev_ = 0;
+  CUcontext ctx_ = nullptr;
+  bool retained_ = false;
+};
+
+// An allocation mapped at an address of this process, released in reverse
+// order of what was done, whatever failed.
+struct VmmMapping {
+  std::unique_ptr<GpuContext> gpu;
+  uint64_t bytes = 0;  // the allocation's, a multiple of the granularity
+  CUmemGenericAllocationHandle handle = 0;
+  bool have_handle = false;
+  CUdeviceptr address = 0;
+  bool mapped = false;
+
+  ~VmmMapping() {
+    if (!gpu) return;
+    const Driver& d = gpu->driver();
+    (void)gpu->Use();
+    if (mapped) d.cuMemUnmap(address, bytes);
+    if (address != 0) d.cuMemAddressFree(address, bytes);
+    if (have_handle) d.cuMemRelease(handle);
+  }
+
+  // Reserves an address range, maps the handle there and sets `flags`.
+  CUresult Map(CUmemAccess_flags flags) {
+    const Driver& d = gpu->driver();
+    if (CUresult r = d.cuMemAddressReserve(&address, bytes, 0, 0, 0); r != CUDA_SUCCESS) return r;
+    if (CUresult r = d.cuMemMap(address, bytes, 0, handle, 0); r != CUDA_SUCCESS) return r;
+    mapped = true;
+    return SetAccess(flags);
+  }
+  CUresult SetAccess(CUmemAccess_flags flags) {
+    CUmemAccessDesc desc{};
+    desc.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    desc.location.id = gpu->device();
+    desc.flags = flags;
+    return gpu->driver().cuMemSetAccess(address, bytes, &desc, 1);
+  }
+  Status InRange(uint64_t offset, uint64_t n, uint64_t size) const {
+    if (offset > size || n > size - offset) {
+      return Error("bytes [" + std::to_string(offset) + ", +" + std::to_string(n) +
+                   ") pass the segment's end (" + std::to_string(size) + ")");
+    }
+    return OkStatus();
+  }
+};
+
+class CudaSegment final : public Segment {
+ public:
+  CudaSegment(std::unique_ptr<VmmMapping> m, uint64_t size, std::string uuid)
+      : m_(std::move(m)), size_(size), uuid_(std::move(uuid)) {}
+
+  Device device() const override { return {DeviceKind::kCuda, uuid_}; }
+  uint64_t size() const override { return size_; }
+  uint64_t reserved_bytes() const override { return m_->bytes; }
+  bool huge_pages() const override { return false; }
+
+  Status Write(uint64_t offset, std::span<const std::span<const std::byte>> pieces) override {
+    if (sealed_) return Error("segment written after it was sealed");
+    uint64_t total = 0;
+    for (const auto& p : pieces) total += p.size();
+    WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, total, size_));
+    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    for (const auto& p : pieces) {
+      if (p.empty()) continue;
+      if (CUresult r = m_->gpu->driver().cuMemcpyHtoD(m_->address + offset, p.data(), p.size());
+          r != CUDA_SUCCESS) {
+        return CudaError(m_->gpu->driver(), "cuMemcpyHtoD", r);
+      }
+      offset += p.size();
+    }
+    return OkStatus();
+  }
+
+  Status Seal() override {
+    if (sealed_) return OkStatus();
+    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    if (CUresult r = m_->gpu->driver().cuCtxSynchronize(); r != CUDA_SUCCESS) {
+      return CudaError(m_->gpu->driver(), "cuCtxSynchronize", r);
+    }
+    sealed_ = true;
+    return OkStatus();
+  }
+  bool readable_when_sealed() const override { return false; }
+  std::span<const std::byte> readable() const override { return {}; }
+
+  Result<UniqueFd> Export() const override {
+    if (!sealed_) return Error("segment exported before it was sealed");
+    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    int fd = -1;
+    if (CUresult r = m_->gpu->driver().cuMemExportToShareableHandle(
+            &fd, m_->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+        r != CUDA_SUCCESS) {
+      return CudaError(m_->gpu->driver(), "cuMemExportToShareableHandle", r);
+    }
+    return UniqueFd(fd);
+  }
+
+ private:
+  std::unique_ptr<VmmMapping> m_;
+  uint64_t size_;
+  std::string uuid_;
+  bool sealed_ = false;
+};
+
+class ImportedMapping final : public CudaMapping {
+ public:
+  ImportedMapping(std::unique_ptr<VmmMapping> m, uint64_t size, bool read_only)
+      : m_(std::move(m)), size_(size), read_only_(read_only) {}
+  uint64_t device_address() const override { return m_->address; }
+  uint64_t size() const override { return size_; }
+  bool read_only() const override { return read_only_; }
+  Status ReadBack(uint64_t offset, std::span<std::byte> out) const override {
+    WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, out.size(), size_));
+    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    if (CUresult r = m_->gpu->driver().cuMemcpyDtoH(out.data(), m_->address + offset, out.size());
+        r != CUDA_SUCCESS) {
+      return CudaError(m_->gpu->driver(), "cuMemcpyDtoH", r);
+    }
+    return OkStatus();
+  }
+
+ private:
+  std::unique_ptr<VmmMapping> m_;
+  uint64_t size_;
+  bool read_only_;
+};
+
+// The allocation's size for a segment of `size` bytes on `gpu`.
+Result<uint64_t> AllocationBytes(const GpuContext& gpu, uint64_t size) {
+  auto bytes = RoundToGranularity(std::max<uint64_t>(size, 1), gpu.granularity());
+  if (!bytes) return Error("a segment of " + std::to_string(size) + " bytes cannot be allocated");
+  return *bytes;
+}
+
+}  // namespace
+
+Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::string& uuid) {
+  auto m = std::make_unique<VmmMapping>();
+  WEIGHTD_ASSIGN_OR_RETURN(m->gpu, GpuContext::Open(uuid));
+  WEIGHTD_ASSIGN_OR_RETURN(m->bytes, AllocationBytes(*m->gpu, size));
+  WEIGHTD_RETURN_IF_ERROR(m->gpu->Use());
+  const Driver& d = m->gpu->driver();
+  const CUmemAllocationProp prop = SegmentProp(m->gpu->device());
+  if (CUresult r = d.cuMemCreate(&m->handle, m->bytes, &prop, 0); r != CUDA_SUCCESS) {
+    return Error("cannot allocate " + std::to_string(m->bytes) + " bytes on cuda:" + uuid +
+                 ": cuMemCreate: " + d.Describe(r));
+  }
+  m->have_handle = true;
+  if (CUresult r = m->Map(CU_MEM_ACCESS_FLAGS_PROT_READWRITE); r != CUDA_SUCCESS) {
+    return CudaError(d, "mapping a new segment", r);
+  }
+  return std::unique_ptr<Segment>(new CudaSegment(std::move(m), size, uuid));
+}
+
+Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd& fd, uint64_t size,
+                                                    const std::string& uuid) {
+  auto m = std::make_unique<VmmMapping>();
+  WEIGHTD_ASSIGN_OR_RETURN(m->gpu, GpuContext::Open(uuid));
+  WEIGHTD_ASSIGN_OR_RETURN(m->bytes, AllocationBytes(*m->gpu, size));
+  WEIGHTD_RETURN_IF_ERROR(m->gpu->Use());
+  const Driver& d = m->gpu->driver();
+  if (CUresult r = d.cuMemImportFromShareableHandle(
+          &m->handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd.get())),
+          CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+      r != CUDA_SUCCESS) {
+    return CudaError(d, "cuMemImportFromShareableHandle", r);
+  }
+  m->have_handle = true;
+  // Read-only where the driver grants it; read-write (the caller warns)
+  // where it refuses.
+  bool read_only = true;
+  if (CUresult r = m->Map(CU_MEM_ACCESS_FLAGS_PROT_READ); r != CUDA_SUCCESS) {
+    if (!m->mapped) return CudaError(d, "mapping an imported segment", r);
+    read_only = false;
+    if (CUresult rw = m->SetAccess(CU_MEM_ACCESS_FLAGS_PROT_READWRITE); rw != CUDA_SUCCESS) {
+      return CudaError(d, "cuMemSetAccess", rw);
+    }
+  }
+  return std::unique_ptr<CudaMapping>(new ImportedMapping(std::move(m), size, read_only));
+}
+
 #else  // no CUDA 12 headers at build time
 
-Result<std::vector<CudaDevice>> ListCudaDevices() {
+namespace {
+Error BuiltWithoutCuda() {
   return Error("this weightd was built without the CUDA 12 (or newer) driver header");
+}
+}  // namespace
+
+Result<std::vector<CudaDevice>> ListCudaDevices() { return BuiltWithoutCuda(); }
+
+Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t, const std::string&) {
+  return BuiltWithoutCuda();
+}
+
+Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd&, uint64_t, const std::string&) {
+  return BuiltWithoutCuda();
 }
 
 #endif

@@ -10,9 +10,12 @@
 // CUDA_VISIBLE_DEVICES), so a daemon and an engine that number the GPUs
 // differently still agree on the physical one.
 //
-// This is the first piece of the CUDA backend: driver loading, device
-// naming, the allocation granularity. The VMM segment itself
-// (cuMemCreate, exported as a file descriptor) is not built yet.
+// The segment: one VMM allocation per model-rank (cuMemCreate with POSIX
+// file descriptor handles, sized to the allocation granularity), filled by
+// host-to-device copies, exported as a file descriptor; another process
+// imports it and maps it read-only (CudaMapping). Not yet run on a GPU:
+// tools/cuda_segment_check, run by scripts/gpu-check, is its first test
+// there. Nothing above the memory layer uses it yet.
 //
 // Thread safety: everything here may be called from any thread.
 #pragma once
@@ -24,6 +27,7 @@
 #include <string_view>
 #include <vector>
 
+#include "memory/segment.h"
 #include "weightd/result.h"
 
 namespace weightd::memory {
@@ -66,5 +70,32 @@ Result<std::vector<CudaDevice>> ListCudaDevices();
 // The device an ordinal names in this process, by UUID.
 // `visible` is what ListCudaDevices returned.
 Result<std::string> ResolveCudaOrdinal(int ordinal, const std::vector<CudaDevice>& visible);
+
+// A segment of `size` bytes in the memory of the GPU `uuid` ("GPU-..."),
+// mapped read-write into this process while it is filled. Write() copies
+// from host memory (synchronously); readable() stays empty (ReadBack of a
+// mapping reads it).
+Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::string& uuid);
+
+// A segment another process exported, mapped into this process's address
+// space on the same GPU. The physical memory stays while any process maps
+// it, its exporter gone or not.
+class CudaMapping {
+ public:
+  virtual ~CudaMapping() = default;
+  // The GPU virtual address of the segment's first byte.
+  virtual uint64_t device_address() const = 0;
+  virtual uint64_t size() const = 0;
+  // Whether the driver granted read-only access (else read-write, and a
+  // warning is the caller's to give).
+  virtual bool read_only() const = 0;
+  // Copies [offset, offset + out.size()) to host memory.
+  virtual Status ReadBack(uint64_t offset, std::span<std::byte> out) const = 0;
+};
+
+// Imports `fd` (from Segment::Export of a CUDA segment of `size` bytes on
+// the GPU `uuid`) and maps it, asking for read-only access.
+Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd& fd, uint64_t size,
+                                                    const std::string& uuid);
 
 }  // namespace weightd::memory

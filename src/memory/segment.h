@@ -45,13 +45,14 @@ class UniqueFd {
   int fd_ = -1;
 };
 
-// Where a segment lives. Only the host exists in this build's backends; the
-// name is what keys and status messages carry ("host", "cuda:<uuid>").
-enum class DeviceKind { kHost };
+// Where a segment lives; the name is what keys and status messages carry
+// ("host", "cuda:GPU-<uuid>").
+enum class DeviceKind { kHost, kCuda };
 
 struct Device {
   DeviceKind kind = DeviceKind::kHost;
-  std::string Name() const { return "host"; }
+  std::string uuid = {};  // kCuda
+  std::string Name() const { return kind == DeviceKind::kHost ? "host" : "cuda:" + uuid; }
 };
 
 // The owner's side: created with a size, filled, sealed, exported.
