@@ -178,7 +178,9 @@ Result<const Driver*> LoadDriver() {
     load("cuMemcpyHtoD", driver.cuMemcpyHtoD);
     load("cuMemcpyDtoH", driver.cuMemcpyDtoH);
     if (!failure.empty()) return;
-    if (CUresult r = driver.cuInit(0); r != CUDA_SUCCESS) {
+    if (CUresult r = driver.cuInit(0); r == CUDA_ERROR_NO_DEVICE) {
+      failure = "no CUDA device: " + driver.Describe(r);
+    } else if (r != CUDA_SUCCESS) {
       failure = "the CUDA driver did not start: " + driver.Describe(r);
     }
   });
@@ -262,8 +264,9 @@ class GpuContext {
   static Result<std::unique_ptr<GpuContext>> Open(const std::string& uuid) {
     WEIGHTD_ASSIGN_OR_RETURN(const Driver* d, LoadDriver());
     WEIGHTD_ASSIGN_OR_RETURN(std::vector<CudaDevice> devices, ListCudaDevices());
+    // By the 32 hex digits: a MIG instance's UUID is listed with GPU- too.
     for (const CudaDevice& info : devices) {
-      if (info.uuid != uuid) continue;
+      if (info.uuid.size() != uuid.size() || info.uuid.substr(4) != uuid.substr(4)) continue;
       if (!info.posix_fd_handles || info.granularity == 0) {
         return Error("cuda:" + uuid + ": this GPU cannot export memory as file descriptors");
       }
@@ -279,6 +282,8 @@ class GpuContext {
     }
     return Error("cuda:" + uuid + ": no such GPU in this process (CUDA_VISIBLE_DEVICES applies)");
   }
+  GpuContext(const GpuContext&) = delete;
+  GpuContext& operator=(const GpuContext&) = delete;
   ~GpuContext() {
     if (retained_) d_.cuDevicePrimaryCtxRelease(dev_);
   }
@@ -324,7 +329,9 @@ struct VmmMapping {
   // Reserves an address range, maps the handle there and sets `flags`.
   CUresult Map(CUmemAccess_flags flags) {
     const Driver& d = gpu->driver();
-    if (CUresult r = d.cuMemAddressReserve(&address, bytes, 0, 0, 0); r != CUDA_SUCCESS) return r;
+    CUdeviceptr reserved = 0;
+    if (CUresult r = d.cuMemAddressReserve(&reserved, bytes, 0, 0, 0); r != CUDA_SUCCESS) return r;
+    address = reserved;
     if (CUresult r = d.cuMemMap(address, bytes, 0, handle, 0); r != CUDA_SUCCESS) return r;
     mapped = true;
     return SetAccess(flags);
@@ -455,6 +462,7 @@ Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::str
 
 Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd& fd, uint64_t size,
                                                     const std::string& uuid) {
+  if (!fd.valid()) return Error("no descriptor to import a CUDA segment from");
   auto m = std::make_unique<VmmMapping>();
   WEIGHTD_ASSIGN_OR_RETURN(m->gpu, GpuContext::Open(uuid));
   WEIGHTD_ASSIGN_OR_RETURN(m->bytes, AllocationBytes(*m->gpu, size));

@@ -73,8 +73,9 @@ Result<std::string> ResolveCudaOrdinal(int ordinal, const std::vector<CudaDevice
 
 // A segment of `size` bytes in the memory of the GPU `uuid` ("GPU-..."),
 // mapped read-write into this process while it is filled. Write() copies
-// from host memory (synchronously); readable() stays empty (ReadBack of a
-// mapping reads it).
+// from host memory (the bytes are on the GPU once Seal() returns);
+// readable() stays empty (ReadBack of a mapping reads it). Each call makes
+// the GPU's primary context current on the calling thread.
 Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::string& uuid);
 
 // A segment another process exported, mapped into this process's address
@@ -94,7 +95,9 @@ class CudaMapping {
 };
 
 // Imports `fd` (from Segment::Export of a CUDA segment of `size` bytes on
-// the GPU `uuid`) and maps it, asking for read-only access.
+// the GPU `uuid`) and maps it, asking for read-only access. The mapping's
+// length is `size` rounded to the minimum granularity, as the exporter's
+// allocation is.
 Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd& fd, uint64_t size,
                                                     const std::string& uuid);
 

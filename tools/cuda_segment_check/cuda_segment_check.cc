@@ -119,7 +119,8 @@ int main(int argc, char** argv) {
     std::printf("error: seal: %s\n", s.error().message().c_str());
     return 1;
   }
-  const double fill_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  const double fill_s =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("fill_gbps: %.2f (%d threads, 256 KiB pageable writes)\n",
               static_cast<double>(size) / 1e9 / fill_s, kThreads);
   auto fd = (*segment)->Export();
@@ -129,14 +130,16 @@ int main(int argc, char** argv) {
   }
   int up[2], down[2];
   if (::pipe(up) != 0 || ::pipe(down) != 0) return 1;
+  // Everything the child needs is made before the fork: between fork and
+  // exec it only closes, clears a flag and execs.
+  const std::string args[] = {std::to_string(fd->get()), std::to_string(size), gpu.uuid,
+                              std::to_string(up[1]), std::to_string(down[0])};
   std::fflush(stdout);
   const pid_t child = ::fork();
   if (child == 0) {
     ::close(up[0]);
     ::close(down[1]);
     ::fcntl(fd->get(), F_SETFD, 0);  // the exported descriptor crosses the exec
-    const std::string args[] = {std::to_string(fd->get()), std::to_string(size), gpu.uuid,
-                                std::to_string(up[1]), std::to_string(down[0])};
     ::execl("/proc/self/exe", argv[0], "--import", args[0].c_str(), args[1].c_str(),
             args[2].c_str(), args[3].c_str(), args[4].c_str(), nullptr);
     ::_exit(127);
