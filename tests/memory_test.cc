@@ -219,6 +219,14 @@ TEST(Manifest, CorruptTablesAreErrorsNotCrashes) {
     EXPECT_FALSE(m.ok()) << "word " << word;
   }
   EXPECT_FALSE(memory::ReadManifest(seg.first(10)).ok());
+  // A GPU's: the manifest alone in hand, the segment's size told.
+  const auto tables = seg.first(plan->manifest_bytes);
+  EXPECT_FALSE(memory::ReadManifest(tables).ok());  // its data is not in these bytes
+  auto gpu = memory::ReadManifest(tables, plan->total_bytes);
+  ASSERT_TRUE(gpu.ok()) << gpu.error().message();
+  EXPECT_EQ(gpu->tensors[0].offset, plan->tensors[0].offset);
+  EXPECT_FALSE(memory::ReadManifest(tables, plan->total_bytes - 1).ok());
+  EXPECT_FALSE(memory::ReadManifest(tables.first(64), plan->total_bytes).ok());
 }
 
 TEST(CacheKey, DifferencesAreNamedAndTrustSkipsOnlyTheContent) {
@@ -265,6 +273,32 @@ TEST(Channel, CarriesMessagesAndOneDescriptor) {
   ASSERT_TRUE(second.ok());
   EXPECT_TRUE(second->fds.empty());
   EXPECT_FALSE(b.Receive(50).ok());  // nothing more: a timeout, not a hang
+}
+
+TEST(Channel, CarriesTwoDescriptorsInOrderAndRefusesThree) {
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+  protocol::Channel a{memory::UniqueFd(fds[0])}, b{memory::UniqueFd(fds[1])};
+  std::vector<memory::UniqueFd> handles;
+  for (std::byte mark : {std::byte{1}, std::byte{2}, std::byte{3}}) {
+    auto seg = memory::CreateHostSegment(4096, "test");
+    ASSERT_TRUE(seg.ok());
+    ASSERT_TRUE((*seg)->Write(0, std::span(&mark, 1)).ok());
+    ASSERT_TRUE((*seg)->Seal().ok());
+    handles.push_back(std::move((*seg)->Export()).value());
+  }
+  const std::vector<const memory::UniqueFd*> two = {&handles[1], &handles[0]};
+  ASSERT_TRUE(a.Send({{"type", "acquired"}}, two).ok());
+  auto m = b.Receive(1000);
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  ASSERT_EQ(m->fds.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    auto map = memory::MapHostSegment(m->fds[i], 4096);
+    ASSERT_TRUE(map.ok());
+    EXPECT_EQ((*map)->bytes()[0], std::byte(2 - i));
+  }
+  const std::vector<const memory::UniqueFd*> three = {&handles[0], &handles[1], &handles[2]};
+  EXPECT_FALSE(a.Send({{"type", "acquired"}}, three).ok());
 }
 
 TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
@@ -338,6 +372,13 @@ TEST(Loader, DigestIsTheSameWhenTheSegmentCannotBeReadBack) {
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, {});
   ASSERT_TRUE(fp.ok());
   EXPECT_EQ(loaded->checkpoint_digest, fp->digest);
+  // The manifest comes back in host memory, for the daemon to send along.
+  auto manifest = memory::ReadManifest(loaded->manifest, loaded->ranks[0].segment->size());
+  ASSERT_TRUE(manifest.ok()) << manifest.error().message();
+  EXPECT_EQ(manifest->tensors.size(), loaded->tensors);
+  auto readable = loader::LoadCheckpoint(io::PosixFileSystem(), path, {});
+  ASSERT_TRUE(readable.ok());
+  EXPECT_TRUE(readable->manifest.empty());  // a host segment is its own copy
 }
 
 TEST(Loader, AnAllocationRefusedIsTheLoadsError) {

@@ -4,7 +4,9 @@
 
 #include <algorithm>
 #include <charconv>
+#include <condition_variable>
 #include <cstdio>
+#include <cstring>
 #include <memory>
 #include <mutex>
 
@@ -73,6 +75,25 @@ Result<std::string> ResolveCudaOrdinal(int ordinal, const std::vector<CudaDevice
                std::to_string(visible.size()) + " CUDA device(s) (CUDA_VISIBLE_DEVICES applies)");
 }
 
+Result<Device> ResolveDevice(std::string_view text) {
+  WEIGHTD_ASSIGN_OR_RETURN(DeviceSpec spec, ParseDevice(text));
+  switch (spec.kind) {
+    case DeviceSpec::Kind::kHost:
+      return Device{};
+    case DeviceSpec::Kind::kCudaUuid:
+      // As the driver's UUIDs are written (a MIG instance's too): one
+      // spelling per GPU in keys.
+      return Device{DeviceKind::kCuda, "GPU-" + spec.uuid.substr(4)};
+    case DeviceSpec::Kind::kCudaOrdinal:
+      break;
+  }
+  auto visible = ListCudaDevices();
+  if (!visible.ok())
+    return Error("--device " + std::string(text) + ": " + visible.error().message());
+  WEIGHTD_ASSIGN_OR_RETURN(std::string uuid, ResolveCudaOrdinal(spec.ordinal, *visible));
+  return Device{DeviceKind::kCuda, uuid};
+}
+
 #ifdef WEIGHTD_CUDA_DRIVER
 namespace {
 
@@ -113,6 +134,21 @@ struct Driver {
                                              CUmemAllocationHandleType) = nullptr;
   CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t) = nullptr;
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t) = nullptr;
+  CUresult (*cuMemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t) = nullptr;
+  CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, size_t) = nullptr;
+  // Staged and registered copies.
+  CUresult (*cuMemAllocHost)(void**, size_t) = nullptr;
+  CUresult (*cuMemFreeHost)(void*) = nullptr;
+  CUresult (*cuMemHostRegister)(void*, size_t, unsigned int) = nullptr;
+  CUresult (*cuMemHostUnregister)(void*) = nullptr;
+  CUresult (*cuMemcpyHtoDAsync)(CUdeviceptr, const void*, size_t, CUstream) = nullptr;
+  CUresult (*cuStreamCreate)(CUstream*, unsigned int) = nullptr;
+  CUresult (*cuStreamDestroy)(CUstream) = nullptr;
+  CUresult (*cuStreamSynchronize)(CUstream) = nullptr;
+  CUresult (*cuEventCreate)(CUevent*, unsigned int) = nullptr;
+  CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
+  CUresult (*cuEventSynchronize)(CUevent) = nullptr;
+  CUresult (*cuEventDestroy)(CUevent) = nullptr;
 
   std::string Describe(CUresult r) const {
     const char* s = nullptr;
@@ -177,6 +213,20 @@ Result<const Driver*> LoadDriver() {
     load("cuMemImportFromShareableHandle", driver.cuMemImportFromShareableHandle);
     load("cuMemcpyHtoD", driver.cuMemcpyHtoD);
     load("cuMemcpyDtoH", driver.cuMemcpyDtoH);
+    load("cuMemcpyDtoD", driver.cuMemcpyDtoD);
+    load("cuMemsetD8", driver.cuMemsetD8);
+    load("cuMemAllocHost", driver.cuMemAllocHost);
+    load("cuMemFreeHost", driver.cuMemFreeHost);
+    load("cuMemHostRegister", driver.cuMemHostRegister);
+    load("cuMemHostUnregister", driver.cuMemHostUnregister);
+    load("cuMemcpyHtoDAsync", driver.cuMemcpyHtoDAsync);
+    load("cuStreamCreate", driver.cuStreamCreate);
+    load("cuStreamDestroy", driver.cuStreamDestroy);
+    load("cuStreamSynchronize", driver.cuStreamSynchronize);
+    load("cuEventCreate", driver.cuEventCreate);
+    load("cuEventRecord", driver.cuEventRecord);
+    load("cuEventSynchronize", driver.cuEventSynchronize);
+    load("cuEventDestroy", driver.cuEventDestroy);
     if (!failure.empty()) return;
     if (CUresult r = driver.cuInit(0); r == CUDA_ERROR_NO_DEVICE) {
       failure = "no CUDA device: " + driver.Describe(r);
@@ -352,15 +402,151 @@ struct VmmMapping {
   }
 };
 
+// Host-to-device copies of a segment being filled go through pinned staging
+// buffers, each with its own stream: a writer copies its pieces into a free
+// buffer, queues the copy and goes back to reading while the GPU copies. A
+// buffer is reused once its last copy is done (its event), so with more
+// buffers than writers reading and copying overlap (double buffering).
+// The buffers are pinned host memory: made at the first write, freed at Seal.
+class Staging {
+ public:
+  static constexpr size_t kBuffers = 16;
+  static constexpr size_t kBufferBytes = 4 << 20;
+
+  explicit Staging(const GpuContext& gpu) : gpu_(gpu) {}
+  Staging(const Staging&) = delete;
+  Staging& operator=(const Staging&) = delete;
+  ~Staging() { (void)Drain(/*free=*/true); }
+
+  // Copies `pieces` to `address` on the GPU, at most kBufferBytes a copy.
+  // The copies may still run when this returns; Drain waits for them.
+  // REQUIRES: the GPU's context current on this thread.
+  Status Copy(CUdeviceptr address, std::span<const std::span<const std::byte>> pieces) {
+    const Driver& d = gpu_.driver();
+    size_t piece = 0, within = 0;
+    while (piece < pieces.size()) {
+      WEIGHTD_ASSIGN_OR_RETURN(Buffer * b, Take());
+      size_t filled = 0;
+      while (piece < pieces.size() && filled < kBufferBytes) {
+        const std::span<const std::byte> p = pieces[piece];
+        const size_t n = std::min(kBufferBytes - filled, p.size() - within);
+        std::memcpy(static_cast<std::byte*>(b->host) + filled, p.data() + within, n);
+        filled += n;
+        within += n;
+        if (within == p.size()) {
+          ++piece;
+          within = 0;
+        }
+      }
+      CUresult r =
+          filled == 0 ? CUDA_SUCCESS : d.cuMemcpyHtoDAsync(address, b->host, filled, b->stream);
+      if (r == CUDA_SUCCESS && filled > 0) r = d.cuEventRecord(b->done, b->stream);
+      b->queued = r == CUDA_SUCCESS && filled > 0;
+      Give(b);
+      if (r != CUDA_SUCCESS) return CudaError(d, "cuMemcpyHtoDAsync", r);
+      address += filled;
+    }
+    return OkStatus();
+  }
+
+  // Waits for every queued copy; the first error any of them met. With
+  // `free`, the buffers and streams go too.
+  // REQUIRES: no Copy running; the GPU's context current.
+  Status Drain(bool free) {
+    const Driver& d = gpu_.driver();
+    std::optional<Error> error;
+    for (Buffer& b : buffers_) {
+      if (b.queued) {
+        if (CUresult r = d.cuEventSynchronize(b.done); r != CUDA_SUCCESS && !error) {
+          error = CudaError(d, "a host-to-device copy", r);
+        }
+        b.queued = false;
+      }
+      if (!free) continue;
+      if (b.done != nullptr) d.cuEventDestroy(b.done);
+      if (b.stream != nullptr) d.cuStreamDestroy(b.stream);
+      if (b.host != nullptr) d.cuMemFreeHost(b.host);
+    }
+    if (free) {
+      buffers_.clear();
+      idle_.clear();
+    }
+    if (error) return *error;
+    return OkStatus();
+  }
+
+ private:
+  struct Buffer {
+    void* host = nullptr;
+    CUstream stream = nullptr;
+    CUevent done = nullptr;
+    bool queued = false;  // a copy from `host` may still run
+  };
+
+  // A buffer no other writer holds, its last copy finished.
+  Result<Buffer*> Take() {
+    Buffer* b = nullptr;
+    {
+      std::unique_lock lock(mu_);
+      if (buffers_.empty()) WEIGHTD_RETURN_IF_ERROR(MakeBuffersLocked());
+      free_.wait(lock, [&] { return !idle_.empty(); });
+      b = idle_.back();
+      idle_.pop_back();
+    }
+    if (b->queued) {
+      b->queued = false;
+      if (CUresult r = gpu_.driver().cuEventSynchronize(b->done); r != CUDA_SUCCESS) {
+        Give(b);
+        return CudaError(gpu_.driver(), "a host-to-device copy", r);
+      }
+    }
+    return b;
+  }
+  void Give(Buffer* b) {
+    {
+      std::lock_guard lock(mu_);
+      idle_.push_back(b);
+    }
+    free_.notify_one();
+  }
+  // REQUIRES: mu_ held.
+  Status MakeBuffersLocked() {
+    const Driver& d = gpu_.driver();
+    buffers_.resize(kBuffers);
+    for (Buffer& b : buffers_) {
+      CUresult r = d.cuMemAllocHost(&b.host, kBufferBytes);
+      if (r == CUDA_SUCCESS) r = d.cuStreamCreate(&b.stream, CU_STREAM_NON_BLOCKING);
+      if (r == CUDA_SUCCESS) r = d.cuEventCreate(&b.done, CU_EVENT_DISABLE_TIMING);
+      if (r != CUDA_SUCCESS) {
+        (void)Drain(/*free=*/true);
+        return CudaError(d, "making pinned staging buffers", r);
+      }
+    }
+    for (Buffer& b : buffers_) idle_.push_back(&b);
+    return OkStatus();
+  }
+
+  const GpuContext& gpu_;
+  std::mutex mu_;
+  std::condition_variable free_;
+  std::vector<Buffer> buffers_;  // made once; never resized while in use
+  std::vector<Buffer*> idle_;
+};
+
 class CudaSegment final : public Segment {
  public:
   CudaSegment(std::unique_ptr<VmmMapping> m, uint64_t size, std::string uuid)
-      : m_(std::move(m)), size_(size), uuid_(std::move(uuid)) {}
+      : m_(std::move(m)), size_(size), uuid_(std::move(uuid)), staging_(*m_->gpu) {}
+  ~CudaSegment() override {
+    (void)m_->gpu->Use();
+    (void)staging_.Drain(/*free=*/true);  // before the memory it copies into goes
+  }
 
   Device device() const override { return {DeviceKind::kCuda, uuid_}; }
   uint64_t size() const override { return size_; }
   uint64_t reserved_bytes() const override { return m_->bytes; }
   bool huge_pages() const override { return false; }
+  uint64_t device_address() const override { return m_->address; }
 
   Status Write(uint64_t offset, std::span<const std::span<const std::byte>> pieces) override {
     if (sealed_) return Error("segment written after it was sealed");
@@ -368,13 +554,58 @@ class CudaSegment final : public Segment {
     for (const auto& p : pieces) total += p.size();
     WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, total, size_));
     WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
-    for (const auto& p : pieces) {
-      if (p.empty()) continue;
-      if (CUresult r = m_->gpu->driver().cuMemcpyHtoD(m_->address + offset, p.data(), p.size());
-          r != CUDA_SUCCESS) {
-        return CudaError(m_->gpu->driver(), "cuMemcpyHtoD", r);
+    return staging_.Copy(m_->address + offset, pieces);
+  }
+
+  // Copies `host` to `offset` straight from where it is, after registering
+  // it as pinned memory (read-only: a sealed mapping qualifies); where the
+  // driver will not register it, through the staging buffers. Several
+  // streams at once. `registered` says which way it went.
+  Status WriteFromHost(uint64_t offset, std::span<const std::byte> host, bool* registered) {
+    if (sealed_) return Error("segment written after it was sealed");
+    WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, host.size(), size_));
+    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    const Driver& d = m_->gpu->driver();
+    void* at = const_cast<std::byte*>(host.data());
+    *registered =
+        !host.empty() &&
+        d.cuMemHostRegister(at, host.size(), CU_MEMHOSTREGISTER_READ_ONLY) == CUDA_SUCCESS;
+    if (!*registered) return staging_.Copy(m_->address + offset, std::span(&host, 1));
+    constexpr int kStreams = 4;
+    constexpr size_t kPart = 64 << 20;
+    CUstream streams[kStreams] = {};
+    CUresult r = CUDA_SUCCESS;
+    for (int i = 0; i < kStreams && r == CUDA_SUCCESS; ++i) {
+      r = d.cuStreamCreate(&streams[i], CU_STREAM_NON_BLOCKING);
+    }
+    for (size_t at_byte = 0, i = 0; r == CUDA_SUCCESS && at_byte < host.size();
+         at_byte += kPart, ++i) {
+      const size_t n = std::min(kPart, host.size() - at_byte);
+      r = d.cuMemcpyHtoDAsync(m_->address + offset + at_byte, host.data() + at_byte, n,
+                              streams[i % kStreams]);
+    }
+    CUresult sync = CUDA_SUCCESS;
+    for (CUstream st : streams) {
+      if (st == nullptr) continue;
+      if (CUresult e = d.cuStreamSynchronize(st); e != CUDA_SUCCESS && sync == CUDA_SUCCESS) {
+        sync = e;
       }
-      offset += p.size();
+      d.cuStreamDestroy(st);
+    }
+    d.cuMemHostUnregister(at);
+    if (r != CUDA_SUCCESS) return CudaError(d, "cuMemcpyHtoDAsync", r);
+    if (sync != CUDA_SUCCESS) return CudaError(d, "a host-to-device copy", sync);
+    return OkStatus();
+  }
+
+  // Copies device memory at `from` (on the same GPU) into the segment.
+  Status WriteFromDevice(uint64_t offset, CUdeviceptr from, uint64_t bytes) {
+    if (sealed_) return Error("segment written after it was sealed");
+    WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, bytes, size_));
+    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    if (CUresult r = m_->gpu->driver().cuMemcpyDtoD(m_->address + offset, from, bytes);
+        r != CUDA_SUCCESS) {
+      return CudaError(m_->gpu->driver(), "cuMemcpyDtoD", r);
     }
     return OkStatus();
   }
@@ -382,6 +613,7 @@ class CudaSegment final : public Segment {
   Status Seal() override {
     if (sealed_) return OkStatus();
     WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    WEIGHTD_RETURN_IF_ERROR(staging_.Drain(/*free=*/true));
     if (CUresult r = m_->gpu->driver().cuCtxSynchronize(); r != CUDA_SUCCESS) {
       return CudaError(m_->gpu->driver(), "cuCtxSynchronize", r);
     }
@@ -390,6 +622,16 @@ class CudaSegment final : public Segment {
   }
   bool readable_when_sealed() const override { return false; }
   std::span<const std::byte> readable() const override { return {}; }
+  Status ReadBack(uint64_t offset, std::span<std::byte> out) const override {
+    if (!sealed_) return Error("segment read before it was sealed");
+    WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, out.size(), size_));
+    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    if (CUresult r = m_->gpu->driver().cuMemcpyDtoH(out.data(), m_->address + offset, out.size());
+        r != CUDA_SUCCESS) {
+      return CudaError(m_->gpu->driver(), "cuMemcpyDtoH", r);
+    }
+    return OkStatus();
+  }
 
   Result<UniqueFd> Export() const override {
     if (!sealed_) return Error("segment exported before it was sealed");
@@ -407,13 +649,14 @@ class CudaSegment final : public Segment {
   std::unique_ptr<VmmMapping> m_;
   uint64_t size_;
   std::string uuid_;
+  Staging staging_;
   bool sealed_ = false;
 };
 
 class ImportedMapping final : public CudaMapping {
  public:
-  ImportedMapping(std::unique_ptr<VmmMapping> m, uint64_t size, bool read_only)
-      : m_(std::move(m)), size_(size), read_only_(read_only) {}
+  ImportedMapping(std::unique_ptr<VmmMapping> m, uint64_t size, std::string uuid, bool read_only)
+      : m_(std::move(m)), size_(size), uuid_(std::move(uuid)), read_only_(read_only) {}
   uint64_t device_address() const override { return m_->address; }
   uint64_t size() const override { return size_; }
   bool read_only() const override { return read_only_; }
@@ -426,10 +669,12 @@ class ImportedMapping final : public CudaMapping {
     }
     return OkStatus();
   }
+  Result<std::unique_ptr<Segment>> Copy() const override;
 
  private:
   std::unique_ptr<VmmMapping> m_;
   uint64_t size_;
+  std::string uuid_;
   bool read_only_;
 };
 
@@ -485,7 +730,55 @@ Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd& fd, uint64_t
       return CudaError(d, "cuMemSetAccess", rw);
     }
   }
-  return std::unique_ptr<CudaMapping>(new ImportedMapping(std::move(m), size, read_only));
+  return std::unique_ptr<CudaMapping>(new ImportedMapping(std::move(m), size, uuid, read_only));
+}
+
+Result<std::unique_ptr<Segment>> ImportedMapping::Copy() const {
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Segment> copy, CreateCudaSegment(size_, uuid_));
+  auto& segment = static_cast<CudaSegment&>(*copy);
+  WEIGHTD_RETURN_IF_ERROR(segment.WriteFromDevice(0, m_->address, size_));
+  WEIGHTD_RETURN_IF_ERROR(segment.Seal());
+  return copy;
+}
+
+Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, uint64_t bytes) {
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<GpuContext> gpu, GpuContext::Open(uuid));
+  WEIGHTD_RETURN_IF_ERROR(gpu->Use());
+  const Driver& d = gpu->driver();
+  std::vector<std::byte> before(static_cast<size_t>(bytes)), after(before.size());
+  if (CUresult r = d.cuMemcpyDtoH(before.data(), address, before.size()); r != CUDA_SUCCESS) {
+    return CudaError(d, "reading the bytes before", r);
+  }
+  WriteAttempt out;
+  auto describe = [&](CUresult r) { return r == CUDA_SUCCESS ? "accepted" : d.Describe(r); };
+  // A copy engine's write, then a memset's, each synchronized: an error may
+  // come from the call or only from the synchronization.
+  std::vector<std::byte> flipped(before.size());
+  for (size_t i = 0; i < before.size(); ++i) flipped[i] = ~before[i];
+  CUresult r = d.cuMemcpyHtoD(address, flipped.data(), flipped.size());
+  if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
+  out.copy = describe(r);
+  r = d.cuMemsetD8(address, 0xA5, before.size());
+  if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
+  out.memset = describe(r);
+  if (r = d.cuMemcpyDtoH(after.data(), address, after.size()); r != CUDA_SUCCESS) {
+    out.read_back = d.Describe(r);
+    return out;
+  }
+  out.read_back = "ok";
+  out.changed = after != before;
+  return out;
+}
+
+Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte> host,
+                                                   const std::string& uuid, bool* registered) {
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Segment> copy, CreateCudaSegment(host.size(), uuid));
+  auto& segment = static_cast<CudaSegment&>(*copy);
+  bool pinned = false;
+  WEIGHTD_RETURN_IF_ERROR(segment.WriteFromHost(0, host, &pinned));
+  WEIGHTD_RETURN_IF_ERROR(segment.Seal());
+  if (registered != nullptr) *registered = pinned;
+  return copy;
 }
 
 #else  // no CUDA 12 headers at build time
@@ -503,6 +796,15 @@ Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t, const std::string&)
 }
 
 Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd&, uint64_t, const std::string&) {
+  return BuiltWithoutCuda();
+}
+
+Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte>, const std::string&,
+                                                   bool*) {
+  return BuiltWithoutCuda();
+}
+
+Result<WriteAttempt> TryWriteOnGpu(const std::string&, uint64_t, uint64_t) {
   return BuiltWithoutCuda();
 }
 

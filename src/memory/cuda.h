@@ -15,7 +15,7 @@
 // host-to-device copies, exported as a file descriptor; another process
 // imports it and maps it read-only (CudaMapping). Not yet run on a GPU:
 // tools/cuda_segment_check, run by scripts/gpu-check, is its first test
-// there. Nothing above the memory layer uses it yet.
+// there.
 //
 // Thread safety: everything here may be called from any thread.
 #pragma once
@@ -71,12 +71,42 @@ Result<std::vector<CudaDevice>> ListCudaDevices();
 // `visible` is what ListCudaDevices returned.
 Result<std::string> ResolveCudaOrdinal(int ordinal, const std::vector<CudaDevice>& visible);
 
+// What a --device flag names, resolved: the host, or a GPU by UUID (an
+// ordinal through this process's numbering, which needs the driver).
+Result<Device> ResolveDevice(std::string_view text);
+
 // A segment of `size` bytes in the memory of the GPU `uuid` ("GPU-..."),
-// mapped read-write into this process while it is filled. Write() copies
-// from host memory (the bytes are on the GPU once Seal() returns);
-// readable() stays empty (ReadBack of a mapping reads it). Each call makes
-// the GPU's primary context current on the calling thread.
+// mapped read-write into this process (at device_address()). Write()
+// copies from host memory through pinned staging buffers, the copies
+// running on their own streams while the writer goes on (the bytes are on
+// the GPU once Seal() returns; the buffers are freed then); readable()
+// stays empty, ReadBack() copies the bytes back. Each call makes the GPU's
+// primary context current on the calling thread.
 Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::string& uuid);
+
+// The host-tier reload: `host` (a mapped host segment, say) copied into a
+// new, sealed segment on the GPU `uuid`, registered as pinned memory
+// (read-only, so a sealed mapping qualifies) so that the GPU copies it
+// straight at the bus's speed; through the staging buffers where the driver
+// will not register it. `registered` (optional) says which way it went.
+Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte> host,
+                                                   const std::string& uuid,
+                                                   bool* registered = nullptr);
+
+// What a write to memory mapped read-only did (a check, for tools).
+struct WriteAttempt {
+  std::string copy;       // a host-to-device copy into it: "accepted" or the error
+  std::string memset;     // a device memset on it: "accepted" or the error
+  std::string read_back;  // "ok", or why the bytes could not be read after
+  bool changed = false;   // whether the bytes read back differ from before
+};
+
+// Tries to change `bytes` bytes at `address` on the GPU `uuid` (mapped in
+// this process, by the client, say), by a copy and by a memset, and reads
+// them back: what the driver does with writes to memory mapped read-only.
+// A refused write may leave this process's CUDA context unusable: call it
+// in a process that ends after.
+Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, uint64_t bytes);
 
 // A segment another process exported, mapped into this process's address
 // space on the same GPU. The physical memory stays while any process maps
@@ -92,6 +122,9 @@ class CudaMapping {
   virtual bool read_only() const = 0;
   // Copies [offset, offset + out.size()) to host memory.
   virtual Status ReadBack(uint64_t offset, std::span<std::byte> out) const = 0;
+  // A new segment of this process's own on the same GPU, with the same
+  // bytes (an engine's `copy` mode), sealed.
+  virtual Result<std::unique_ptr<Segment>> Copy() const = 0;
 };
 
 // Imports `fd` (from Segment::Export of a CUDA segment of `size` bytes on

@@ -183,6 +183,16 @@ void UniqueFd::Reset(int fd) {
   fd_ = fd;
 }
 
+Status Segment::ReadBack(uint64_t offset, std::span<std::byte> out) const {
+  const std::span<const std::byte> bytes = readable();
+  if (offset > bytes.size() || out.size() > bytes.size() - offset) {
+    return Error("bytes [" + std::to_string(offset) + ", +" + std::to_string(out.size()) +
+                 ") are not readable in this segment");
+  }
+  std::memcpy(out.data(), bytes.data() + offset, out.size());
+  return OkStatus();
+}
+
 Result<UniqueFd> UniqueFd::Duplicate() const {
   int fd = ::fcntl(fd_, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) return Error(Errno("cannot duplicate a descriptor"));

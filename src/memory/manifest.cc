@@ -140,16 +140,21 @@ void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment) {
 }
 
 Result<ManifestView> ReadManifest(std::span<const std::byte> segment) {
+  return ReadManifest(segment, segment.size());
+}
+
+Result<ManifestView> ReadManifest(std::span<const std::byte> manifest, uint64_t size) {
+  const std::span<const std::byte> segment = manifest;
   if (segment.size() < kHeaderBytes) return Corrupt("shorter than its header");
   Header h;
   std::memcpy(&h, segment.data(), sizeof h);
   if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) return Corrupt("wrong magic");
   if (h.zero != 0) return Corrupt("a reserved field is set");
-  const uint64_t size = segment.size();
   uint64_t records_bytes, dims_bytes, end;
   if (!Mul(h.tensor_count, kRecordBytes, &records_bytes) || !Mul(h.dims_count, 8, &dims_bytes) ||
       !Add(kHeaderBytes, records_bytes, &end) || !Add(end, dims_bytes, &end) ||
-      !Add(end, h.string_bytes, &end) || end > h.manifest_bytes || h.manifest_bytes > size) {
+      !Add(end, h.string_bytes, &end) || end > h.manifest_bytes ||
+      h.manifest_bytes > segment.size() || h.manifest_bytes > size) {
     return Corrupt("its tables do not fit");
   }
   uint64_t data_end;

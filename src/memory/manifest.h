@@ -73,5 +73,8 @@ struct ManifestView {
 // Reads and checks the manifest of a mapped segment. The views point into
 // `segment`.
 Result<ManifestView> ReadManifest(std::span<const std::byte> segment);
+// The same for a segment of `segment_size` bytes that cannot be read here
+// (a GPU's), from a copy of its manifest (at least the manifest's bytes).
+Result<ManifestView> ReadManifest(std::span<const std::byte> manifest, uint64_t segment_size);
 
 }  // namespace weightd::memory

@@ -69,6 +69,9 @@ class Segment {
   virtual uint64_t size() const = 0;
   virtual uint64_t reserved_bytes() const = 0;
   virtual bool huge_pages() const = 0;
+  // Where a GPU's segment is mapped in this process (its device address);
+  // 0 for host memory.
+  virtual uint64_t device_address() const { return 0; }
 
   // Copies `pieces`, one after another, into the segment from `offset`.
   // Calls on disjoint ranges may run at once, from many threads. An error
@@ -84,6 +87,9 @@ class Segment {
   // GPU's does not).
   virtual bool readable_when_sealed() const = 0;
   virtual std::span<const std::byte> readable() const = 0;
+  // Copies sealed bytes [offset, offset + out.size()) into host memory: from
+  // readable(), or by a copy off the GPU.
+  virtual Status ReadBack(uint64_t offset, std::span<std::byte> out) const;
   // A new descriptor for the sealed segment, to hand to another process.
   virtual Result<UniqueFd> Export() const = 0;
 };

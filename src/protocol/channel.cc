@@ -114,36 +114,44 @@ std::string FrameHeader(uint32_t body_bytes, uint32_t descriptors, uint32_t vers
 }
 
 Status Channel::Send(const nlohmann::json& body, const memory::UniqueFd* fd) {
+  if (fd == nullptr) return Send(body, std::span<const memory::UniqueFd* const>{});
+  return Send(body, std::span(&fd, 1));
+}
+
+Status Channel::Send(const nlohmann::json& body, std::span<const memory::UniqueFd* const> fds) {
+  if (fds.size() > kMaxDescriptors) return Error("a frame carries at most two descriptors");
   const std::string text = body.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace);
   if (text.size() > kMaxBodyBytes) {
     return Error("message of " + std::to_string(text.size()) + " bytes is over the frame limit");
   }
   const std::string frame =
-      FrameHeader(static_cast<uint32_t>(text.size()), fd != nullptr ? 1 : 0) + text;
+      FrameHeader(static_cast<uint32_t>(text.size()), static_cast<uint32_t>(fds.size())) + text;
   size_t sent = 0;
-  bool fd_sent = fd == nullptr;
+  bool fds_sent = fds.empty();
   while (sent < frame.size()) {
     iovec iov{const_cast<char*>(frame.data() + sent), frame.size() - sent};
     msghdr msg{};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int))];
-    if (!fd_sent) {
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMaxDescriptors)];
+    if (!fds_sent) {
       msg.msg_control = control;
-      msg.msg_controllen = sizeof control;
+      msg.msg_controllen = CMSG_SPACE(sizeof(int) * fds.size());
       cmsghdr* c = CMSG_FIRSTHDR(&msg);
       c->cmsg_level = SOL_SOCKET;
       c->cmsg_type = SCM_RIGHTS;
-      c->cmsg_len = CMSG_LEN(sizeof(int));
-      const int raw = fd->get();
-      std::memcpy(CMSG_DATA(c), &raw, sizeof raw);
+      c->cmsg_len = CMSG_LEN(sizeof(int) * fds.size());
+      for (size_t i = 0; i < fds.size(); ++i) {
+        const int raw = fds[i]->get();
+        std::memcpy(CMSG_DATA(c) + i * sizeof(int), &raw, sizeof raw);
+      }
     }
     ssize_t n = ::sendmsg(socket_.get(), &msg, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
       return Error(Errno("send"));
     }
-    fd_sent = true;
+    fds_sent = true;
     sent += static_cast<size_t>(n);
   }
   return OkStatus();

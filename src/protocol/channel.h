@@ -1,6 +1,7 @@
 // The wire between engines and the daemon: a Unix stream socket carrying
-// frames, each a fixed 16-byte header and a JSON body, with at most one file
-// descriptor attached (SCM_RIGHTS) for a segment handle.
+// frames, each a fixed 16-byte header and a JSON body, with at most two file
+// descriptors attached (SCM_RIGHTS): a segment's handle, and for a GPU's
+// segment the host memory holding its manifest.
 //
 //   header: "WDP1" | u32 protocol version | u32 body bytes | u32 descriptors
 //   body:   one JSON object with a string "type"
@@ -15,6 +16,7 @@
 
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -25,7 +27,7 @@ namespace weightd::protocol {
 
 inline constexpr uint32_t kProtocolVersion = 1;
 inline constexpr uint32_t kMaxBodyBytes = 1u << 20;
-inline constexpr uint32_t kMaxDescriptors = 1;
+inline constexpr uint32_t kMaxDescriptors = 2;
 inline constexpr size_t kFrameHeaderBytes = 16;
 
 struct Message {
@@ -41,6 +43,8 @@ class Channel {
 
   // Sends one frame; `fd` (optional) travels with it.
   Status Send(const nlohmann::json& body, const memory::UniqueFd* fd = nullptr);
+  // The same with up to kMaxDescriptors descriptors, in this order.
+  Status Send(const nlohmann::json& body, std::span<const memory::UniqueFd* const> fds);
 
   // Waits up to `timeout_ms` (-1: forever) for the next frame to start, and
   // then at most kBodyTimeoutMs for the whole of it. A peer that closed
