@@ -202,7 +202,46 @@ TEST_F(DaemonTest, ACudaRequestToAHostDaemonIsAMissOnTheDevice) {
     CommandResult r = Run({"load", a, "--device", "cuda:0"});
     EXPECT_EQ(r.exit_code, 1);
     EXPECT_NE(r.err.find(devices.error().message()), std::string::npos) << r.err;
+    // Named by UUID, no driver is needed to ask: the daemon holds the model
+    // in host memory, so the engine tries the host-tier reload, and says
+    // why that and the disk fallback onto the GPU cannot be done here.
+    const std::string gpu = key["device"];
+    r = Run({"load", a, "--device", gpu, "--no-fallback"});
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find("copy from the daemon's host memory failed: " + devices.error().message()),
+              std::string::npos)
+        << r.err;
+    r = Run({"load", a, "--device", gpu});
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find("from disk onto " + gpu), std::string::npos) << r.err;
+    EXPECT_NE(r.err.find(devices.error().message()), std::string::npos) << r.err;
+    // A preload onto a GPU this daemon does not serve: a clear error, and
+    // the daemon keeps serving.
+    r = Run({"preload", a, "--device", gpu});
+    EXPECT_EQ(r.exit_code, 1);
+    EXPECT_NE(r.err.find("this daemon serves no GPU (" + devices.error().message()),
+              std::string::npos)
+        << r.err;
+    EXPECT_EQ(Load(a)["source"], "daemon");
+    // Only the host has a budget; the GPUs' state is reported as it is.
+    const json status = Status();
+    ASSERT_EQ(status["devices"].size(), 1u) << status.dump();
+    EXPECT_EQ(status["devices"][0]["name"], "host");
+    EXPECT_EQ(status["cuda"]["available"], false);
   }
+}
+
+// --budget takes a size per device; a device it cannot name is a usage
+// error, a GPU this host lacks is logged and the host served.
+TEST_F(DaemonTest, BudgetsAreGivenPerDevice) {
+  CommandResult bad = RunWeightd({"serve", "--socket-dir", sock_, "--budget", "gpu0=1G"});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("cuda:GPU-<uuid>"), std::string::npos) << bad.err;
+  auto daemon = StartDaemon({"--budget", "host=64M", "--budget", "cuda:0=1G"});
+  const json status = Status();
+  ASSERT_GE(status["devices"].size(), 1u);
+  EXPECT_EQ(status["devices"][0]["name"], "host");
+  EXPECT_EQ(status["devices"][0]["budget"], 64u << 20);
 }
 
 // One rank evicted: the next preload loads that rank alone, and the rest

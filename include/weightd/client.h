@@ -42,12 +42,17 @@ struct LoadSpec {
   std::string dtype = "keep";
   std::string quant = "none";
   std::string shard_plan = {};  // empty: none named
-  std::string device = "cpu";   // cpu (host memory) only in this build
+  // Where the weights are wanted: cpu (host memory), cuda:N (this process's
+  // numbering, CUDA_VISIBLE_DEVICES applied) or cuda:GPU-<uuid>.
+  std::string device = "cpu";
 };
 
 enum class AcquireMode {
   kZeroCopy,  // map the daemon's segment; the lease lasts as long as the Weights
-  kCopy,      // copy into this process's memory and give the lease back at once
+  // Copy into this process's own memory (on a GPU: its own allocation
+  // there) and give the lease back at once. Asked for a GPU, a model the
+  // daemon holds in host memory is copied up (the host-tier reload).
+  kCopy,
 };
 
 struct AcquireOptions {
@@ -74,7 +79,12 @@ struct Tensor {
   std::string_view name;
   std::string_view dtype;  // safetensors spelling: "BF16", "F32", ...
   std::span<const uint64_t> shape;
+  // The bytes, in host memory; empty for weights on a GPU.
   std::span<const std::byte> data;
+  uint64_t bytes = 0;
+  // On a GPU: the address of the first byte in this process's address space
+  // there (a CUdeviceptr, valid in any context of that GPU); 0 in host memory.
+  uint64_t device_address = 0;
 };
 
 class Weights {
@@ -94,11 +104,19 @@ class Weights {
   virtual const std::vector<std::string>& mismatch_fields() const = 0;
   // The checkpoint's content digest as the key carries it.
   virtual const std::string& checkpoint_digest() const = 0;
+  // Where the bytes are: "host" or "cuda:GPU-<uuid>".
+  virtual const std::string& device() const = 0;
 
   uint64_t bytes() const;
   // XXH3-128 over every tensor's name and bytes, in name order, tagged:
-  // equal whether the weights came from the daemon or from disk.
-  std::string Checksum() const;
+  // equal whether the weights came from the daemon or from disk, and on
+  // whichever device (a GPU's are copied back to host memory for it, a
+  // piece at a time).
+  Result<std::string> Checksum() const;
+
+  // Copies `out.size()` bytes of `t` (one of tensors()) from `offset` into
+  // host memory: a GPU's by a copy off the device.
+  virtual Status CopyToHost(const Tensor& t, uint64_t offset, std::span<std::byte> out) const = 0;
 };
 
 Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOptions& options);

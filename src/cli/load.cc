@@ -2,8 +2,10 @@
 #include <CLI/CLI.hpp>
 #include <chrono>
 #include <cstring>
+#include <filesystem>
 #include <iostream>
 #include <memory>
+#include <optional>
 #include <thread>
 
 #include "cli/output.h"
@@ -37,10 +39,18 @@ Status SaveWeights(const Weights& w, const std::string& path) {
   }
   WEIGHTD_ASSIGN_OR_RETURN(format::ShardLayout layout,
                            format::LayoutShard(std::move(specs), {{"format", "pt"}}));
-  return format::WriteShard(
+  // Off a GPU too: the first error there is kept, and the file removed.
+  std::optional<Error> failed;
+  WEIGHTD_RETURN_IF_ERROR(format::WriteShard(
       path, layout, [&](const format::TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
-        std::memcpy(dst.data(), w.Find(t.name)->data.data() + offset, dst.size());
-      });
+        if (failed) return;
+        if (Status s = w.CopyToHost(*w.Find(t.name), offset, dst); !s.ok()) failed = s.error();
+      }));
+  if (failed) {
+    std::filesystem::remove(path);
+    return *failed;
+  }
+  return OkStatus();
 }
 
 int RunLoad(LoadCommandOptions& o) {
@@ -67,7 +77,11 @@ int RunLoad(LoadCommandOptions& o) {
   const double seconds = SecondsSince(start);
   const Weights& w = **weights;
   std::string checksum;
-  if (o.checksum) checksum = w.Checksum();
+  if (o.checksum) {
+    auto sum = w.Checksum();
+    if (!sum.ok()) return ReportError("load --checksum", sum.error().message());
+    checksum = *sum;
+  }
 
   if (o.json) {
     json out = {{"path", o.spec.path},
@@ -79,13 +93,14 @@ int RunLoad(LoadCommandOptions& o) {
                 {"bytes", w.bytes()},
                 {"seconds", seconds},
                 {"checkpoint", w.checkpoint_digest()},
+                {"device", w.device()},
                 {"mode", o.mode}};
     if (o.checksum) out["checksum"] = checksum;
     std::cout << DumpJson(out, 2) << std::endl;
   } else {
     std::cout << "source: " << w.source() << " (" << Printable(w.reason()) << ")\n"
               << Count(w.tensors().size(), "tensor") << ", " << FormatBytes(w.bytes()) << " in "
-              << seconds << " s\n";
+              << seconds << " s" << (w.device() == "host" ? "" : " on " + w.device()) << "\n";
     if (o.checksum) std::cout << "checksum: " << checksum << "\n";
     std::cout << std::flush;
   }
@@ -98,7 +113,9 @@ int RunLoad(LoadCommandOptions& o) {
     // bytes are still the same (the daemon may have died meanwhile).
     std::this_thread::sleep_for(std::chrono::duration<double>(o.hold));
     if (o.checksum) {
-      const std::string again = w.Checksum();
+      auto sum = w.Checksum();
+      if (!sum.ok()) return ReportError("load --hold", sum.error().message());
+      const std::string again = *sum;
       if (again != checksum) {
         return ReportError("load", "the weights changed while held: " + again);
       }
@@ -125,7 +142,8 @@ void AddProcessingFlags(CLI::App& app, protocol::Processing& p) {
   app.add_option("--shard-plan,--plan", p.shard_plan,
                  "llama | replicate | FILE (TOML rules): how tensors split across ranks");
   app.add_option("--device", p.device,
-                 "cpu | cuda:N | cuda:GPU-<uuid> (GPU residency is not built yet: a clear error)");
+                 "cpu | cuda:N (this process's numbering) | cuda:GPU-<uuid>: where the weights "
+                 "are kept");
 }
 
 Status FinishProcessingFlags(protocol::Processing& p) {

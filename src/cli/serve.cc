@@ -15,6 +15,7 @@
 #include "client/admin.h"
 #include "daemon/server.h"
 #include "io/file.h"
+#include "memory/cuda.h"
 #include "protocol/paths.h"
 
 namespace weightd::cli {
@@ -53,6 +54,7 @@ struct ServeOptions {
 struct ConfigModel {
   std::string path;
   std::string pin;
+  std::string device = "cpu";
 };
 
 // The --config file:
@@ -60,9 +62,11 @@ struct ConfigModel {
 //   socket_dir = "/run/weightd"          # optional; --socket-dir wins
 //   [budget]
 //   host = "64G"                         # optional; --budget wins
+//   "cuda:0" = "70G"                     # optional, per GPU
 //   [[model]]                            # preloaded at start, in this order
 //   path = "/models/llama-3-8b"
 //   pin = "llama3"                       # optional
+//   device = "cuda:0"                    # optional; default: host memory
 //
 // Unknown keys are errors, so a typo does not silently do nothing.
 Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigModel>& models) {
@@ -98,10 +102,10 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
         ConfigModel m;
         for (const auto& [field, v] : *entry.as_table()) {
           const std::string f(field.str());
-          if ((f != "path" && f != "pin") || !v.is_string()) {
-            return fail("[[model]] takes path and pin (strings), not `" + f + "`");
+          if ((f != "path" && f != "pin" && f != "device") || !v.is_string()) {
+            return fail("[[model]] takes path, pin and device (strings), not `" + f + "`");
           }
-          (f == "path" ? m.path : m.pin) = *v.value<std::string>();
+          (f == "path" ? m.path : f == "pin" ? m.pin : m.device) = *v.value<std::string>();
         }
         if (m.path.empty()) return fail("a [[model]] without a path");
         models.push_back(m);
@@ -128,11 +132,19 @@ int RunServe(ServeOptions o) {
     const size_t eq = b.find('=');
     const std::string device = eq == std::string::npos ? "host" : b.substr(0, eq);
     auto size = ParseSize(eq == std::string::npos ? b : b.substr(eq + 1));
-    if (device != "host" || !size) {
-      return ReportError("serve", "--budget " + b + ": expected host=SIZE (e.g. host=64G)",
+    auto spec = memory::ParseDevice(device);
+    if (!spec.ok() || !size) {
+      return ReportError("serve",
+                         "--budget " + b +
+                             ": expected DEVICE=SIZE, DEVICE one of host, cuda:N, "
+                             "cuda:GPU-<uuid> (e.g. host=64G, cuda:0=70G)",
                          kExitUsage);
     }
-    so.host_budget = *size;
+    if (spec->kind == memory::DeviceSpec::Kind::kHost) {
+      so.host_budget = *size;
+    } else {
+      so.gpu_budgets.emplace_back(device, *size);
+    }
   }
   auto log_mu = std::make_shared<std::mutex>();
   so.log = [log_mu](const std::string& line) {
@@ -154,7 +166,7 @@ int RunServe(ServeOptions o) {
   std::thread preloader([&server, &so, preloads] {
     for (const ConfigModel& m : preloads) {
       if (server.stopping()) break;
-      auto r = server.Preload({m.path, m.pin}, {});
+      auto r = server.Preload({m.path, m.pin, m.device}, {});
       if (!r.ok())
         so.log("preload of " + m.path + " from the config failed: " + r.error().message());
     }
@@ -199,8 +211,10 @@ Command AddServeCommand(CLI::App& root) {
   app->add_option("--socket-dir", o->socket_dir,
                   "default: $WEIGHTD_SOCKET_DIR, $XDG_RUNTIME_DIR/weightd, /tmp/weightd-$UID");
   app->add_option("--budget", o->budgets,
-                  "memory the daemon may hold per device: host=64G, or 64G for the host (default: "
-                  "half of RAM)");
+                  "memory the daemon may hold per device, DEVICE=SIZE: host=64G (or 64G), "
+                  "cuda:0=70G (this daemon's numbering), cuda:GPU-<uuid>=70G; repeatable "
+                  "(default: half of RAM for the host, " +
+                      std::to_string(daemon::kDefaultGpuBudgetPercent) + "% of each GPU's memory)");
   app->add_flag("--no-cache", o->no_cache, "preloads do not use the fingerprint's stat cache");
   app->add_option("--config", o->config,
                   "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path/pin to preload "
@@ -234,6 +248,10 @@ Command AddPreloadCommand(CLI::App& root) {
             }
             auto real = io::PosixFileSystem().RealPath(o->path);
             if (!real.ok()) return ReportError("preload", real.error().message());
+            // cuda:N is this process's numbering; the daemon is told the UUID.
+            auto device = memory::ResolveDevice(o->processing.device);
+            if (!device.ok()) return ReportError("preload", device.error().message());
+            o->processing.device = device->Name();
             json request = {{"type", "preload"},
                             {"path", *real},
                             {"processing", protocol::ToJson(o->processing)}};
@@ -283,10 +301,14 @@ Command AddStatusCommand(CLI::App& root) {
                         << " held of " << FormatBytes(d.value("budget", uint64_t{0})) << "\n";
             }
             if (const json cuda = reply->value("cuda", json::object()); !cuda.empty()) {
-              std::cout << "cuda: " << Printable(cuda.value("reason", "")) << "\n";
+              if (!cuda.value("available", false)) {
+                std::cout << "cuda: " << Printable(cuda.value("reason", "")) << "\n";
+              }
               for (const auto& d : cuda.value("devices", json::array())) {
-                std::cout << "  " << d.value("name", "") << "  " << Printable(d.value("model", ""))
-                          << "  " << FormatBytes(d.value("total_bytes", uint64_t{0})) << "\n";
+                std::cout << "cuda:" << d.value("ordinal", 0) << " " << d.value("name", "") << "  "
+                          << Printable(d.value("model", "")) << "  "
+                          << FormatBytes(d.value("total_bytes", uint64_t{0}))
+                          << "  read-only mapping: " << d.value("read_only_mapping", "") << "\n";
               }
             }
             const auto& models = (*reply)["models"];

@@ -72,10 +72,60 @@ class WeightsImpl final : public Weights {
   const std::vector<std::string>& mismatch() const override { return mismatch_; }
   const std::vector<std::string>& mismatch_fields() const override { return fields_; }
   const std::string& checkpoint_digest() const override { return digest_; }
+  const std::string& device() const override { return device_; }
 
-  // Builds the tensor views over `segment` (which this object keeps alive).
+  // Builds the tensor views over a host segment's bytes (which this object
+  // keeps alive).
   Status Index(std::span<const std::byte> bytes) {
-    WEIGHTD_ASSIGN_OR_RETURN(memory::ManifestView view, memory::ReadManifest(bytes));
+    device_ = "host";
+    return Index(bytes, bytes, 0, bytes.size());
+  }
+  // The same for a segment of `segment_bytes` on a GPU, mapped at
+  // `device_base`, from a copy of its manifest in host memory.
+  Status IndexOnGpu(std::span<const std::byte> manifest, uint64_t device_base,
+                    uint64_t segment_bytes, std::string device) {
+    device_ = std::move(device);
+    device_base_ = device_base;
+    return Index(manifest, {}, device_base, segment_bytes);
+  }
+
+  // What keeps the bytes alive: some of these.
+  std::unique_ptr<memory::Mapping> mapping;  // a host segment, or a GPU segment's manifest
+  std::optional<protocol::Channel> lease;    // zero_copy: the connection holds the lease
+  OwnedBytes owned;
+  std::unique_ptr<memory::Segment> segment;           // our own: from disk, or a copy
+  std::unique_ptr<memory::CudaMapping> cuda_mapping;  // the daemon's, on a GPU
+  std::vector<std::byte> manifest_copy;               // a GPU segment's, in host memory
+
+  std::vector<Tensor> tensors_;
+  std::string source_;
+  std::string reason_;
+  std::vector<std::string> mismatch_;
+  std::vector<std::string> fields_;
+  std::string digest_;
+
+  Status CopyToHost(const Tensor& t, uint64_t offset, std::span<std::byte> out) const override {
+    if (offset > t.bytes || out.size() > t.bytes - offset) {
+      return Error("bytes past the end of tensor `" + std::string(t.name) + "`");
+    }
+    if (t.device_address == 0) {
+      std::memcpy(out.data(), t.data.data() + offset, out.size());
+      return OkStatus();
+    }
+    const uint64_t at = t.device_address - device_base_ + offset;
+    if (cuda_mapping) return cuda_mapping->ReadBack(at, out);
+    if (segment) return segment->ReadBack(at, out);
+    return Error("no GPU memory behind tensor `" + std::string(t.name) + "`");
+  }
+
+ private:
+  // `host`: the segment's bytes where this process can read them (empty
+  // for a GPU's, which are at `device_base`).
+  Status Index(std::span<const std::byte> manifest, std::span<const std::byte> host,
+               uint64_t device_base, uint64_t segment_bytes) {
+    WEIGHTD_ASSIGN_OR_RETURN(memory::ManifestView view,
+                             memory::ReadManifest(manifest, segment_bytes));
+    tensors_.clear();
     tensors_.reserve(view.tensors.size());
     for (const memory::TensorRecord& r : view.tensors) {
       // The engine will index the data by shape: shape and dtype must
@@ -92,25 +142,19 @@ class WeightsImpl final : public Weights {
         return Error("segment tensor `" + std::string(r.name) + "`: its shape does not match its " +
                      std::to_string(r.bytes) + " bytes");
       }
-      tensors_.push_back(
-          {r.name, r.dtype, r.shape,
-           bytes.subspan(static_cast<size_t>(r.offset), static_cast<size_t>(r.bytes))});
+      Tensor t{r.name, r.dtype, r.shape, {}, r.bytes, 0};
+      if (host.empty()) {
+        t.device_address = device_base + r.offset;
+      } else {
+        t.data = host.subspan(static_cast<size_t>(r.offset), static_cast<size_t>(r.bytes));
+      }
+      tensors_.push_back(t);
     }
     return OkStatus();
   }
 
-  // What keeps the bytes alive: one of these.
-  std::unique_ptr<memory::Mapping> mapping;
-  std::optional<protocol::Channel> lease;  // zero_copy: the connection holds the lease
-  OwnedBytes owned;
-  std::unique_ptr<memory::Segment> segment;
-
-  std::vector<Tensor> tensors_;
-  std::string source_;
-  std::string reason_;
-  std::vector<std::string> mismatch_;
-  std::vector<std::string> fields_;
-  std::string digest_;
+  std::string device_ = "host";
+  uint64_t device_base_ = 0;
 };
 
 struct Miss {
@@ -189,23 +233,68 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     }
     return nullptr;
   }
-  if (reply->fds.size() != 1 || !body.contains("bytes") || !body["bytes"].is_number_unsigned() ||
-      !body.contains("key")) {
-    miss.reason = "protocol error: an `acquired` reply without one segment and its size";
-    return nullptr;
-  }
-  auto held = protocol::KeyFromJson(body["key"]);
+  auto held = body.contains("key") ? protocol::KeyFromJson(body["key"])
+                                   : Result<protocol::CacheKey>(Error("no key"));
   if (!held.ok()) return fail("protocol error", held.error());
   if (!protocol::Compare(*held, key, !o.trust.empty()).empty()) {
     miss.reason = "protocol error: the daemon served a model with another key";
     return nullptr;
   }
-  auto mapping = memory::MapHostSegment(reply->fds[0], body["bytes"].get<uint64_t>());
-  if (!mapping.ok()) return fail("mapping error", mapping.error());
-
+  auto size_field = [&](const char* field) -> std::optional<uint64_t> {
+    auto it = body.find(field);
+    if (it == body.end() || !it->is_number_unsigned()) return std::nullopt;
+    return it->get<uint64_t>();
+  };
+  const std::optional<uint64_t> bytes = size_field("bytes");
   auto w = std::make_unique<WeightsImpl>();
   w->source_ = "daemon";
   w->digest_ = held->checkpoint;
+  if (held->device != "host") {
+    // A GPU's segment, after its manifest in host memory.
+    const std::optional<uint64_t> manifest_bytes = size_field("manifest_bytes");
+    auto device = memory::ParseDevice(held->device);
+    if (reply->fds.size() != 2 || !bytes || !manifest_bytes || !device.ok() ||
+        device->kind != memory::DeviceSpec::Kind::kCudaUuid) {
+      miss.reason = "protocol error: a GPU's `acquired` reply without its manifest and segment";
+      return nullptr;
+    }
+    auto manifest = memory::MapHostSegment(reply->fds[0], *manifest_bytes);
+    if (!manifest.ok()) return fail("mapping error", manifest.error());
+    auto gpu = memory::MapCudaSegment(reply->fds[1], *bytes, device->uuid);
+    if (!gpu.ok()) return fail("mapping error", gpu.error());
+    w->mapping = std::move(manifest).value();
+    if (o.mode == AcquireMode::kCopy) {
+      auto copy = (*gpu)->Copy();
+      if (!copy.ok()) return fail("copy error", copy.error());
+      w->segment = std::move(copy).value();
+      if (Status s = w->IndexOnGpu(w->mapping->bytes(), w->segment->device_address(), *bytes,
+                                   held->device);
+          !s.ok()) {
+        return fail("segment error", s.error());
+      }
+      w->reason_ = "resident in the daemon on " + held->device + " (copied; lease given back)";
+      return w;
+    }
+    w->cuda_mapping = std::move(gpu).value();
+    if (Status s = w->IndexOnGpu(w->mapping->bytes(), w->cuda_mapping->device_address(), *bytes,
+                                 held->device);
+        !s.ok()) {
+      return fail("segment error", s.error());
+    }
+    w->lease.emplace(std::move(ch).value());
+    w->reason_ = w->cuda_mapping->read_only()
+                     ? "resident in the daemon on " + held->device + " (mapped read-only)"
+                     : "resident in the daemon on " + held->device +
+                           " (mapped READ-WRITE: the driver refused a read-only mapping; do not "
+                           "write to the weights, other engines share them)";
+    return w;
+  }
+  if (reply->fds.size() != 1 || !bytes) {
+    miss.reason = "protocol error: an `acquired` reply without one segment and its size";
+    return nullptr;
+  }
+  auto mapping = memory::MapHostSegment(reply->fds[0], *bytes);
+  if (!mapping.ok()) return fail("mapping error", mapping.error());
   if (o.mode == AcquireMode::kCopy) {
     auto copy = OwnedBytes::Copy((*mapping)->bytes());
     if (!copy.ok()) return fail("copy error", copy.error());
@@ -218,6 +307,49 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   if (Status s = w->Index(w->mapping->bytes()); !s.ok()) return fail("segment error", s.error());
   w->lease.emplace(std::move(ch).value());
   w->reason_ = "resident in the daemon (mapped read-only)";
+  return w;
+}
+
+// The host-tier reload: the model resident in the daemon's host memory,
+// copied onto the GPU `device` names (registered as pinned memory, so at
+// the bus's speed); the lease goes back once copied.
+std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
+                                            const memory::Device& device, const AcquireOptions& o,
+                                            Miss& miss) {
+  protocol::CacheKey host_key = key;
+  host_key.device = "host";
+  AcquireOptions mapped = o;
+  mapped.mode = AcquireMode::kZeroCopy;
+  Miss host_miss;
+  std::unique_ptr<WeightsImpl> w = TryDaemon(host_key, mapped, host_miss);
+  if (!w) return nullptr;
+  bool registered = false;
+  const std::span<const std::byte> host = w->mapping->bytes();
+  auto copy = memory::CopyToCudaSegment(host, device.uuid, &registered);
+  if (!copy.ok()) {
+    miss.reason += "; the copy from the daemon's host memory failed: " + copy.error().message();
+    return nullptr;
+  }
+  w->segment = std::move(copy).value();
+  // The manifest is kept, not the host mapping: the daemon may evict its
+  // copy and free that memory.
+  auto view = memory::ReadManifest(host);
+  if (!view.ok()) {
+    miss.reason += "; " + view.error().message();
+    return nullptr;
+  }
+  w->manifest_copy.assign(host.begin(), host.begin() + static_cast<ptrdiff_t>(view->data_offset));
+  if (Status s =
+          w->IndexOnGpu(w->manifest_copy, w->segment->device_address(), host.size(), device.Name());
+      !s.ok()) {
+    miss.reason += "; " + s.error().message();
+    return nullptr;
+  }
+  w->mapping.reset();
+  w->lease.reset();
+  w->reason_ = "resident in the daemon's host memory, copied to " + device.Name() +
+               (registered ? " (registered as pinned memory)" : " (through staging buffers)") +
+               "; lease given back";
   return w;
 }
 
@@ -251,23 +383,33 @@ const Tensor* Weights::Find(std::string_view name) const {
 
 uint64_t Weights::bytes() const {
   uint64_t n = 0;
-  for (const Tensor& t : tensors()) n += t.data.size();
+  for (const Tensor& t : tensors()) n += t.bytes;
   return n;
 }
 
-std::string Weights::Checksum() const {
-  XXH3_state_t* state = XXH3_createState();
-  XXH3_128bits_reset(state);
+Result<std::string> Weights::Checksum() const {
+  constexpr uint64_t kPiece = 64 << 20;  // copied off a GPU at a time
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                 XXH3_freeState);
+  XXH3_128bits_reset(state.get());
+  std::vector<std::byte> piece;
   for (const Tensor& t : tensors()) {
-    const uint64_t name_size = t.name.size(), data_size = t.data.size();
-    XXH3_128bits_update(state, &name_size, sizeof name_size);
-    XXH3_128bits_update(state, t.name.data(), t.name.size());
-    XXH3_128bits_update(state, &data_size, sizeof data_size);
-    XXH3_128bits_update(state, t.data.data(), t.data.size());
+    const uint64_t name_size = t.name.size(), data_size = t.bytes;
+    XXH3_128bits_update(state.get(), &name_size, sizeof name_size);
+    XXH3_128bits_update(state.get(), t.name.data(), t.name.size());
+    XXH3_128bits_update(state.get(), &data_size, sizeof data_size);
+    if (t.device_address == 0) {
+      XXH3_128bits_update(state.get(), t.data.data(), t.data.size());
+      continue;
+    }
+    for (uint64_t at = 0; at < t.bytes; at += kPiece) {
+      piece.resize(static_cast<size_t>(std::min(kPiece, t.bytes - at)));
+      WEIGHTD_RETURN_IF_ERROR(CopyToHost(t, at, piece));
+      XXH3_128bits_update(state.get(), piece.data(), piece.size());
+    }
   }
   XXH128_canonical_t c;
-  XXH128_canonicalFromHash(&c, XXH3_128bits_digest(state));
-  XXH3_freeState(state);
+  XXH128_canonicalFromHash(&c, XXH3_128bits_digest(state.get()));
   static const char* kHex = "0123456789abcdef";
   std::string out = "xxh3-128:";
   for (unsigned char b : c.digest) {
@@ -292,16 +434,9 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   const std::string& plan_digest = resolved.plan->digest();
   // A GPU is named by its UUID in the key: this process's cuda:N may be
   // another process's cuda:M.
+  WEIGHTD_ASSIGN_OR_RETURN(const memory::Device device, memory::ResolveDevice(processing.device));
   protocol::Processing keyed = processing;
-  WEIGHTD_ASSIGN_OR_RETURN(memory::DeviceSpec device, memory::ParseDevice(processing.device));
-  if (device.kind == memory::DeviceSpec::Kind::kCudaOrdinal) {
-    auto visible = memory::ListCudaDevices();
-    if (!visible.ok())
-      return Error("--device " + processing.device + ": " + visible.error().message());
-    WEIGHTD_ASSIGN_OR_RETURN(std::string uuid,
-                             memory::ResolveCudaOrdinal(device.ordinal, *visible));
-    keyed.device = "cuda:" + uuid;
-  }
+  keyed.device = device.Name();
 
   protocol::CacheKey key;
   if (options.trust.empty()) {
@@ -321,26 +456,36 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   }
 
   Miss miss;
-  if (auto hit = TryDaemon(key, options, miss)) {
+  std::unique_ptr<WeightsImpl> hit = TryDaemon(key, options, miss);
+  // Not on this GPU, but in the daemon's host memory: copied up from there.
+  if (!hit && device.kind == memory::DeviceKind::kCuda &&
+      miss.fields == std::vector<std::string>{"device"}) {
+    hit = ReloadFromHost(key, device, options, miss);
+  }
+  if (hit) {
     if (!options.trust.empty()) {
       log("TRUSTING resident model `" + options.trust + "` for " + spec.path +
           " without comparing its content: changes to that checkpoint are not seen until it is "
           "preloaded again");
     }
+    if (hit->cuda_mapping && !hit->cuda_mapping->read_only()) log(hit->reason_);
     return std::unique_ptr<Weights>(std::move(hit));
   }
   if (!options.fallback) return Error("not served by the daemon: " + miss.reason);
-  if (device.kind != memory::DeviceSpec::Kind::kHost) {
-    return Error("--device " + keyed.device + ": not served by the daemon (" + miss.reason +
-                 "), and loading onto a GPU from disk is not built yet");
-  }
-  log("loading " + spec.path + " from disk: " + miss.reason);
+  log("loading " + spec.path + " from disk" +
+      (device.kind == memory::DeviceKind::kCuda ? " onto " + device.Name() : "") + ": " +
+      miss.reason);
 
   // The same loader as the daemon's, for this rank only.
   loader::LoadOptions lo;
   lo.segment_name = io::BaseName(spec.path);
   lo.processing = resolved;
   lo.ranks = {spec.tp_rank};
+  if (device.kind == memory::DeviceKind::kCuda) {
+    lo.allocate = [&](uint64_t bytes, int) {
+      return memory::CreateCudaSegment(bytes, device.uuid);
+    };
+  }
   WEIGHTD_ASSIGN_OR_RETURN(loader::LoadedModel loaded,
                            loader::LoadCheckpoint(io::PosixFileSystem(), spec.path, lo));
   auto w = std::make_unique<WeightsImpl>();
@@ -350,9 +495,15 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   w->fields_ = miss.fields;
   w->digest_ = loaded.checkpoint_digest;
   w->segment = std::move(loaded.ranks[0].segment);
-  WEIGHTD_RETURN_IF_ERROR(w->Index(w->segment->readable()));
+  if (device.kind == memory::DeviceKind::kCuda) {
+    w->manifest_copy = std::move(loaded.manifest);
+    WEIGHTD_RETURN_IF_ERROR(w->IndexOnGpu(w->manifest_copy, w->segment->device_address(),
+                                          w->segment->size(), device.Name()));
+  } else {
+    WEIGHTD_RETURN_IF_ERROR(w->Index(w->segment->readable()));
+  }
   // After our own load, so the two do not read the checkpoint at once.
-  if (options.populate && miss.daemon_reachable) AskToPopulate(spec, processing, options, log);
+  if (options.populate && miss.daemon_reachable) AskToPopulate(spec, keyed, options, log);
   return std::unique_ptr<Weights>(std::move(w));
 }
 

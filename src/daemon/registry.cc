@@ -20,50 +20,64 @@ Eviction Registry::EvictLocked(size_t index) {
   // Leased: the daemon holds the segment until the last lease ends, and
   // counts it until then (Release).
   m->evicted = true;
-  if (m->leases == 0) used_ -= bytes;
+  if (m->leases == 0) AccountLocked(m->key.device).used -= bytes;
   return {m->id, protocol::ShortDescription(m->key) + (m->name.empty() ? "" : " (" + m->name + ")"),
           bytes};
 }
 
-Status Registry::Reserve(uint64_t bytes, std::vector<Eviction>* evicted) {
+void Registry::SetBudget(const std::string& device, uint64_t bytes, bool only_if_unset) {
   std::lock_guard lock(mu_);
+  auto [it, added] = accounts_.try_emplace(device);
+  if (added || !only_if_unset) it->second.budget = bytes;
+}
+
+Status Registry::Reserve(const std::string& device, uint64_t bytes,
+                         std::vector<Eviction>* evicted) {
+  std::lock_guard lock(mu_);
+  auto account = accounts_.find(device);
+  if (account == accounts_.end()) return Error("no memory budget for " + device);
+  Account& a = account->second;
   // Evict nothing for a load that would not fit even then.
   uint64_t evictable = 0;
   for (const auto& m : models_) {
-    if (m->leases == 0 && m->name.empty()) evictable += m->segment->reserved_bytes();
+    if (m->key.device == device && m->leases == 0 && m->name.empty()) {
+      evictable += m->segment->reserved_bytes();
+    }
   }
-  const uint64_t kept = used_ + reserved_ - std::min(evictable, used_);
-  if (bytes > budget_ || kept > budget_ - bytes) {
-    return Error("out of budget on host: the model needs " + Gib(bytes) + ", the budget is " +
-                 Gib(budget_) + ", and " + Gib(kept) +
+  const uint64_t kept = a.used + a.reserved - std::min(evictable, a.used);
+  if (bytes > a.budget || kept > a.budget - bytes) {
+    return Error("out of budget on " + device + ": the model needs " + Gib(bytes) +
+                 ", the budget is " + Gib(a.budget) + ", and " + Gib(kept) +
                  " are held by models in use, pinned or being loaded; evict one or raise "
                  "--budget");
   }
-  while (used_ + reserved_ + bytes > budget_) {
+  while (a.used + a.reserved + bytes > a.budget) {
     // The idle model used least recently goes first.
     size_t victim = models_.size();
     for (size_t i = 0; i < models_.size(); ++i) {
-      if (models_[i]->leases > 0 || !models_[i]->name.empty()) continue;
-      if (victim == models_.size() || models_[i]->last_used < models_[victim]->last_used)
-        victim = i;
+      const ResidentModel& m = *models_[i];
+      if (m.key.device != device || m.leases > 0 || !m.name.empty()) continue;
+      if (victim == models_.size() || m.last_used < models_[victim]->last_used) victim = i;
     }
     if (victim == models_.size()) break;  // cannot happen: counted above
     Eviction e = EvictLocked(victim);
     if (evicted != nullptr) evicted->push_back(std::move(e));
   }
-  reserved_ += bytes;
+  a.reserved += bytes;
   return OkStatus();
 }
 
-void Registry::Unreserve(uint64_t bytes) {
+void Registry::Unreserve(const std::string& device, uint64_t bytes) {
   std::lock_guard lock(mu_);
-  reserved_ -= std::min(reserved_, bytes);
+  Account& a = AccountLocked(device);
+  a.reserved -= std::min(a.reserved, bytes);
 }
 
 std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> model,
                                                  uint64_t reserved_bytes) {
   std::lock_guard lock(mu_);
-  reserved_ -= std::min(reserved_, reserved_bytes);
+  Account& a = AccountLocked(model->key.device);
+  a.reserved -= std::min(a.reserved, reserved_bytes);
   for (size_t i = 0; i < models_.size(); ++i) {
     if (models_[i]->key == model->key) {
       EvictLocked(i);
@@ -73,7 +87,7 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
   if (!model->name.empty()) TakeNameLocked(model->name, model->key);
   model->id = next_id_++;
   model->last_used = std::chrono::steady_clock::now();
-  used_ += model->segment->reserved_bytes();
+  a.used += model->segment->reserved_bytes();
   models_.push_back(std::shared_ptr<ResidentModel>(std::move(model)));
   return models_.back();
 }
@@ -114,7 +128,9 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
 void Registry::Release(const std::shared_ptr<ResidentModel>& model) {
   std::lock_guard lock(mu_);
   if (model->leases > 0) --model->leases;
-  if (model->evicted && model->leases == 0) used_ -= model->segment->reserved_bytes();
+  if (model->evicted && model->leases == 0) {
+    AccountLocked(model->key.device).used -= model->segment->reserved_bytes();
+  }
   model->last_used = std::chrono::steady_clock::now();
 }
 
@@ -189,9 +205,10 @@ Registry::Snapshot Registry::Take() const {
     s.leases.push_back(m->leases);
     s.idle_seconds.push_back(std::chrono::duration<double>(now - m->last_used).count());
   }
-  s.budget = budget_;
-  s.used = used_;
-  s.reserved = reserved_;
+  for (const auto& [device, a] : accounts_) {
+    s.devices.push_back({device, a.budget, a.used, a.reserved});
+    if (device == "host") std::rotate(s.devices.begin(), s.devices.end() - 1, s.devices.end());
+  }
   return s;
 }
 

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -34,6 +35,10 @@ struct ResidentModel {
   std::string name;  // pinned name (--pin), may be empty
   std::string path;  // where it was loaded from: for people, never for matching
   std::unique_ptr<memory::Segment> segment;
+  // A GPU's model: its manifest in host memory, sent along with the
+  // segment (an engine cannot read it off the GPU without a copy).
+  // One copy for all the ranks of a preload.
+  std::shared_ptr<memory::Segment> manifest;
   uint64_t tensors = 0;
   double load_seconds = 0;
   // Guarded by the registry's mutex.
@@ -50,15 +55,23 @@ struct Eviction {
 
 class Registry {
  public:
-  explicit Registry(uint64_t host_budget) : budget_(host_budget) {}
+  // Devices are named as keys name them ("host", "cuda:GPU-..."); the host
+  // has a budget from the start, a GPU once SetBudget gives it one.
+  explicit Registry(uint64_t host_budget) { accounts_["host"].budget = host_budget; }
 
-  // Reserves `bytes` for a model about to be loaded, evicting idle models as
-  // needed (reported in `evicted`). Give the bytes back with Unreserve, or
-  // hand them to Publish.
-  Status Reserve(uint64_t bytes, std::vector<Eviction>* evicted);
-  void Unreserve(uint64_t bytes);
+  // Sets `device`'s budget (the first time: unless `only_if_unset` and it
+  // has one). Models already held stay, over it or not.
+  void SetBudget(const std::string& device, uint64_t bytes, bool only_if_unset = false);
 
-  // Makes a complete model visible; its reservation becomes its use. A model
+  // Reserves `bytes` on `device` for a model about to be loaded, evicting
+  // idle models of that device as needed (reported in `evicted`). Give the
+  // bytes back with Unreserve, or hand them to Publish. An error for a
+  // device without a budget.
+  Status Reserve(const std::string& device, uint64_t bytes, std::vector<Eviction>* evicted);
+  void Unreserve(const std::string& device, uint64_t bytes);
+
+  // Makes a complete model visible; its reservation (on the device its key
+  // names) becomes its use. A model
   // with the same key already resident is replaced (its leases keep their
   // own bytes).
   std::shared_ptr<ResidentModel> Publish(std::unique_ptr<ResidentModel> model,
@@ -91,13 +104,17 @@ class Registry {
   // status numbers it: one rank of a tensor-parallel preload).
   std::vector<Eviction> Evict(const std::string& what);
 
+  struct DeviceUse {
+    std::string device;
+    uint64_t budget = 0;
+    uint64_t used = 0;
+    uint64_t reserved = 0;
+  };
   struct Snapshot {
     std::vector<std::shared_ptr<ResidentModel>> models;
     std::vector<int> leases;
     std::vector<double> idle_seconds;
-    uint64_t budget = 0;
-    uint64_t used = 0;
-    uint64_t reserved = 0;
+    std::vector<DeviceUse> devices;  // host first, then GPUs by name
   };
   Snapshot Take() const;
 
@@ -112,10 +129,16 @@ class Registry {
   mutable std::mutex mu_;
   std::condition_variable load_done_;
   std::vector<protocol::CacheKey> loading_;
+  struct Account {
+    uint64_t budget = 0;
+    uint64_t used = 0;
+    uint64_t reserved = 0;
+  };
+  // REQUIRES: mu_ held.
+  Account& AccountLocked(const std::string& device) { return accounts_[device]; }
+
   std::vector<std::shared_ptr<ResidentModel>> models_;
-  uint64_t budget_;
-  uint64_t used_ = 0;
-  uint64_t reserved_ = 0;
+  std::map<std::string, Account> accounts_;  // by device
   uint64_t next_id_ = 1;
 };
 

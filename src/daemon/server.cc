@@ -15,6 +15,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <future>
+#include <map>
 #include <mutex>
 #include <set>
 #include <thread>
@@ -64,7 +65,10 @@ std::string ReadSmallFile(int fd) {
 // The CUDA devices this daemon sees, or why it sees none; `probe` is the
 // driver's answer, asked once in the background at start (a slow or hung
 // driver must not hold up the host), not ready yet while it thinks.
-json CudaJson(const std::shared_future<Result<std::vector<memory::CudaDevice>>>& probe) {
+// `read_only`: per GPU, whether the driver granted a read-only mapping of a
+// segment when the daemon tried (after its first preload there).
+json CudaJson(const std::shared_future<Result<std::vector<memory::CudaDevice>>>& probe,
+              const std::map<std::string, std::string>& read_only) {
   if (!probe.valid() || probe.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
     return {{"available", false}, {"reason", "still asking the CUDA driver"}};
   }
@@ -72,24 +76,28 @@ json CudaJson(const std::shared_future<Result<std::vector<memory::CudaDevice>>>&
   if (!devices.ok()) return {{"available", false}, {"reason", devices.error().message()}};
   json list = json::array();
   for (const memory::CudaDevice& d : *devices) {
+    auto ro = read_only.find("cuda:" + d.uuid);
     list.push_back({{"name", "cuda:" + d.uuid},
                     {"ordinal", d.ordinal},
                     {"model", d.name},
                     {"total_bytes", d.total_bytes},
                     {"fd_handles", d.posix_fd_handles},
-                    {"granularity", d.granularity}});
+                    {"granularity", d.granularity},
+                    {"read_only_mapping", ro == read_only.end() ? "not tried yet" : ro->second}});
   }
-  return {{"available", true},
-          {"devices", list},
-          {"reason", "seen, not served: the CUDA segment backend is not built yet"}};
+  return {{"available", true}, {"devices", list}};
 }
 
 json DeviceJson(const Registry::Snapshot& s) {
-  return json::array({{{"name", "host"},
-                       {"budget", s.budget},
-                       {"used", s.used},
-                       {"reserved", s.reserved},
-                       {"free", s.budget - std::min(s.budget, s.used + s.reserved)}}});
+  json out = json::array();
+  for (const Registry::DeviceUse& d : s.devices) {
+    out.push_back({{"name", d.device},
+                   {"budget", d.budget},
+                   {"used", d.used},
+                   {"reserved", d.reserved},
+                   {"free", d.budget - std::min(d.budget, d.used + d.reserved)}});
+  }
+  return out;
 }
 
 }  // namespace
@@ -120,7 +128,17 @@ struct Server::State {
   int idle_workers = 0;                     // blocked in accept()
   std::atomic<int64_t> last_emfile_log{0};  // steady_clock ticks
   std::shared_future<Result<std::vector<memory::CudaDevice>>> cuda_probe;
+  std::once_flag gpu_budgets_applied;
+  std::mutex read_only_mu;
+  std::map<std::string, std::string> read_only;  // by GPU: what a read-only mapping got
   uint64_t next_connection = 1;
+
+  // Gives every GPU the daemon sees its budget, once the driver has
+  // answered (with `wait`, waits for it).
+  void ApplyGpuBudgets(bool wait);
+  // Maps a new GPU segment read-only here, once per GPU, to learn (and
+  // report in status) whether the driver grants that.
+  void LearnReadOnly(const memory::Segment& segment);
 
   void Log(const std::string& line) {
     if (options.log) options.log(line);
@@ -132,6 +150,10 @@ struct Server::State {
   bool Admit(memory::UniqueFd& conn, ucred* peer);
   // Starts one more serving thread; false when the system refuses.
   bool SpawnWorker();
+  json CudaStatus() {
+    std::lock_guard lock(read_only_mu);
+    return CudaJson(cuda_probe, read_only);
+  }
   Status Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id, const ucred& peer,
                 std::vector<std::shared_ptr<ResidentModel>>& leases);
   Result<json> Preload(const std::string& path, const protocol::Processing& processing,
@@ -222,8 +244,9 @@ Status Server::Start() {
       if (log && !gpus.ok()) log("serving the host only; cuda: " + gpus.error().message());
       if (log && gpus.ok()) {
         for (const memory::CudaDevice& d : *gpus) {
-          log("cuda:" + std::to_string(d.ordinal) + " is " + d.name + " (cuda:" + d.uuid +
-              "): seen, not served (the CUDA segment backend is not built yet)");
+          log("cuda:" + std::to_string(d.ordinal) + " is " + d.name + " (cuda:" + d.uuid + ")" +
+              (d.posix_fd_handles ? ""
+                                  : ": not served, it cannot export memory as file descriptors"));
         }
       }
       answer->set_value(std::move(gpus));
@@ -408,10 +431,13 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
   if (!m.fds.empty()) return Error("a `" + type + "` request carries no descriptors");
 
   if (type == "hello") {
+    ApplyGpuBudgets(/*wait=*/false);
+    json devices = json::array();
+    for (const Registry::DeviceUse& d : registry.Take().devices) devices.push_back(d.device);
     return ch.Send({{"type", "hello"},
                     {"version", protocol::kProtocolVersion},
                     {"pid", ::getpid()},
-                    {"devices", json::array({"host"})}});
+                    {"devices", devices}});
   }
 
   if (type == "acquire") {
@@ -437,11 +463,19 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
           {{"type", "miss"}, {"reason", found.reason}, {"mismatch", mismatch}, {"fields", fields}});
     }
     const ResidentModel& model = *found.model;
-    auto handle = model.segment->Export();
-    if (!handle.ok()) {
-      registry.Release(found.model);
-      return ch.Send({{"type", "error"}, {"message", handle.error().message()}});
+    // A GPU's segment goes with its manifest in host memory, that first.
+    std::vector<memory::UniqueFd> handles;
+    for (const memory::Segment* s : {model.manifest.get(), model.segment.get()}) {
+      if (s == nullptr) continue;
+      auto handle = s->Export();
+      if (!handle.ok()) {
+        registry.Release(found.model);
+        return ch.Send({{"type", "error"}, {"message", handle.error().message()}});
+      }
+      handles.push_back(std::move(handle).value());
     }
+    std::vector<const memory::UniqueFd*> fds;
+    for (const memory::UniqueFd& h : handles) fds.push_back(&h);
     leases.push_back(found.model);
     if (!trust.empty()) {
       Log("TRUSTED acquire from " + who + " of pinned model `" + trust +
@@ -449,13 +483,11 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     }
     Log("acquire hit from " + who + ": " + protocol::ShortDescription(model.key) +
         (model.name.empty() ? "" : " (" + model.name + ")"));
-    return ch.Send({{"type", "acquired"},
-                    {"lease", model.id},
-                    {"bytes", model.segment->size()},
-                    {"tensors", model.tensors},
-                    {"name", model.name},
-                    {"key", protocol::ToJson(model.key)}},
-                   &*handle);
+    json reply = {
+        {"type", "acquired"},       {"lease", model.id},  {"bytes", model.segment->size()},
+        {"tensors", model.tensors}, {"name", model.name}, {"key", protocol::ToJson(model.key)}};
+    if (model.manifest) reply["manifest_bytes"] = model.manifest->size();
+    return ch.Send(reply, fds);
   }
 
   if (type == "release") {
@@ -505,8 +537,9 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
   }
 
   if (type == "status" || type == "memory") {
+    ApplyGpuBudgets(/*wait=*/false);
     Registry::Snapshot snap = registry.Take();
-    json reply = {{"type", type}, {"devices", DeviceJson(snap)}, {"cuda", CudaJson(cuda_probe)}};
+    json reply = {{"type", type}, {"devices", DeviceJson(snap)}, {"cuda", CudaStatus()}};
     if (type == "status") {
       json models = json::array();
       for (size_t i = 0; i < snap.models.size(); ++i) {
@@ -547,6 +580,56 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
   return Error("unknown request `" + type + "`");
 }
 
+void Server::State::ApplyGpuBudgets(bool wait) {
+  if (!cuda_probe.valid()) return;
+  if (!wait && cuda_probe.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
+  std::call_once(gpu_budgets_applied, [&] {
+    const auto& devices = cuda_probe.get();
+    std::vector<bool> used(options.gpu_budgets.size());
+    for (const memory::CudaDevice& d :
+         devices.ok() ? *devices : std::vector<memory::CudaDevice>{}) {
+      if (!d.posix_fd_handles) continue;  // cannot be served
+      uint64_t budget = d.total_bytes / 100 * kDefaultGpuBudgetPercent;
+      for (size_t i = 0; i < options.gpu_budgets.size(); ++i) {
+        auto spec = memory::ParseDevice(options.gpu_budgets[i].first);
+        if (!spec.ok()) continue;
+        const bool named =
+            (spec->kind == memory::DeviceSpec::Kind::kCudaOrdinal && spec->ordinal == d.ordinal) ||
+            (spec->kind == memory::DeviceSpec::Kind::kCudaUuid &&
+             spec->uuid.substr(4) == d.uuid.substr(4));
+        if (!named) continue;
+        budget = options.gpu_budgets[i].second;
+        used[i] = true;
+      }
+      registry.SetBudget("cuda:" + d.uuid, budget);
+    }
+    for (size_t i = 0; i < used.size(); ++i) {
+      if (!used[i])
+        Log("--budget " + options.gpu_budgets[i].first + ": no such GPU is served here");
+    }
+  });
+}
+
+void Server::State::LearnReadOnly(const memory::Segment& segment) {
+  const std::string name = segment.device().Name();
+  {
+    std::lock_guard lock(read_only_mu);
+    if (read_only.count(name)) return;
+  }
+  std::string learned;
+  auto fd = segment.Export();
+  auto mapping = fd.ok() ? memory::MapCudaSegment(*fd, segment.size(), segment.device().uuid)
+                         : Result<std::unique_ptr<memory::CudaMapping>>(fd.error());
+  if (!mapping.ok()) {
+    learned = "could not be tried: " + mapping.error().message();
+  } else {
+    learned = (*mapping)->read_only() ? "granted" : "refused (engines map read-write)";
+  }
+  Log(name + ": a read-only mapping of a segment was " + learned);
+  std::lock_guard lock(read_only_mu);
+  read_only[name] = learned;
+}
+
 Result<json> Server::State::Preload(const std::string& path, const protocol::Processing& processing,
                                     const std::string& pin,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
@@ -554,12 +637,31 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
                            transform::ResolveProcessing(processing.tp_size, processing.dtype,
                                                         processing.quant, processing.shard_plan));
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
-  if (memory::ParseDevice(processing.device)->kind != memory::DeviceSpec::Kind::kHost) {
-    return Error("--device " + processing.device +
-                 ": this daemon keeps models in host memory only (the CUDA segment backend is "
-                 "not built yet)");
-  }
   const auto start = std::chrono::steady_clock::now();
+  // The device by its name in keys: a GPU by UUID (an ordinal here is this
+  // daemon's; engines and `weightd preload` send UUIDs).
+  WEIGHTD_ASSIGN_OR_RETURN(const memory::Device device, memory::ResolveDevice(processing.device));
+  if (device.kind == memory::DeviceKind::kCuda) {
+    ApplyGpuBudgets(/*wait=*/true);
+    const auto& gpus =
+        cuda_probe.valid()
+            ? cuda_probe.get()
+            : Result<std::vector<memory::CudaDevice>>(Error("the CUDA driver was not asked"));
+    if (!gpus.ok()) {
+      return Error("--device " + device.Name() + ": this daemon serves no GPU (" +
+                   gpus.error().message() + ")");
+    }
+    const bool served = std::any_of(gpus->begin(), gpus->end(), [&](const auto& d) {
+      return d.posix_fd_handles && d.uuid.substr(4) == device.uuid.substr(4);
+    });
+    if (!served) {
+      return Error("--device " + device.Name() +
+                   ": not a GPU this daemon serves (see `weightd status`; CUDA_VISIBLE_DEVICES "
+                   "applies to the daemon too)");
+    }
+  }
+  protocol::Processing on_device = processing;
+  on_device.device = device.Name();
   // A plan the checkpoint cannot serve fails on its headers alone, before
   // the fingerprint reads its samples.
   if (processing.tp_size > 1 || resolved.dtype || resolved.fp8_block) {
@@ -580,7 +682,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   if (cache) (void)cache->Save();
   // Every rank's key; a preload makes them all.
   auto key_of = [&](const std::string& digest, int rank) {
-    protocol::Processing p = processing;
+    protocol::Processing p = on_device;
     p.tp_rank = rank;
     return protocol::MakeKey(digest, p, resolved.plan->name(), resolved.plan->digest());
   };
@@ -644,23 +746,42 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
       if (__builtin_mul_overflow(want, static_cast<uint64_t>(missing.size()), &all)) {
         return Error("the ranks' segments add up to more than 64 bits");
       }
-      WEIGHTD_RETURN_IF_ERROR(registry.Reserve(all, &evicted));
+      WEIGHTD_RETURN_IF_ERROR(registry.Reserve(device.Name(), all, &evicted));
       reserved.assign(missing.size(), want);
       for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
     }
+    if (device.kind == memory::DeviceKind::kCuda)
+      return memory::CreateCudaSegment(bytes, device.uuid);
     return memory::CreateHostSegment(
         bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""));
   };
+  auto unreserve = [&] {
+    for (uint64_t r : reserved) registry.Unreserve(device.Name(), r);
+  };
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, lo);
   if (!loaded.ok()) {
-    for (uint64_t r : reserved) registry.Unreserve(r);
+    unreserve();
     return Error("preload of " + path + ": " + loaded.error().message() +
                  "; nothing was published");
+  }
+  // A GPU's segments cannot be read here: engines get the manifest from
+  // host memory, one sealed copy for every rank (the same for all).
+  std::shared_ptr<memory::Segment> manifest_copy;
+  if (!loaded->manifest.empty()) {
+    auto made = memory::CreateHostSegment(loaded->manifest.size(), lo.segment_name + "-manifest");
+    Status filled = made.ok() ? (*made)->Write(0, loaded->manifest) : made.error();
+    if (filled.ok()) filled = (*made)->Seal();
+    if (!filled.ok()) {
+      unreserve();
+      return Error("preload of " + path + ": the manifest's host copy: " +
+                   filled.error().message() + "; nothing was published");
+    }
+    manifest_copy = std::move(made).value();
   }
   if (!held.empty() && loaded->checkpoint_digest != fp->digest) {
     // Rewritten between the fingerprint and the load: the resident ranks
     // are of the old files, the loaded ones of the new.
-    for (uint64_t r : reserved) registry.Unreserve(r);
+    unreserve();
     return Error("preload of " + path +
                  ": the checkpoint changed while it was preloaded; nothing was published (preload "
                  "again)");
@@ -678,8 +799,10 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     // What the asker waited for: the fingerprint first, then the load.
     model->load_seconds = seconds;
     model->segment = std::move(rank.segment);
+    model->manifest = manifest_copy;
     bytes += model->segment->size();
     auto published = registry.Publish(std::move(model), reserved[i]);
+    if (device.kind == memory::DeviceKind::kCuda) LearnReadOnly(*published->segment);
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
         (name.empty() ? "" : " (pinned as `" + name + "`)") + ": " +
         std::to_string(published->segment->size()) + " bytes, " +
@@ -701,7 +824,9 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
 
 Result<std::string> Server::Preload(const PreloadRequest& request,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
-  auto r = state_->Preload(request.path, {}, request.pin, progress);
+  protocol::Processing processing;
+  processing.device = request.device;
+  auto r = state_->Preload(request.path, processing, request.pin, progress);
   if (!r.ok()) return r.error();
   return r->dump();
 }

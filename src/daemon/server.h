@@ -22,14 +22,22 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "weightd/result.h"
 
 namespace weightd::daemon {
 
+inline constexpr uint64_t kDefaultGpuBudgetPercent = 90;
+
 struct ServerOptions {
   std::string socket_dir;  // resolved already (protocol::SocketDirectory)
   uint64_t host_budget = 0;
+  // Budgets for GPUs, by the device as the user named it ("cuda:0" in this
+  // daemon's numbering, or "cuda:GPU-<uuid>"); a GPU not named gets
+  // kDefaultGpuBudgetPercent of its memory.
+  std::vector<std::pair<std::string, uint64_t>> gpu_budgets;
   // One line per event (acquire, miss, eviction, refusal, ...).
   std::function<void(const std::string&)> log;
   // Stat cache directory for the fingerprint preloads compute first; empty:
@@ -59,6 +67,7 @@ class Server {
   struct PreloadRequest {
     std::string path;
     std::string pin;
+    std::string device = "cpu";  // cpu, cuda:N (this daemon's numbering), cuda:GPU-<uuid>
   };
   Result<std::string> Preload(const PreloadRequest& request,
                               const std::function<void(uint64_t, uint64_t)>& progress);

@@ -1,0 +1,92 @@
+// The registry's accounting, per device, in process: budgets, reservations,
+// least-recently-used eviction confined to the device that needs room.
+#include "daemon/registry.h"
+
+#include <gtest/gtest.h>
+
+#include <thread>
+
+namespace weightd::daemon {
+namespace {
+
+constexpr uint64_t kMiB = 1 << 20;
+const std::string kGpu = "cuda:GPU-6f0e1c2a-0000-4a6f-9c1d-1234567890ab";
+
+// A model of `mib` MiB on `device`, published against its reservation.
+std::shared_ptr<ResidentModel> Publish(Registry& r, const std::string& device, uint64_t mib,
+                                       const std::string& digest) {
+  EXPECT_TRUE(r.Reserve(device, mib * kMiB, nullptr).ok());
+  auto m = std::make_unique<ResidentModel>();
+  m->key.checkpoint = digest;
+  m->key.device = device;
+  // The registry counts what a segment reserves: host memory stands in for
+  // the GPU's here, the accounting reads only its size and the key.
+  auto segment = memory::CreateHostSegment(mib * kMiB, "registry-test");
+  EXPECT_TRUE(segment.ok());
+  m->segment = std::move(segment).value();
+  auto published = r.Publish(std::move(m), mib * kMiB);
+  std::this_thread::sleep_for(std::chrono::milliseconds(2));  // distinct last-used times
+  return published;
+}
+
+const Registry::DeviceUse* Find(const Registry::Snapshot& s, const std::string& device) {
+  for (const auto& d : s.devices) {
+    if (d.device == device) return &d;
+  }
+  return nullptr;
+}
+
+TEST(Registry, EachDeviceHasItsOwnBudgetAndEvictsOnlyItsOwnModels) {
+  Registry r(8 * kMiB);
+  // No budget for a GPU until it is given one.
+  auto refused = r.Reserve(kGpu, kMiB, nullptr);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find(kGpu), std::string::npos);
+  r.SetBudget(kGpu, 8 * kMiB);
+  r.SetBudget(kGpu, 1, /*only_if_unset=*/true);  // already set: kept
+
+  Publish(r, "host", 4, "xxh3-128:h1");
+  Publish(r, kGpu, 4, "xxh3-128:g1");
+  Publish(r, kGpu, 4, "xxh3-128:g2");
+  // The GPU is full: the next GPU model evicts the GPU's oldest idle model,
+  // and leaves the host's alone although it is older.
+  std::vector<Eviction> evicted;
+  ASSERT_TRUE(r.Reserve(kGpu, 4 * kMiB, &evicted).ok());
+  ASSERT_EQ(evicted.size(), 1u);
+  EXPECT_NE(evicted[0].description.find(kGpu), std::string::npos) << evicted[0].description;
+  Registry::Snapshot s = r.Take();
+  ASSERT_EQ(s.devices.size(), 2u);
+  EXPECT_EQ(s.devices[0].device, "host");  // the host first
+  EXPECT_EQ(Find(s, "host")->used, 4 * kMiB);
+  EXPECT_EQ(Find(s, kGpu)->used, 4 * kMiB);
+  EXPECT_EQ(Find(s, kGpu)->reserved, 4 * kMiB);
+  EXPECT_EQ(Find(s, kGpu)->budget, 8 * kMiB);
+  r.Unreserve(kGpu, 4 * kMiB);
+  EXPECT_EQ(Find(r.Take(), kGpu)->reserved, 0u);
+  EXPECT_EQ(s.models.size(), 2u);
+}
+
+TEST(Registry, ALeasedModelOnAGpuLeavesNoRoomAndTheErrorNamesTheDevice) {
+  Registry r(64 * kMiB);
+  r.SetBudget(kGpu, 6 * kMiB);
+  auto held = Publish(r, kGpu, 4, "xxh3-128:g1");
+  protocol::CacheKey key = held->key;
+  Registry::Lookup lease = r.Acquire(key, "");
+  ASSERT_TRUE(lease.model);
+  std::vector<Eviction> evicted;
+  auto full = r.Reserve(kGpu, 4 * kMiB, &evicted);
+  ASSERT_FALSE(full.ok());
+  EXPECT_NE(full.error().message().find("out of budget on " + kGpu), std::string::npos)
+      << full.error().message();
+  EXPECT_TRUE(evicted.empty());
+  // The host's budget is untouched by the GPU's.
+  EXPECT_TRUE(r.Reserve("host", 32 * kMiB, nullptr).ok());
+  // Evicted while leased: counted against the GPU until the lease ends.
+  ASSERT_EQ(r.Evict("all").size(), 1u);
+  EXPECT_EQ(Find(r.Take(), kGpu)->used, 4 * kMiB);
+  r.Release(lease.model);
+  EXPECT_EQ(Find(r.Take(), kGpu)->used, 0u);
+}
+
+}  // namespace
+}  // namespace weightd::daemon
