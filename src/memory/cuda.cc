@@ -393,6 +393,16 @@ struct VmmMapping {
     desc.flags = flags;
     return gpu->driver().cuMemSetAccess(address, bytes, &desc, 1);
   }
+  // Copies [offset, +out.size()) of a segment of `size` bytes to the host.
+  Status ReadBack(uint64_t offset, std::span<std::byte> out, uint64_t size) const {
+    WEIGHTD_RETURN_IF_ERROR(InRange(offset, out.size(), size));
+    WEIGHTD_RETURN_IF_ERROR(gpu->Use());
+    if (CUresult r = gpu->driver().cuMemcpyDtoH(out.data(), address + offset, out.size());
+        r != CUDA_SUCCESS) {
+      return CudaError(gpu->driver(), "cuMemcpyDtoH", r);
+    }
+    return OkStatus();
+  }
   Status InRange(uint64_t offset, uint64_t n, uint64_t size) const {
     if (offset > size || n > size - offset) {
       return Error("bytes [" + std::to_string(offset) + ", +" + std::to_string(n) +
@@ -624,13 +634,7 @@ class CudaSegment final : public Segment {
   std::span<const std::byte> readable() const override { return {}; }
   Status ReadBack(uint64_t offset, std::span<std::byte> out) const override {
     if (!sealed_) return Error("segment read before it was sealed");
-    WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, out.size(), size_));
-    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
-    if (CUresult r = m_->gpu->driver().cuMemcpyDtoH(out.data(), m_->address + offset, out.size());
-        r != CUDA_SUCCESS) {
-      return CudaError(m_->gpu->driver(), "cuMemcpyDtoH", r);
-    }
-    return OkStatus();
+    return m_->ReadBack(offset, out, size_);
   }
 
   Result<UniqueFd> Export() const override {
@@ -661,13 +665,7 @@ class ImportedMapping final : public CudaMapping {
   uint64_t size() const override { return size_; }
   bool read_only() const override { return read_only_; }
   Status ReadBack(uint64_t offset, std::span<std::byte> out) const override {
-    WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, out.size(), size_));
-    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
-    if (CUresult r = m_->gpu->driver().cuMemcpyDtoH(out.data(), m_->address + offset, out.size());
-        r != CUDA_SUCCESS) {
-      return CudaError(m_->gpu->driver(), "cuMemcpyDtoH", r);
-    }
-    return OkStatus();
+    return m_->ReadBack(offset, out, size_);
   }
   Result<std::unique_ptr<Segment>> Copy() const override;
 
