@@ -19,6 +19,7 @@
 #include "format/writer.h"
 #include "memory/cuda.h"
 #include "memory/segment.h"
+#include "protocol/cache_key.h"
 #include "protocol/channel.h"
 #include "test_util.h"
 
@@ -242,6 +243,57 @@ TEST_F(DaemonTest, BudgetsAreGivenPerDevice) {
   ASSERT_GE(status["devices"].size(), 1u);
   EXPECT_EQ(status["devices"][0]["name"], "host");
   EXPECT_EQ(status["devices"][0]["budget"], 64u << 20);
+}
+
+// A device per rank (here the host for both, as no GPU is), and a preload
+// of one rank alone, as an engine populating its own GPU asks for.
+TEST_F(DaemonTest, DevicesPerRankAndAPreloadOfOneRank) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  const std::vector<std::string> flags = {"--tp-size", "2", "--shard-plan", "llama"};
+  std::vector<std::string> args = {"preload", a, "--device", "cpu,cpu,cpu"};
+  args.insert(args.end(), flags.begin(), flags.end());
+  CommandResult bad = Run(args);
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("one device, or one per rank (2), not 3"), std::string::npos) << bad.err;
+
+  auto ch = protocol::ConnectToDaemon(sock_);
+  ASSERT_TRUE(ch.ok()) << ch.error().message();
+  protocol::Processing p;
+  p.tp_size = 2;
+  p.shard_plan = "llama";
+  p.device = "cpu,cpu";
+  ASSERT_TRUE(
+      ch->Send(
+            {{"type", "preload"}, {"path", a}, {"processing", protocol::ToJson(p)}, {"ranks", {1}}})
+          .ok());
+  json reply;
+  for (int i = 0; i < 100; ++i) {
+    auto m = ch->Receive(10000);
+    ASSERT_TRUE(m.ok()) << m.error().message();
+    if (m->type() == "progress") continue;
+    reply = m->body;
+    break;
+  }
+  ASSERT_EQ(reply["type"], "preloaded") << reply.dump();
+  EXPECT_EQ(reply["loaded_ranks"], json::array({1}));
+  json models = Status()["models"];
+  ASSERT_EQ(models.size(), 1u);
+  EXPECT_EQ(models[0]["key"]["tp_rank"], 1);
+  EXPECT_EQ(models[0]["key"]["device"], "host");
+  std::vector<std::string> rank0 = flags;
+  rank0.insert(rank0.end(), {"--tp-rank", "0"});
+  EXPECT_EQ(Load(a, rank0)["source"], "disk");
+  std::vector<std::string> rank1 = flags;
+  rank1.insert(rank1.end(), {"--tp-rank", "1", "--device", "cpu,cpu"});
+  EXPECT_EQ(Load(a, rank1)["source"], "daemon");
+  ASSERT_TRUE(
+      ch->Send(
+            {{"type", "preload"}, {"path", a}, {"processing", protocol::ToJson(p)}, {"ranks", {2}}})
+          .ok());
+  auto refused = ch->Receive(5000);
+  ASSERT_TRUE(refused.ok());
+  EXPECT_EQ(refused->type(), "error") << refused->body.dump();
 }
 
 // One rank evicted: the next preload loads that rank alone, and the rest

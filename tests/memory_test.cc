@@ -250,6 +250,23 @@ TEST(CacheKey, DifferencesAreNamedAndTrustSkipsOnlyTheContent) {
   EXPECT_FALSE(protocol::KeyFromJson(j).ok());
 }
 
+TEST(CacheKey, ADeviceForEveryRankOrOneForAll) {
+  protocol::Processing p;
+  p.tp_size = 3;
+  p.device = "cuda:0,cuda:GPU-6f0e1c2a-0000-4a6f-9c1d-1234567890ab,cpu";
+  ASSERT_TRUE(protocol::CheckSupported(p).ok());
+  EXPECT_EQ(protocol::DeviceOfRank(p, 0), "cuda:0");
+  EXPECT_EQ(protocol::DeviceOfRank(p, 1), "cuda:GPU-6f0e1c2a-0000-4a6f-9c1d-1234567890ab");
+  EXPECT_EQ(protocol::DeviceOfRank(p, 2), "cpu");
+  p.device = "cuda:1";
+  EXPECT_EQ(protocol::DeviceOfRank(p, 2), "cuda:1");
+  for (const char* bad :
+       {"cuda:0,cuda:1", "cuda:0,,cpu", "cuda:0,cuda:1,cuda:2,cuda:3", "cuda:0,gpu1,cpu", ","}) {
+    p.device = bad;
+    EXPECT_FALSE(protocol::CheckSupported(p).ok()) << bad;
+  }
+}
+
 TEST(Channel, CarriesMessagesAndOneDescriptor) {
   int fds[2];
   ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);

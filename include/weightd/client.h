@@ -43,7 +43,8 @@ struct LoadSpec {
   std::string quant = "none";
   std::string shard_plan = {};  // empty: none named
   // Where the weights are wanted: cpu (host memory), cuda:N (this process's
-  // numbering, CUDA_VISIBLE_DEVICES applied) or cuda:GPU-<uuid>.
+  // numbering, CUDA_VISIBLE_DEVICES applied) or cuda:GPU-<uuid>; or one of
+  // those per rank, comma-separated (this rank's is used).
   std::string device = "cpu";
 };
 
@@ -82,8 +83,9 @@ struct Tensor {
   // The bytes, in host memory; empty for weights on a GPU.
   std::span<const std::byte> data;
   uint64_t bytes = 0;
-  // On a GPU: the address of the first byte in this process's address space
-  // there (a CUdeviceptr, valid in any context of that GPU); 0 in host memory.
+  // On a GPU: the address of the first byte (a CUdeviceptr in this
+  // process's unified address space, mapped for that GPU; made current with
+  // its primary context, which engines normally use); 0 in host memory.
   uint64_t device_address = 0;
 };
 

@@ -143,7 +143,7 @@ void AddProcessingFlags(CLI::App& app, protocol::Processing& p) {
                  "llama | replicate | FILE (TOML rules): how tensors split across ranks");
   app.add_option("--device", p.device,
                  "cpu | cuda:N (this process's numbering) | cuda:GPU-<uuid>: where the weights "
-                 "are kept");
+                 "are kept; or one per rank, comma-separated (rank r on the r-th)");
 }
 
 Status FinishProcessingFlags(protocol::Processing& p) {

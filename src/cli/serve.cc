@@ -16,6 +16,7 @@
 #include "daemon/server.h"
 #include "io/file.h"
 #include "memory/cuda.h"
+#include "protocol/cache_key.h"
 #include "protocol/paths.h"
 
 namespace weightd::cli {
@@ -248,10 +249,17 @@ Command AddPreloadCommand(CLI::App& root) {
             }
             auto real = io::PosixFileSystem().RealPath(o->path);
             if (!real.ok()) return ReportError("preload", real.error().message());
-            // cuda:N is this process's numbering; the daemon is told the UUID.
-            auto device = memory::ResolveDevice(o->processing.device);
-            if (!device.ok()) return ReportError("preload", device.error().message());
-            o->processing.device = device->Name();
+            // cuda:N is this process's numbering; the daemon is told UUIDs
+            // (one device, or one per rank).
+            std::string devices;
+            const int named =
+                o->processing.device.find(',') == std::string::npos ? 1 : o->processing.tp_size;
+            for (int r = 0; r < named; ++r) {
+              auto device = memory::ResolveDevice(protocol::DeviceOfRank(o->processing, r));
+              if (!device.ok()) return ReportError("preload", device.error().message());
+              devices += (r ? "," : "") + device->Name();
+            }
+            o->processing.device = devices;
             json request = {{"type", "preload"},
                             {"path", *real},
                             {"processing", protocol::ToJson(o->processing)}};

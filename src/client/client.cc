@@ -366,8 +366,11 @@ void AskToPopulate(const LoadSpec& spec, const protocol::Processing& p, const Ac
   }
   auto ch = protocol::ConnectToDaemon(protocol::SocketDirectory(o.socket_dir));
   if (!real.ok() || !ch.ok()) return;
-  if (ch->Send({{"type", "preload"}, {"path", *real}, {"processing", protocol::ToJson(absolute)}})
-          .ok()) {
+  json request = {{"type", "preload"}, {"path", *real}, {"processing", protocol::ToJson(absolute)}};
+  // On a GPU, this rank only: the other ranks' engines are on other GPUs,
+  // and ask for their own.
+  if (p.device != "host" && p.tp_size > 1) request["ranks"] = {p.tp_rank};
+  if (ch->Send(request).ok()) {
     log("asked the daemon to preload " + *real + " for the next start");
   }
 }
@@ -434,7 +437,8 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   const std::string& plan_digest = resolved.plan->digest();
   // A GPU is named by its UUID in the key: this process's cuda:N may be
   // another process's cuda:M.
-  WEIGHTD_ASSIGN_OR_RETURN(const memory::Device device, memory::ResolveDevice(processing.device));
+  WEIGHTD_ASSIGN_OR_RETURN(const memory::Device device,
+                           memory::ResolveDevice(protocol::DeviceOfRank(processing, spec.tp_rank)));
   protocol::Processing keyed = processing;
   keyed.device = device.Name();
 

@@ -13,8 +13,9 @@ std::string Gib(uint64_t bytes) {
 
 }  // namespace
 
-Eviction Registry::EvictLocked(size_t index) {
+Eviction Registry::EvictLocked(size_t index, Dropped& dropped) {
   std::shared_ptr<ResidentModel> m = models_[index];
+  dropped.push_back(m);
   models_.erase(models_.begin() + static_cast<std::ptrdiff_t>(index));
   const uint64_t bytes = m->segment->reserved_bytes();
   // Leased: the daemon holds the segment until the last lease ends, and
@@ -33,6 +34,7 @@ void Registry::SetBudget(const std::string& device, uint64_t bytes, bool only_if
 
 Status Registry::Reserve(const std::string& device, uint64_t bytes,
                          std::vector<Eviction>* evicted) {
+  Dropped dropped;  // freed after the lock is released
   std::lock_guard lock(mu_);
   auto account = accounts_.find(device);
   if (account == accounts_.end()) return Error("no memory budget for " + device);
@@ -60,7 +62,7 @@ Status Registry::Reserve(const std::string& device, uint64_t bytes,
       if (victim == models_.size() || m.last_used < models_[victim]->last_used) victim = i;
     }
     if (victim == models_.size()) break;  // cannot happen: counted above
-    Eviction e = EvictLocked(victim);
+    Eviction e = EvictLocked(victim, dropped);
     if (evicted != nullptr) evicted->push_back(std::move(e));
   }
   a.reserved += bytes;
@@ -75,12 +77,13 @@ void Registry::Unreserve(const std::string& device, uint64_t bytes) {
 
 std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> model,
                                                  uint64_t reserved_bytes) {
+  Dropped dropped;  // freed after the lock is released
   std::lock_guard lock(mu_);
   Account& a = AccountLocked(model->key.device);
   a.reserved -= std::min(a.reserved, reserved_bytes);
   for (size_t i = 0; i < models_.size(); ++i) {
     if (models_[i]->key == model->key) {
-      EvictLocked(i);
+      EvictLocked(i, dropped);
       break;
     }
   }
@@ -177,6 +180,7 @@ void Registry::EndLoad(const protocol::CacheKey& key) {
 }
 
 std::vector<Eviction> Registry::Evict(const std::string& what) {
+  Dropped dropped;  // freed after the lock is released
   std::lock_guard lock(mu_);
   std::vector<Eviction> out;
   // A digest prefix counts without its algorithm tag and needs 8 hex
@@ -191,7 +195,7 @@ std::vector<Eviction> Registry::Evict(const std::string& what) {
     const bool match = what == "all" || (!m.name.empty() && m.name == what) ||
                        (bare_what.size() >= 8 && bare.rfind(bare_what, 0) == 0) ||
                        what == "#" + std::to_string(m.id);
-    if (match) out.push_back(EvictLocked(i));
+    if (match) out.push_back(EvictLocked(i, dropped));
   }
   return out;
 }

@@ -119,8 +119,11 @@ class Registry {
   Snapshot Take() const;
 
  private:
+  // Models taken out, kept here until the registry's lock is released: the
+  // last reference may free a GPU's memory, which can take a while.
+  using Dropped = std::vector<std::shared_ptr<ResidentModel>>;
   // REQUIRES: mu_ held.
-  Eviction EvictLocked(size_t index);
+  Eviction EvictLocked(size_t index, Dropped& dropped);
   // Takes `name` from every model but the ranks of `group` (keys equal but
   // for tp_rank): a name pins all the ranks one preload made.
   // REQUIRES: mu_ held.

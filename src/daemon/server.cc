@@ -136,6 +136,8 @@ struct Server::State {
   // Gives every GPU the daemon sees its budget, once the driver has
   // answered (with `wait`, waits for it).
   void ApplyGpuBudgets(bool wait);
+  // An error unless the daemon serves this GPU (waits for the driver).
+  Status CheckServed(const memory::Device& device);
   // Maps a new GPU segment read-only here, once per GPU, to learn (and
   // report in status) whether the driver grants that.
   void LearnReadOnly(const memory::Segment& segment);
@@ -156,8 +158,9 @@ struct Server::State {
   }
   Status Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id, const ucred& peer,
                 std::vector<std::shared_ptr<ResidentModel>>& leases);
+  // `only`: the ranks to make (empty: all).
   Result<json> Preload(const std::string& path, const protocol::Processing& processing,
-                       const std::string& pin,
+                       const std::string& pin, const std::vector<int>& only,
                        const std::function<void(uint64_t, uint64_t)>& progress);
 };
 
@@ -517,10 +520,22 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       if (!body["pin"].is_string()) return Error("`pin` is not a string");
       pin = body["pin"].get<std::string>();
     }
+    // Only these ranks (an engine populating its own GPU); default: all.
+    std::vector<int> only;
+    if (auto it = body.find("ranks"); it != body.end()) {
+      if (!it->is_array()) return Error("`ranks` is not an array");
+      for (const auto& r : *it) {
+        if (!r.is_number_integer() || r.get<int64_t>() < 0 ||
+            r.get<int64_t>() >= processing.tp_size) {
+          return Error("`ranks` holds something not a rank below tp_size");
+        }
+        only.push_back(r.get<int>());
+      }
+    }
     Log("preload of " + path + " requested by " + who);
     auto last = std::chrono::steady_clock::now();
     bool peer_gone = false;
-    auto result = Preload(path, processing, pin, [&](uint64_t done, uint64_t total) {
+    auto result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
       const auto now = std::chrono::steady_clock::now();
       if (peer_gone || (now - last < kProgressEvery && done < total)) return;
       last = now;
@@ -610,6 +625,27 @@ void Server::State::ApplyGpuBudgets(bool wait) {
   });
 }
 
+Status Server::State::CheckServed(const memory::Device& device) {
+  ApplyGpuBudgets(/*wait=*/true);
+  const auto& gpus =
+      cuda_probe.valid()
+          ? cuda_probe.get()
+          : Result<std::vector<memory::CudaDevice>>(Error("the CUDA driver was not asked"));
+  if (!gpus.ok()) {
+    return Error("--device " + device.Name() + ": this daemon serves no GPU (" +
+                 gpus.error().message() + ")");
+  }
+  const bool served = std::any_of(gpus->begin(), gpus->end(), [&](const auto& d) {
+    return d.posix_fd_handles && d.uuid.substr(4) == device.uuid.substr(4);
+  });
+  if (!served) {
+    return Error("--device " + device.Name() +
+                 ": not a GPU this daemon serves (see `weightd status`; CUDA_VISIBLE_DEVICES "
+                 "applies to the daemon too)");
+  }
+  return OkStatus();
+}
+
 void Server::State::LearnReadOnly(const memory::Segment& segment) {
   const std::string name = segment.device().Name();
   {
@@ -631,37 +667,23 @@ void Server::State::LearnReadOnly(const memory::Segment& segment) {
 }
 
 Result<json> Server::State::Preload(const std::string& path, const protocol::Processing& processing,
-                                    const std::string& pin,
+                                    const std::string& pin, const std::vector<int>& only,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
   WEIGHTD_ASSIGN_OR_RETURN(transform::Processing resolved,
                            transform::ResolveProcessing(processing.tp_size, processing.dtype,
                                                         processing.quant, processing.shard_plan));
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(processing));
   const auto start = std::chrono::steady_clock::now();
-  // The device by its name in keys: a GPU by UUID (an ordinal here is this
-  // daemon's; engines and `weightd preload` send UUIDs).
-  WEIGHTD_ASSIGN_OR_RETURN(const memory::Device device, memory::ResolveDevice(processing.device));
-  if (device.kind == memory::DeviceKind::kCuda) {
-    ApplyGpuBudgets(/*wait=*/true);
-    const auto& gpus =
-        cuda_probe.valid()
-            ? cuda_probe.get()
-            : Result<std::vector<memory::CudaDevice>>(Error("the CUDA driver was not asked"));
-    if (!gpus.ok()) {
-      return Error("--device " + device.Name() + ": this daemon serves no GPU (" +
-                   gpus.error().message() + ")");
-    }
-    const bool served = std::any_of(gpus->begin(), gpus->end(), [&](const auto& d) {
-      return d.posix_fd_handles && d.uuid.substr(4) == device.uuid.substr(4);
-    });
-    if (!served) {
-      return Error("--device " + device.Name() +
-                   ": not a GPU this daemon serves (see `weightd status`; CUDA_VISIBLE_DEVICES "
-                   "applies to the daemon too)");
-    }
+  // Each rank's device by its name in keys: a GPU by UUID (an ordinal here
+  // is this daemon's; engines and `weightd preload` send UUIDs). One device
+  // for every rank, or one per rank.
+  std::vector<memory::Device> devices;
+  for (int r = 0; r < processing.tp_size; ++r) {
+    WEIGHTD_ASSIGN_OR_RETURN(memory::Device device,
+                             memory::ResolveDevice(protocol::DeviceOfRank(processing, r)));
+    if (device.kind == memory::DeviceKind::kCuda) WEIGHTD_RETURN_IF_ERROR(CheckServed(device));
+    devices.push_back(std::move(device));
   }
-  protocol::Processing on_device = processing;
-  on_device.device = device.Name();
   // A plan the checkpoint cannot serve fails on its headers alone, before
   // the fingerprint reads its samples.
   if (processing.tp_size > 1 || resolved.dtype || resolved.fp8_block) {
@@ -682,7 +704,8 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   if (cache) (void)cache->Save();
   // Every rank's key; a preload makes them all.
   auto key_of = [&](const std::string& digest, int rank) {
-    protocol::Processing p = on_device;
+    protocol::Processing p = processing;
+    p.device = devices[static_cast<size_t>(rank)].Name();
     p.tp_rank = rank;
     return protocol::MakeKey(digest, p, resolved.plan->name(), resolved.plan->digest());
   };
@@ -710,6 +733,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   } release_held{registry, held};
   std::string name = pin;
   for (int r = 0; r < ranks; ++r) {
+    if (!only.empty() && std::find(only.begin(), only.end(), r) == only.end()) continue;
     Registry::Lookup found = registry.Acquire(key_of(fp->digest, r), "");
     if (!found.model) {
       missing.push_back(r);
@@ -740,23 +764,37 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   lo.allocate = [&](uint64_t bytes, int rank) -> Result<std::unique_ptr<memory::Segment>> {
     const uint64_t want = (bytes + kReserveRounding - 1) / kReserveRounding * kReserveRounding;
     if (reserved.empty()) {
-      // Every rank is the same size: room for all of them, or for none
-      // (no idle model evicted for a load that cannot finish).
-      uint64_t all = 0;
-      if (__builtin_mul_overflow(want, static_cast<uint64_t>(missing.size()), &all)) {
-        return Error("the ranks' segments add up to more than 64 bits");
+      // Every rank is the same size: room for all of them, on each device,
+      // or for none (no idle model evicted for a load that cannot finish).
+      std::map<std::string, uint64_t> need;
+      for (int r : missing) {
+        uint64_t& n = need[devices[static_cast<size_t>(r)].Name()];
+        if (__builtin_add_overflow(n, want, &n)) {
+          return Error("the ranks' segments add up to more than 64 bits");
+        }
       }
-      WEIGHTD_RETURN_IF_ERROR(registry.Reserve(device.Name(), all, &evicted));
+      std::vector<std::pair<std::string, uint64_t>> taken;
+      for (const auto& [device, n] : need) {
+        if (Status s = registry.Reserve(device, n, &evicted); !s.ok()) {
+          for (const auto& [d, t] : taken) registry.Unreserve(d, t);
+          return s.error();
+        }
+        taken.emplace_back(device, n);
+      }
       reserved.assign(missing.size(), want);
       for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
     }
-    if (device.kind == memory::DeviceKind::kCuda)
+    const memory::Device& device = devices[static_cast<size_t>(rank)];
+    if (device.kind == memory::DeviceKind::kCuda) {
       return memory::CreateCudaSegment(bytes, device.uuid);
+    }
     return memory::CreateHostSegment(
         bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""));
   };
   auto unreserve = [&] {
-    for (uint64_t r : reserved) registry.Unreserve(device.Name(), r);
+    for (size_t i = 0; i < reserved.size(); ++i) {
+      registry.Unreserve(devices[static_cast<size_t>(missing[i])].Name(), reserved[i]);
+    }
   };
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, lo);
   if (!loaded.ok()) {
@@ -799,10 +837,11 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     // What the asker waited for: the fingerprint first, then the load.
     model->load_seconds = seconds;
     model->segment = std::move(rank.segment);
-    model->manifest = manifest_copy;
+    const bool on_gpu = devices[static_cast<size_t>(rank.rank)].kind == memory::DeviceKind::kCuda;
+    if (on_gpu) model->manifest = manifest_copy;
     bytes += model->segment->size();
     auto published = registry.Publish(std::move(model), reserved[i]);
-    if (device.kind == memory::DeviceKind::kCuda) LearnReadOnly(*published->segment);
+    if (on_gpu) LearnReadOnly(*published->segment);
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
         (name.empty() ? "" : " (pinned as `" + name + "`)") + ": " +
         std::to_string(published->segment->size()) + " bytes, " +
@@ -826,7 +865,7 @@ Result<std::string> Server::Preload(const PreloadRequest& request,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
   protocol::Processing processing;
   processing.device = request.device;
-  auto r = state_->Preload(request.path, processing, request.pin, progress);
+  auto r = state_->Preload(request.path, processing, request.pin, {}, progress);
   if (!r.ok()) return r.error();
   return r->dump();
 }

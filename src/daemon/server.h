@@ -29,7 +29,7 @@
 
 namespace weightd::daemon {
 
-inline constexpr uint64_t kDefaultGpuBudgetPercent = 90;
+inline constexpr uint64_t kDefaultGpuBudgetPercent = 50;
 
 struct ServerOptions {
   std::string socket_dir;  // resolved already (protocol::SocketDirectory)

@@ -464,7 +464,10 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     std::vector<std::byte> manifest(static_cast<size_t>(segment_plan.manifest_bytes));
     memory::WriteManifest(segment_plan, manifest);
     for (const Target& t : targets) WEIGHTD_RETURN_IF_ERROR(t.segment->Write(0, manifest));
-    if (!hash_from_segment) model.manifest = std::move(manifest);
+    const bool all_readable = std::all_of(targets.begin(), targets.end(), [](const Target& t) {
+      return t.segment->readable_when_sealed();
+    });
+    if (!all_readable) model.manifest = std::move(manifest);
     return OkStatus();
   };
   const size_t jobs = 1 + copies.size() + bands.size();  // the manifests first

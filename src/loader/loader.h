@@ -64,7 +64,7 @@ struct LoadedRank {
 struct LoadedModel {
   std::vector<LoadedRank> ranks;  // as asked
   // A copy of the manifest every segment starts with, in host memory, when
-  // the segments cannot be read back here (a GPU's); else empty.
+  // some segment cannot be read back here (a GPU's); else empty.
   std::vector<std::byte> manifest;
   std::string checkpoint_digest;  // sampled fingerprint, tagged
   uint64_t shards = 0;

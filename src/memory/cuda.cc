@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
+#include <deque>
 #include <memory>
 #include <mutex>
 
@@ -116,7 +117,8 @@ struct Driver {
   // The segment's.
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice) = nullptr;
   CUresult (*cuDevicePrimaryCtxRelease)(CUdevice) = nullptr;
-  CUresult (*cuCtxSetCurrent)(CUcontext) = nullptr;
+  CUresult (*cuCtxPushCurrent)(CUcontext) = nullptr;
+  CUresult (*cuCtxPopCurrent)(CUcontext*) = nullptr;
   CUresult (*cuCtxSynchronize)() = nullptr;
   CUresult (*cuMemCreate)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
                           unsigned long long) = nullptr;
@@ -134,7 +136,7 @@ struct Driver {
                                              CUmemAllocationHandleType) = nullptr;
   CUresult (*cuMemcpyHtoD)(CUdeviceptr, const void*, size_t) = nullptr;
   CUresult (*cuMemcpyDtoH)(void*, CUdeviceptr, size_t) = nullptr;
-  CUresult (*cuMemcpyDtoD)(CUdeviceptr, CUdeviceptr, size_t) = nullptr;
+  CUresult (*cuMemcpyDtoDAsync)(CUdeviceptr, CUdeviceptr, size_t, CUstream) = nullptr;
   CUresult (*cuMemsetD8)(CUdeviceptr, unsigned char, size_t) = nullptr;
   // Staged and registered copies.
   CUresult (*cuMemAllocHost)(void**, size_t) = nullptr;
@@ -200,7 +202,8 @@ Result<const Driver*> LoadDriver() {
     load("cuMemGetAllocationGranularity", driver.cuMemGetAllocationGranularity);
     load("cuDevicePrimaryCtxRetain", driver.cuDevicePrimaryCtxRetain);
     load("cuDevicePrimaryCtxRelease", driver.cuDevicePrimaryCtxRelease);
-    load("cuCtxSetCurrent", driver.cuCtxSetCurrent);
+    load("cuCtxPushCurrent", driver.cuCtxPushCurrent);
+    load("cuCtxPopCurrent", driver.cuCtxPopCurrent);
     load("cuCtxSynchronize", driver.cuCtxSynchronize);
     load("cuMemCreate", driver.cuMemCreate);
     load("cuMemRelease", driver.cuMemRelease);
@@ -213,7 +216,7 @@ Result<const Driver*> LoadDriver() {
     load("cuMemImportFromShareableHandle", driver.cuMemImportFromShareableHandle);
     load("cuMemcpyHtoD", driver.cuMemcpyHtoD);
     load("cuMemcpyDtoH", driver.cuMemcpyDtoH);
-    load("cuMemcpyDtoD", driver.cuMemcpyDtoD);
+    load("cuMemcpyDtoDAsync", driver.cuMemcpyDtoDAsync);
     load("cuMemsetD8", driver.cuMemsetD8);
     load("cuMemAllocHost", driver.cuMemAllocHost);
     load("cuMemFreeHost", driver.cuMemFreeHost);
@@ -306,9 +309,28 @@ Error CudaError(const Driver& d, const char* call, CUresult r) {
   return Error(std::string(call) + ": " + d.Describe(r));
 }
 
+// The GPU's primary context current on this thread while this lives, and
+// whatever was current before it again afterwards: an engine's own context
+// (or device) is left as it was.
+class ContextScope {
+ public:
+  ContextScope(const Driver& d, bool pushed) : d_(&d), pushed_(pushed) {}
+  ContextScope(ContextScope&& o) noexcept : d_(o.d_), pushed_(std::exchange(o.pushed_, false)) {}
+  ContextScope(const ContextScope&) = delete;
+  ContextScope& operator=(const ContextScope&) = delete;
+  ~ContextScope() {
+    CUcontext popped = nullptr;
+    if (pushed_) d_->cuCtxPopCurrent(&popped);
+  }
+
+ private:
+  const Driver* d_;
+  bool pushed_;
+};
+
 // One GPU, found by UUID, with its primary context retained for as long as
-// this lives; Use() makes the context current on the calling thread (the
-// loader writes from many).
+// this lives; Enter() makes the context current on the calling thread for a
+// scope (the loader writes from many threads).
 class GpuContext {
  public:
   static Result<std::unique_ptr<GpuContext>> Open(const std::string& uuid) {
@@ -338,11 +360,11 @@ class GpuContext {
     if (retained_) d_.cuDevicePrimaryCtxRelease(dev_);
   }
 
-  Status Use() const {
-    if (CUresult r = d_.cuCtxSetCurrent(ctx_); r != CUDA_SUCCESS) {
-      return CudaError(d_, "cuCtxSetCurrent", r);
+  Result<ContextScope> Enter() const {
+    if (CUresult r = d_.cuCtxPushCurrent(ctx_); r != CUDA_SUCCESS) {
+      return CudaError(d_, "cuCtxPushCurrent", r);
     }
-    return OkStatus();
+    return ContextScope(d_, true);
   }
   const Driver& driver() const { return d_; }
   CUdevice device() const { return dev_; }
@@ -370,7 +392,7 @@ struct VmmMapping {
   ~VmmMapping() {
     if (!gpu) return;
     const Driver& d = gpu->driver();
-    (void)gpu->Use();
+    const auto scope = gpu->Enter();
     if (mapped) d.cuMemUnmap(address, bytes);
     if (address != 0) d.cuMemAddressFree(address, bytes);
     if (have_handle) d.cuMemRelease(handle);
@@ -396,7 +418,7 @@ struct VmmMapping {
   // Copies [offset, +out.size()) of a segment of `size` bytes to the host.
   Status ReadBack(uint64_t offset, std::span<std::byte> out, uint64_t size) const {
     WEIGHTD_RETURN_IF_ERROR(InRange(offset, out.size(), size));
-    WEIGHTD_RETURN_IF_ERROR(gpu->Use());
+    WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, gpu->Enter());
     if (CUresult r = gpu->driver().cuMemcpyDtoH(out.data(), address + offset, out.size());
         r != CUDA_SUCCESS) {
       return CudaError(gpu->driver(), "cuMemcpyDtoH", r);
@@ -450,10 +472,17 @@ class Staging {
       }
       CUresult r =
           filled == 0 ? CUDA_SUCCESS : d.cuMemcpyHtoDAsync(address, b->host, filled, b->stream);
-      if (r == CUDA_SUCCESS && filled > 0) r = d.cuEventRecord(b->done, b->stream);
-      b->queued = r == CUDA_SUCCESS && filled > 0;
+      if (r == CUDA_SUCCESS && filled > 0) {
+        if (CUresult e = d.cuEventRecord(b->done, b->stream); e != CUDA_SUCCESS) {
+          // No event to wait on: the copy must end before the buffer is reused.
+          d.cuStreamSynchronize(b->stream);
+          r = e;
+        } else {
+          b->queued = true;
+        }
+      }
       Give(b);
-      if (r != CUDA_SUCCESS) return CudaError(d, "cuMemcpyHtoDAsync", r);
+      if (r != CUDA_SUCCESS) return CudaError(d, "a host-to-device copy", r);
       address += filled;
     }
     return OkStatus();
@@ -493,15 +522,16 @@ class Staging {
     bool queued = false;  // a copy from `host` may still run
   };
 
-  // A buffer no other writer holds, its last copy finished.
+  // A buffer no other writer holds, its last copy finished: the one given
+  // back longest ago, whose copy is the likeliest to be done.
   Result<Buffer*> Take() {
     Buffer* b = nullptr;
     {
       std::unique_lock lock(mu_);
       if (buffers_.empty()) WEIGHTD_RETURN_IF_ERROR(MakeBuffersLocked());
       free_.wait(lock, [&] { return !idle_.empty(); });
-      b = idle_.back();
-      idle_.pop_back();
+      b = idle_.front();
+      idle_.pop_front();
     }
     if (b->queued) {
       b->queued = false;
@@ -540,7 +570,7 @@ class Staging {
   std::mutex mu_;
   std::condition_variable free_;
   std::vector<Buffer> buffers_;  // made once; never resized while in use
-  std::vector<Buffer*> idle_;
+  std::deque<Buffer*> idle_;     // oldest first
 };
 
 class CudaSegment final : public Segment {
@@ -548,7 +578,7 @@ class CudaSegment final : public Segment {
   CudaSegment(std::unique_ptr<VmmMapping> m, uint64_t size, std::string uuid)
       : m_(std::move(m)), size_(size), uuid_(std::move(uuid)), staging_(*m_->gpu) {}
   ~CudaSegment() override {
-    (void)m_->gpu->Use();
+    const auto scope = m_->gpu->Enter();
     (void)staging_.Drain(/*free=*/true);  // before the memory it copies into goes
   }
 
@@ -563,7 +593,7 @@ class CudaSegment final : public Segment {
     uint64_t total = 0;
     for (const auto& p : pieces) total += p.size();
     WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, total, size_));
-    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m_->gpu->Enter());
     return staging_.Copy(m_->address + offset, pieces);
   }
 
@@ -574,7 +604,7 @@ class CudaSegment final : public Segment {
   Status WriteFromHost(uint64_t offset, std::span<const std::byte> host, bool* registered) {
     if (sealed_) return Error("segment written after it was sealed");
     WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, host.size(), size_));
-    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m_->gpu->Enter());
     const Driver& d = m_->gpu->driver();
     void* at = const_cast<std::byte*>(host.data());
     *registered =
@@ -608,25 +638,31 @@ class CudaSegment final : public Segment {
     return OkStatus();
   }
 
-  // Copies device memory at `from` (on the same GPU) into the segment.
+  // Copies device memory at `from` (on the same GPU) into the segment, on a
+  // stream of its own: an engine's work in the same context is not waited for.
   Status WriteFromDevice(uint64_t offset, CUdeviceptr from, uint64_t bytes) {
     if (sealed_) return Error("segment written after it was sealed");
     WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, bytes, size_));
-    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
-    if (CUresult r = m_->gpu->driver().cuMemcpyDtoD(m_->address + offset, from, bytes);
-        r != CUDA_SUCCESS) {
-      return CudaError(m_->gpu->driver(), "cuMemcpyDtoD", r);
+    WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m_->gpu->Enter());
+    const Driver& d = m_->gpu->driver();
+    CUstream stream = nullptr;
+    CUresult r = d.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING);
+    if (r == CUDA_SUCCESS) r = d.cuMemcpyDtoDAsync(m_->address + offset, from, bytes, stream);
+    if (stream != nullptr) {
+      if (CUresult sync = d.cuStreamSynchronize(stream); r == CUDA_SUCCESS) r = sync;
+      d.cuStreamDestroy(stream);
     }
+    if (r != CUDA_SUCCESS) return CudaError(d, "a device-to-device copy", r);
     return OkStatus();
   }
 
+  // Every copy into the segment ran on a stream of ours, synchronized by
+  // the time it returned or drained here: nothing else in the context (an
+  // engine's kernels) is waited for.
   Status Seal() override {
     if (sealed_) return OkStatus();
-    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m_->gpu->Enter());
     WEIGHTD_RETURN_IF_ERROR(staging_.Drain(/*free=*/true));
-    if (CUresult r = m_->gpu->driver().cuCtxSynchronize(); r != CUDA_SUCCESS) {
-      return CudaError(m_->gpu->driver(), "cuCtxSynchronize", r);
-    }
     sealed_ = true;
     return OkStatus();
   }
@@ -639,7 +675,7 @@ class CudaSegment final : public Segment {
 
   Result<UniqueFd> Export() const override {
     if (!sealed_) return Error("segment exported before it was sealed");
-    WEIGHTD_RETURN_IF_ERROR(m_->gpu->Use());
+    WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m_->gpu->Enter());
     int fd = -1;
     if (CUresult r = m_->gpu->driver().cuMemExportToShareableHandle(
             &fd, m_->handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
@@ -689,7 +725,7 @@ Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::str
   auto m = std::make_unique<VmmMapping>();
   WEIGHTD_ASSIGN_OR_RETURN(m->gpu, GpuContext::Open(uuid));
   WEIGHTD_ASSIGN_OR_RETURN(m->bytes, AllocationBytes(*m->gpu, size));
-  WEIGHTD_RETURN_IF_ERROR(m->gpu->Use());
+  WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m->gpu->Enter());
   const Driver& d = m->gpu->driver();
   const CUmemAllocationProp prop = SegmentProp(m->gpu->device());
   if (CUresult r = d.cuMemCreate(&m->handle, m->bytes, &prop, 0); r != CUDA_SUCCESS) {
@@ -709,7 +745,7 @@ Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd& fd, uint64_t
   auto m = std::make_unique<VmmMapping>();
   WEIGHTD_ASSIGN_OR_RETURN(m->gpu, GpuContext::Open(uuid));
   WEIGHTD_ASSIGN_OR_RETURN(m->bytes, AllocationBytes(*m->gpu, size));
-  WEIGHTD_RETURN_IF_ERROR(m->gpu->Use());
+  WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m->gpu->Enter());
   const Driver& d = m->gpu->driver();
   if (CUresult r = d.cuMemImportFromShareableHandle(
           &m->handle, reinterpret_cast<void*>(static_cast<uintptr_t>(fd.get())),
@@ -741,7 +777,7 @@ Result<std::unique_ptr<Segment>> ImportedMapping::Copy() const {
 
 Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, uint64_t bytes) {
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<GpuContext> gpu, GpuContext::Open(uuid));
-  WEIGHTD_RETURN_IF_ERROR(gpu->Use());
+  WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, gpu->Enter());
   const Driver& d = gpu->driver();
   std::vector<std::byte> before(static_cast<size_t>(bytes)), after(before.size());
   if (CUresult r = d.cuMemcpyDtoH(before.data(), address, before.size()); r != CUDA_SUCCESS) {

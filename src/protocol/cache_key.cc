@@ -82,10 +82,32 @@ Status CheckSupported(const Processing& p) {
     return Error("--tp-rank " + std::to_string(p.tp_rank) + " is not below --tp-size " +
                  std::to_string(p.tp_size));
   }
-  if (auto device = memory::ParseDevice(p.device); !device.ok()) {
-    return Error("--device: " + device.error().message());
+  // One device, or one per rank (a preload that puts rank r on GPU r).
+  size_t count = 0;
+  for (size_t at = 0; at <= p.device.size(); ++count) {
+    const size_t comma = std::min(p.device.find(',', at), p.device.size());
+    if (auto device = memory::ParseDevice(std::string_view(p.device).substr(at, comma - at));
+        !device.ok()) {
+      return Error("--device: " + device.error().message());
+    }
+    at = comma + 1;
+  }
+  if (count > 1 && count != static_cast<size_t>(p.tp_size)) {
+    return Error("--device " + p.device + ": one device, or one per rank (" +
+                 std::to_string(p.tp_size) + "), not " + std::to_string(count));
   }
   return OkStatus();
+}
+
+std::string DeviceOfRank(const Processing& p, int rank) {
+  if (p.device.find(',') == std::string::npos) return p.device;
+  size_t at = 0;
+  for (int r = 0; r < rank && at != std::string::npos; ++r) {
+    at = p.device.find(',', at);
+    if (at != std::string::npos) ++at;
+  }
+  if (at == std::string::npos) return p.device;  // CheckSupported refuses this
+  return p.device.substr(at, p.device.find(',', at) - at);
 }
 
 CacheKey MakeKey(const std::string& checkpoint_digest, const Processing& p,

@@ -58,13 +58,17 @@ struct Processing {
   std::string dtype = "keep";
   std::string quant = "none";
   std::string shard_plan = {};  // empty: none named (replicate, where allowed)
-  std::string device = "cpu";   // cpu | cuda:N
+  // cpu | cuda:N | cuda:GPU-<uuid>, or one of those per rank, comma-separated.
+  std::string device = "cpu";
 };
 
 // An error naming the flag when the rank or the device cannot be served.
 // The rest (--tp-size, --dtype, --quant, --shard-plan) is checked where it is
 // parsed, by transform::ResolveProcessing: call that first.
 Status CheckSupported(const Processing& p);
+// The device `rank` goes to: the one device named, or the rank's own.
+// REQUIRES: CheckSupported(p) is ok.
+std::string DeviceOfRank(const Processing& p, int rank);
 // `plan_name` and `plan_digest` are the resolved shard plan's ("llama" or
 // "file", and the digest of its rules).
 CacheKey MakeKey(const std::string& checkpoint_digest, const Processing& p,

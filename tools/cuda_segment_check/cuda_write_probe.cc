@@ -40,6 +40,12 @@ int main(int argc, char** argv) {
   }
   const Weights& w = **weights;
   std::printf("write_probe_mapping: %s\n", w.reason().c_str());
+  // Only the daemon's segment, mapped here, is what other engines share; a
+  // copy of our own (the host-tier reload) proves nothing.
+  if (w.reason().find("(mapped") == std::string::npos) {
+    std::printf("write_probe: not the daemon's segment on the GPU; nothing tried\n");
+    return 1;
+  }
   const Tensor* largest = nullptr;
   for (const Tensor& t : w.tensors()) {
     if (largest == nullptr || t.bytes > largest->bytes) largest = &t;
