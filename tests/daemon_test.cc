@@ -197,52 +197,72 @@ TEST_F(DaemonTest, ACudaRequestToAHostDaemonIsAMissOnTheDevice) {
   EXPECT_EQ(reply->type(), "miss") << reply->body.dump();
   EXPECT_EQ(reply->body["fields"], json::array({"device"})) << reply->body.dump();
   EXPECT_EQ(Status()["models"].size(), 1u);
+}
 
+// Without CUDA here, every GPU request says why, and the daemon goes on
+// serving the host.
+TEST_F(DaemonTest, WithoutCudaGpuRequestsSayWhy) {
   auto devices = memory::ListCudaDevices();
-  if (!devices.ok()) {
-    CommandResult r = Run({"load", a, "--device", "cuda:0"});
-    EXPECT_EQ(r.exit_code, 1);
-    EXPECT_NE(r.err.find(devices.error().message()), std::string::npos) << r.err;
-    // Named by UUID, no driver is needed to ask: the daemon holds the model
-    // in host memory, so the engine tries the host-tier reload, and says
-    // why that and the disk fallback onto the GPU cannot be done here.
-    const std::string gpu = key["device"];
-    r = Run({"load", a, "--device", gpu, "--no-fallback"});
-    EXPECT_EQ(r.exit_code, 1);
-    EXPECT_NE(r.err.find("copy from the daemon's host memory failed: " + devices.error().message()),
-              std::string::npos)
-        << r.err;
-    r = Run({"load", a, "--device", gpu});
-    EXPECT_EQ(r.exit_code, 1);
-    EXPECT_NE(r.err.find("from disk onto " + gpu), std::string::npos) << r.err;
-    EXPECT_NE(r.err.find(devices.error().message()), std::string::npos) << r.err;
-    // A preload onto a GPU this daemon does not serve: a clear error, and
-    // the daemon keeps serving.
-    r = Run({"preload", a, "--device", gpu});
-    EXPECT_EQ(r.exit_code, 1);
-    EXPECT_NE(r.err.find("this daemon serves no GPU (" + devices.error().message()),
-              std::string::npos)
-        << r.err;
-    EXPECT_EQ(Load(a)["source"], "daemon");
-    // Only the host has a budget; the GPUs' state is reported as it is.
-    const json status = Status();
-    ASSERT_EQ(status["devices"].size(), 1u) << status.dump();
-    EXPECT_EQ(status["devices"][0]["name"], "host");
-    EXPECT_EQ(status["cuda"]["available"], false);
-  }
+  if (devices.ok()) GTEST_SKIP() << "this host has a GPU";
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  Preload(a);
+  // cuda:N needs the driver in the engine's own process: it says why first.
+  CommandResult r = Run({"load", a, "--device", "cuda:0"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find(devices.error().message()), std::string::npos) << r.err;
+  // Named by UUID, no driver is needed to ask: the daemon holds the model
+  // in host memory, so the engine tries the host-tier reload, and says why
+  // that and the disk fallback onto the GPU cannot be done here.
+  const std::string gpu = "cuda:GPU-6f0e1c2a-0000-4a6f-9c1d-1234567890ab";
+  r = Run({"load", a, "--device", gpu, "--no-fallback"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("copy from the daemon's host memory failed: " + devices.error().message()),
+            std::string::npos)
+      << r.err;
+  r = Run({"load", a, "--device", gpu});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("from disk onto " + gpu), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find(devices.error().message()), std::string::npos) << r.err;
+  // A preload onto a GPU this daemon does not serve: a clear error.
+  r = Run({"preload", a, "--device", gpu});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("this daemon serves no GPU (" + devices.error().message()),
+            std::string::npos)
+      << r.err;
+  EXPECT_EQ(Load(a)["source"], "daemon");
+  const json status = Status();
+  ASSERT_EQ(status["devices"].size(), 1u) << status.dump();  // only the host has a budget
+  EXPECT_EQ(status["devices"][0]["name"], "host");
+  EXPECT_EQ(status["cuda"]["available"], false);
 }
 
 // --budget takes a size per device; a device it cannot name is a usage
-// error, a GPU this host lacks is logged and the host served.
+// error; a GPU that is not there is logged, and the host served. Flags win
+// over the config file, device by device.
 TEST_F(DaemonTest, BudgetsAreGivenPerDevice) {
   CommandResult bad = RunWeightd({"serve", "--socket-dir", sock_, "--budget", "gpu0=1G"});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("cuda:GPU-<uuid>"), std::string::npos) << bad.err;
-  auto daemon = StartDaemon({"--budget", "host=64M", "--budget", "cuda:0=1G"});
-  const json status = Status();
+  const std::string config = dir_.Join("weightd.toml");
+  {
+    std::ofstream f(config);
+    f << "[budget]\n\"cuda:7\" = \"1G\"\nhost = \"32M\"\n";
+  }
+  auto from_file = StartDaemon({"--config", config});
+  json status = Status();
   ASSERT_GE(status["devices"].size(), 1u);
   EXPECT_EQ(status["devices"][0]["name"], "host");
-  EXPECT_EQ(status["devices"][0]["budget"], 64u << 20);
+  EXPECT_EQ(status["devices"][0]["budget"], 32u << 20);  // the file's, a GPU's beside it
+  from_file.reset();
+  auto daemon = StartDaemon({"--config", config, "--budget", "host=64M", "--budget", "cuda:7=2G"});
+  status = Status();
+  EXPECT_EQ(status["devices"][0]["budget"], 64u << 20);  // the flag's
+  if (!memory::ListCudaDevices().ok()) {
+    EXPECT_TRUE(Eventually([&] {
+      return daemon->err().find("--budget cuda:7: no such GPU is served here") != std::string::npos;
+    })) << daemon->err();
+  }
 }
 
 // A device per rank (here the host for both, as no GPU is), and a preload
@@ -287,13 +307,20 @@ TEST_F(DaemonTest, DevicesPerRankAndAPreloadOfOneRank) {
   std::vector<std::string> rank1 = flags;
   rank1.insert(rank1.end(), {"--tp-rank", "1", "--device", "cpu,cpu"});
   EXPECT_EQ(Load(a, rank1)["source"], "daemon");
-  ASSERT_TRUE(
-      ch->Send(
-            {{"type", "preload"}, {"path", a}, {"processing", protocol::ToJson(p)}, {"ranks", {2}}})
-          .ok());
-  auto refused = ch->Receive(5000);
-  ASSERT_TRUE(refused.ok());
-  EXPECT_EQ(refused->type(), "error") << refused->body.dump();
+  // Not ranks: each refused, on a connection of its own (an error closes it).
+  for (const json& ranks : {json{2}, json{-1}, json{0.5}, json{"1"}, json(1), json{1ull << 40}}) {
+    auto c = protocol::ConnectToDaemon(sock_);
+    ASSERT_TRUE(c.ok());
+    ASSERT_TRUE(c->Send({{"type", "preload"},
+                         {"path", a},
+                         {"processing", protocol::ToJson(p)},
+                         {"ranks", ranks}})
+                    .ok());
+    auto refused = c->Receive(5000);
+    ASSERT_TRUE(refused.ok()) << ranks.dump();
+    EXPECT_EQ(refused->type(), "error") << ranks.dump() << refused->body.dump();
+  }
+  EXPECT_EQ(Status()["models"].size(), 1u);
 }
 
 // One rank evicted: the next preload loads that rank alone, and the rest

@@ -88,6 +88,21 @@ TEST(CudaDevices, OrdinalsResolveInThisProcesssNumberingAndSizesRound) {
   EXPECT_FALSE(memory::RoundToGranularity(5, 0).has_value());
 }
 
+TEST(CudaDevices, AUuidResolvesWithoutTheDriverAndMigIsSpelledAsTheDriverDoes) {
+  const std::string hex = "6f0e1c2a-0000-4a6f-9c1d-1234567890ab";
+  auto gpu = memory::ResolveDevice("cuda:GPU-" + hex);
+  ASSERT_TRUE(gpu.ok()) << gpu.error().message();
+  EXPECT_EQ(gpu->Name(), "cuda:GPU-" + hex);
+  auto mig = memory::ResolveDevice("cuda:MIG-" + hex);
+  ASSERT_TRUE(mig.ok());
+  EXPECT_EQ(mig->Name(), "cuda:GPU-" + hex);  // one spelling per GPU in keys
+  EXPECT_TRUE(memory::SameGpu("GPU-" + hex, "MIG-" + hex));
+  EXPECT_FALSE(memory::SameGpu("GPU-" + hex, "GPU-" + hex.substr(0, 35) + "c"));
+  EXPECT_FALSE(memory::SameGpu("GPU-a", "GPU-a"));  // not a UUID
+  EXPECT_EQ(memory::ResolveDevice("cpu")->Name(), "host");
+  EXPECT_FALSE(memory::ResolveDevice("cuda:x").ok());
+}
+
 TEST(CudaDevices, ANoGpuHostSaysWhyAndDoesNotCrash) {
   auto devices = memory::ListCudaDevices();
   if (devices.ok()) {

@@ -43,7 +43,6 @@ TEST(Registry, EachDeviceHasItsOwnBudgetAndEvictsOnlyItsOwnModels) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.error().message().find(kGpu), std::string::npos);
   r.SetBudget(kGpu, 8 * kMiB);
-  r.SetBudget(kGpu, 1, /*only_if_unset=*/true);  // already set: kept
 
   Publish(r, "host", 4, "xxh3-128:h1");
   Publish(r, kGpu, 4, "xxh3-128:g1");
@@ -53,6 +52,8 @@ TEST(Registry, EachDeviceHasItsOwnBudgetAndEvictsOnlyItsOwnModels) {
   std::vector<Eviction> evicted;
   ASSERT_TRUE(r.Reserve(kGpu, 4 * kMiB, &evicted).ok());
   ASSERT_EQ(evicted.size(), 1u);
+  EXPECT_NE(evicted[0].description.find("xxh3-128:g1"), std::string::npos)  // the oldest
+      << evicted[0].description;
   EXPECT_NE(evicted[0].description.find(kGpu), std::string::npos) << evicted[0].description;
   Registry::Snapshot s = r.Take();
   ASSERT_EQ(s.devices.size(), 2u);
@@ -86,6 +87,25 @@ TEST(Registry, ALeasedModelOnAGpuLeavesNoRoomAndTheErrorNamesTheDevice) {
   EXPECT_EQ(Find(r.Take(), kGpu)->used, 4 * kMiB);
   r.Release(lease.model);
   EXPECT_EQ(Find(r.Take(), kGpu)->used, 0u);
+}
+
+// Ranks on several devices reserve together: when one device has no room,
+// nothing is evicted on the others for a load that cannot start.
+TEST(Registry, RoomOnEveryDeviceOrNothingEvicted) {
+  Registry r(8 * kMiB);
+  const std::string gpu2 = "cuda:GPU-00000000-0000-0000-0000-000000000002";
+  r.SetBudget(kGpu, 8 * kMiB);
+  r.SetBudget(gpu2, 2 * kMiB);
+  Publish(r, kGpu, 8, "xxh3-128:g1");  // idle: evictable
+  std::vector<Eviction> evicted;
+  auto refused = r.Reserve({{kGpu, 4 * kMiB}, {gpu2, 4 * kMiB}}, &evicted);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find(gpu2), std::string::npos) << refused.error().message();
+  EXPECT_TRUE(evicted.empty());
+  EXPECT_EQ(r.Take().models.size(), 1u);
+  ASSERT_TRUE(r.Reserve({{kGpu, 4 * kMiB}, {gpu2, 2 * kMiB}}, &evicted).ok());
+  EXPECT_EQ(evicted.size(), 1u);
+  EXPECT_EQ(Find(r.Take(), gpu2)->reserved, 2 * kMiB);
 }
 
 }  // namespace

@@ -51,10 +51,13 @@ struct LoadSpec {
 enum class AcquireMode {
   kZeroCopy,  // map the daemon's segment; the lease lasts as long as the Weights
   // Copy into this process's own memory (on a GPU: its own allocation
-  // there) and give the lease back at once. Asked for a GPU, a model the
-  // daemon holds in host memory is copied up (the host-tier reload).
+  // there) and give the lease back at once.
   kCopy,
 };
+// Either way, asked for a GPU, a model the daemon holds in its host memory
+// only is copied up into the engine's own GPU memory (the host-tier reload:
+// at the bus's speed, faster than the disk) and the lease given back; with
+// `populate`, the daemon is asked to keep it on the GPU for next time.
 
 struct AcquireOptions {
   AcquireMode mode = AcquireMode::kZeroCopy;

@@ -48,6 +48,7 @@ uint64_t HalfOfMemory() {
 struct ServeOptions {
   std::string socket_dir;
   std::vector<std::string> budgets;
+  std::vector<std::string> config_budgets;  // the config file's; --budget wins per device
   std::string config;
   bool no_cache = false;
 };
@@ -93,9 +94,7 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
         }
         const std::string text =
             size.is_string() ? *size.value<std::string>() : std::to_string(*size.value<int64_t>());
-        if (o.budgets.empty() || std::string(device.str()) != "host") {
-          o.budgets.push_back(std::string(device.str()) + "=" + text);
-        }
+        o.config_budgets.push_back(std::string(device.str()) + "=" + text);
       }
     } else if (k == "model") {
       if (!value.is_array_of_tables()) return fail("model must be [[model]] tables");
@@ -129,7 +128,11 @@ int RunServe(ServeOptions o) {
   so.socket_dir = protocol::SocketDirectory(o.socket_dir);
   so.host_budget = HalfOfMemory();
   so.use_stat_cache = !o.no_cache;
-  for (const std::string& b : o.budgets) {
+  // The file's first, then the flags: for a device named in both, the last
+  // one given (the flag) is the one that holds.
+  std::vector<std::string> budgets = o.config_budgets;
+  budgets.insert(budgets.end(), o.budgets.begin(), o.budgets.end());
+  for (const std::string& b : budgets) {
     const size_t eq = b.find('=');
     const std::string device = eq == std::string::npos ? "host" : b.substr(0, eq);
     auto size = ParseSize(eq == std::string::npos ? b : b.substr(eq + 1));
@@ -252,12 +255,10 @@ Command AddPreloadCommand(CLI::App& root) {
             // cuda:N is this process's numbering; the daemon is told UUIDs
             // (one device, or one per rank).
             std::string devices;
-            const int named =
-                o->processing.device.find(',') == std::string::npos ? 1 : o->processing.tp_size;
-            for (int r = 0; r < named; ++r) {
-              auto device = memory::ResolveDevice(protocol::DeviceOfRank(o->processing, r));
+            for (const std::string& named : protocol::SplitDevices(o->processing.device)) {
+              auto device = memory::ResolveDevice(named);
               if (!device.ok()) return ReportError("preload", device.error().message());
-              devices += (r ? "," : "") + device->Name();
+              devices += (devices.empty() ? "" : ",") + device->Name();
             }
             o->processing.device = devices;
             json request = {{"type", "preload"},

@@ -462,9 +462,11 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   Miss miss;
   std::unique_ptr<WeightsImpl> hit = TryDaemon(key, options, miss);
   // Not on this GPU, but in the daemon's host memory: copied up from there.
+  bool reloaded = false;
   if (!hit && device.kind == memory::DeviceKind::kCuda &&
       miss.fields == std::vector<std::string>{"device"}) {
     hit = ReloadFromHost(key, device, options, miss);
+    reloaded = hit != nullptr;
   }
   if (hit) {
     if (!options.trust.empty()) {
@@ -473,6 +475,9 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
           "preloaded again");
     }
     if (hit->cuda_mapping && !hit->cuda_mapping->read_only()) log(hit->reason_);
+    // A copy from host memory is this engine's own: the next start may find
+    // the model on the GPU instead.
+    if (reloaded && options.populate) AskToPopulate(spec, keyed, options, log);
     return std::unique_ptr<Weights>(std::move(hit));
   }
   if (!options.fallback) return Error("not served by the daemon: " + miss.reason);

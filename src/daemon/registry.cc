@@ -26,46 +26,58 @@ Eviction Registry::EvictLocked(size_t index, Dropped& dropped) {
           bytes};
 }
 
-void Registry::SetBudget(const std::string& device, uint64_t bytes, bool only_if_unset) {
+void Registry::SetBudget(const std::string& device, uint64_t bytes) {
   std::lock_guard lock(mu_);
-  auto [it, added] = accounts_.try_emplace(device);
-  if (added || !only_if_unset) it->second.budget = bytes;
+  accounts_[device].budget = bytes;
 }
 
 Status Registry::Reserve(const std::string& device, uint64_t bytes,
                          std::vector<Eviction>* evicted) {
+  return Reserve({{device, bytes}}, evicted);
+}
+
+Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& needs,
+                         std::vector<Eviction>* evicted) {
   Dropped dropped;  // freed after the lock is released
   std::lock_guard lock(mu_);
-  auto account = accounts_.find(device);
-  if (account == accounts_.end()) return Error("no memory budget for " + device);
-  Account& a = account->second;
-  // Evict nothing for a load that would not fit even then.
-  uint64_t evictable = 0;
-  for (const auto& m : models_) {
-    if (m->key.device == device && m->leases == 0 && m->name.empty()) {
-      evictable += m->segment->reserved_bytes();
+  auto evictable = [&](const ResidentModel& m, const std::string& device) {
+    return m.key.device == device && m.leases == 0 && m.name.empty();
+  };
+  // Every device is checked before any model is evicted: room on all of
+  // them, or nothing evicted for a load that cannot start.
+  for (const auto& [device, bytes] : needs) {
+    auto account = accounts_.find(device);
+    if (account == accounts_.end()) return Error("no memory budget for " + device);
+    const Account& a = account->second;
+    uint64_t idle = 0;
+    for (const auto& m : models_) {
+      if (evictable(*m, device)) idle += m->segment->reserved_bytes();
+    }
+    const uint64_t kept = a.used + a.reserved - std::min(idle, a.used);
+    if (bytes > a.budget || kept > a.budget - bytes) {
+      return Error("out of budget on " + device + ": the model needs " + Gib(bytes) +
+                   ", the budget is " + Gib(a.budget) + ", and " + Gib(kept) +
+                   " are held by models in use, pinned or being loaded; evict one or raise "
+                   "--budget");
     }
   }
-  const uint64_t kept = a.used + a.reserved - std::min(evictable, a.used);
-  if (bytes > a.budget || kept > a.budget - bytes) {
-    return Error("out of budget on " + device + ": the model needs " + Gib(bytes) +
-                 ", the budget is " + Gib(a.budget) + ", and " + Gib(kept) +
-                 " are held by models in use, pinned or being loaded; evict one or raise "
-                 "--budget");
-  }
-  while (a.used + a.reserved + bytes > a.budget) {
-    // The idle model used least recently goes first.
-    size_t victim = models_.size();
-    for (size_t i = 0; i < models_.size(); ++i) {
-      const ResidentModel& m = *models_[i];
-      if (m.key.device != device || m.leases > 0 || !m.name.empty()) continue;
-      if (victim == models_.size() || m.last_used < models_[victim]->last_used) victim = i;
+  for (const auto& [device, bytes] : needs) {
+    Account& a = accounts_[device];
+    while (a.used + a.reserved + bytes > a.budget) {
+      // The idle model used least recently goes first.
+      size_t victim = models_.size();
+      for (size_t i = 0; i < models_.size(); ++i) {
+        if (!evictable(*models_[i], device)) continue;
+        if (victim == models_.size() || models_[i]->last_used < models_[victim]->last_used) {
+          victim = i;
+        }
+      }
+      if (victim == models_.size()) break;  // cannot happen: counted above
+      Eviction e = EvictLocked(victim, dropped);
+      if (evicted != nullptr) evicted->push_back(std::move(e));
     }
-    if (victim == models_.size()) break;  // cannot happen: counted above
-    Eviction e = EvictLocked(victim, dropped);
-    if (evicted != nullptr) evicted->push_back(std::move(e));
+    a.reserved += bytes;
   }
-  a.reserved += bytes;
   return OkStatus();
 }
 

@@ -59,15 +59,18 @@ class Registry {
   // has a budget from the start, a GPU once SetBudget gives it one.
   explicit Registry(uint64_t host_budget) { accounts_["host"].budget = host_budget; }
 
-  // Sets `device`'s budget (the first time: unless `only_if_unset` and it
-  // has one). Models already held stay, over it or not.
-  void SetBudget(const std::string& device, uint64_t bytes, bool only_if_unset = false);
+  // Sets `device`'s budget. Models already held stay, over it or not.
+  void SetBudget(const std::string& device, uint64_t bytes);
 
   // Reserves `bytes` on `device` for a model about to be loaded, evicting
   // idle models of that device as needed (reported in `evicted`). Give the
   // bytes back with Unreserve, or hand them to Publish. An error for a
   // device without a budget.
   Status Reserve(const std::string& device, uint64_t bytes, std::vector<Eviction>* evicted);
+  // The same on several devices (each named once) at once: room on every
+  // one, or an error with nothing evicted anywhere.
+  Status Reserve(const std::vector<std::pair<std::string, uint64_t>>& needs,
+                 std::vector<Eviction>* evicted);
   void Unreserve(const std::string& device, uint64_t bytes);
 
   // Makes a complete model visible; its reservation (on the device its key

@@ -129,6 +129,7 @@ struct Server::State {
   std::atomic<int64_t> last_emfile_log{0};  // steady_clock ticks
   std::shared_future<Result<std::vector<memory::CudaDevice>>> cuda_probe;
   std::once_flag gpu_budgets_applied;
+  std::atomic<bool> gpu_budgets_done{false};
   std::mutex read_only_mu;
   std::map<std::string, std::string> read_only;  // by GPU: what a read-only mapping got
   uint64_t next_connection = 1;
@@ -275,8 +276,11 @@ Status Server::Start() {
 void Server::Run() {
   State& s = *state_;
   while (!s.stopping.load()) {
+    // While the driver is being asked, look now and then: the GPUs get their
+    // budgets (and a --budget naming none is logged) as soon as it answers.
+    s.ApplyGpuBudgets(/*wait=*/false);
     pollfd wake{s.wake_read.get(), POLLIN, 0};
-    if (::poll(&wake, 1, -1) < 0 && errno != EINTR) {
+    if (::poll(&wake, 1, s.gpu_budgets_done.load() ? -1 : 100) < 0 && errno != EINTR) {
       s.Log(Errno("poll"));
       break;
     }
@@ -596,7 +600,10 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
 }
 
 void Server::State::ApplyGpuBudgets(bool wait) {
-  if (!cuda_probe.valid()) return;
+  if (!cuda_probe.valid()) {
+    gpu_budgets_done.store(true);
+    return;
+  }
   if (!wait && cuda_probe.wait_for(std::chrono::seconds(0)) != std::future_status::ready) return;
   std::call_once(gpu_budgets_applied, [&] {
     const auto& devices = cuda_probe.get();
@@ -611,7 +618,7 @@ void Server::State::ApplyGpuBudgets(bool wait) {
         const bool named =
             (spec->kind == memory::DeviceSpec::Kind::kCudaOrdinal && spec->ordinal == d.ordinal) ||
             (spec->kind == memory::DeviceSpec::Kind::kCudaUuid &&
-             spec->uuid.substr(4) == d.uuid.substr(4));
+             memory::SameGpu(spec->uuid, d.uuid));
         if (!named) continue;
         budget = options.gpu_budgets[i].second;
         used[i] = true;
@@ -622,6 +629,7 @@ void Server::State::ApplyGpuBudgets(bool wait) {
       if (!used[i])
         Log("--budget " + options.gpu_budgets[i].first + ": no such GPU is served here");
     }
+    gpu_budgets_done.store(true);
   });
 }
 
@@ -636,7 +644,7 @@ Status Server::State::CheckServed(const memory::Device& device) {
                  gpus.error().message() + ")");
   }
   const bool served = std::any_of(gpus->begin(), gpus->end(), [&](const auto& d) {
-    return d.posix_fd_handles && d.uuid.substr(4) == device.uuid.substr(4);
+    return d.posix_fd_handles && memory::SameGpu(d.uuid, device.uuid);
   });
   if (!served) {
     return Error("--device " + device.Name() +
@@ -773,14 +781,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
           return Error("the ranks' segments add up to more than 64 bits");
         }
       }
-      std::vector<std::pair<std::string, uint64_t>> taken;
-      for (const auto& [device, n] : need) {
-        if (Status s = registry.Reserve(device, n, &evicted); !s.ok()) {
-          for (const auto& [d, t] : taken) registry.Unreserve(d, t);
-          return s.error();
-        }
-        taken.emplace_back(device, n);
-      }
+      WEIGHTD_RETURN_IF_ERROR(registry.Reserve({need.begin(), need.end()}, &evicted));
       reserved.assign(missing.size(), want);
       for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
     }

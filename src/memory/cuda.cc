@@ -76,6 +76,10 @@ Result<std::string> ResolveCudaOrdinal(int ordinal, const std::vector<CudaDevice
                std::to_string(visible.size()) + " CUDA device(s) (CUDA_VISIBLE_DEVICES applies)");
 }
 
+bool SameGpu(std::string_view a, std::string_view b) {
+  return a.size() == 40 && b.size() == 40 && a.substr(4) == b.substr(4);
+}
+
 Result<Device> ResolveDevice(std::string_view text) {
   WEIGHTD_ASSIGN_OR_RETURN(DeviceSpec spec, ParseDevice(text));
   switch (spec.kind) {
@@ -338,7 +342,7 @@ class GpuContext {
     WEIGHTD_ASSIGN_OR_RETURN(std::vector<CudaDevice> devices, ListCudaDevices());
     // By the 32 hex digits: a MIG instance's UUID is listed with GPU- too.
     for (const CudaDevice& info : devices) {
-      if (info.uuid.size() != uuid.size() || info.uuid.substr(4) != uuid.substr(4)) continue;
+      if (!SameGpu(info.uuid, uuid)) continue;
       if (!info.posix_fd_handles || info.granularity == 0) {
         return Error("cuda:" + uuid + ": this GPU cannot export memory as file descriptors");
       }

@@ -71,6 +71,10 @@ Result<std::vector<CudaDevice>> ListCudaDevices();
 // `visible` is what ListCudaDevices returned.
 Result<std::string> ResolveCudaOrdinal(int ordinal, const std::vector<CudaDevice>& visible);
 
+// Whether two UUIDs ("GPU-…" or "MIG-…", 8-4-4-4-12 hex digits) name the
+// same GPU: the driver lists a MIG instance's with GPU- too.
+bool SameGpu(std::string_view a, std::string_view b);
+
 // What a --device flag names, resolved: the host, or a GPU by UUID (an
 // ordinal through this process's numbering, which needs the driver).
 Result<Device> ResolveDevice(std::string_view text);

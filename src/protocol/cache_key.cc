@@ -83,31 +83,35 @@ Status CheckSupported(const Processing& p) {
                  std::to_string(p.tp_size));
   }
   // One device, or one per rank (a preload that puts rank r on GPU r).
-  size_t count = 0;
-  for (size_t at = 0; at <= p.device.size(); ++count) {
-    const size_t comma = std::min(p.device.find(',', at), p.device.size());
-    if (auto device = memory::ParseDevice(std::string_view(p.device).substr(at, comma - at));
-        !device.ok()) {
+  const std::vector<std::string> devices = SplitDevices(p.device);
+  for (const std::string& d : devices) {
+    if (auto device = memory::ParseDevice(d); !device.ok()) {
       return Error("--device: " + device.error().message());
     }
-    at = comma + 1;
   }
-  if (count > 1 && count != static_cast<size_t>(p.tp_size)) {
+  if (devices.size() > 1 && devices.size() != static_cast<size_t>(p.tp_size)) {
     return Error("--device " + p.device + ": one device, or one per rank (" +
-                 std::to_string(p.tp_size) + "), not " + std::to_string(count));
+                 std::to_string(p.tp_size) + "), not " + std::to_string(devices.size()));
   }
   return OkStatus();
 }
 
-std::string DeviceOfRank(const Processing& p, int rank) {
-  if (p.device.find(',') == std::string::npos) return p.device;
-  size_t at = 0;
-  for (int r = 0; r < rank && at != std::string::npos; ++r) {
-    at = p.device.find(',', at);
-    if (at != std::string::npos) ++at;
+std::vector<std::string> SplitDevices(const std::string& device) {
+  std::vector<std::string> out;
+  for (size_t at = 0; at <= device.size();) {
+    const size_t comma = std::min(device.find(',', at), device.size());
+    out.push_back(device.substr(at, comma - at));
+    at = comma + 1;
   }
-  if (at == std::string::npos) return p.device;  // CheckSupported refuses this
-  return p.device.substr(at, p.device.find(',', at) - at);
+  return out;
+}
+
+std::string DeviceOfRank(const Processing& p, int rank) {
+  const std::vector<std::string> devices = SplitDevices(p.device);
+  if (devices.size() == 1) return devices[0];
+  return rank >= 0 && static_cast<size_t>(rank) < devices.size()
+             ? devices[static_cast<size_t>(rank)]
+             : p.device;
 }
 
 CacheKey MakeKey(const std::string& checkpoint_digest, const Processing& p,

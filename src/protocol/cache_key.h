@@ -66,6 +66,8 @@ struct Processing {
 // The rest (--tp-size, --dtype, --quant, --shard-plan) is checked where it is
 // parsed, by transform::ResolveProcessing: call that first.
 Status CheckSupported(const Processing& p);
+// A --device value's devices, in order (one unless it names one per rank).
+std::vector<std::string> SplitDevices(const std::string& device);
 // The device `rank` goes to: the one device named, or the rank's own.
 // REQUIRES: CheckSupported(p) is ok.
 std::string DeviceOfRank(const Processing& p, int rank);
