@@ -124,6 +124,7 @@ struct Driver {
   CUresult (*cuCtxPushCurrent)(CUcontext) = nullptr;
   CUresult (*cuCtxPopCurrent)(CUcontext*) = nullptr;
   CUresult (*cuCtxSynchronize)() = nullptr;
+  CUresult (*cuMemGetInfo)(size_t*, size_t*) = nullptr;
   CUresult (*cuMemCreate)(CUmemGenericAllocationHandle*, size_t, const CUmemAllocationProp*,
                           unsigned long long) = nullptr;
   CUresult (*cuMemRelease)(CUmemGenericAllocationHandle) = nullptr;
@@ -209,6 +210,7 @@ Result<const Driver*> LoadDriver() {
     load("cuCtxPushCurrent", driver.cuCtxPushCurrent);
     load("cuCtxPopCurrent", driver.cuCtxPopCurrent);
     load("cuCtxSynchronize", driver.cuCtxSynchronize);
+    load("cuMemGetInfo", driver.cuMemGetInfo);
     load("cuMemCreate", driver.cuMemCreate);
     load("cuMemRelease", driver.cuMemRelease);
     load("cuMemAddressReserve", driver.cuMemAddressReserve);
@@ -733,8 +735,15 @@ Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::str
   const Driver& d = m->gpu->driver();
   const CUmemAllocationProp prop = SegmentProp(m->gpu->device());
   if (CUresult r = d.cuMemCreate(&m->handle, m->bytes, &prop, 0); r != CUDA_SUCCESS) {
+    // What the GPU has left says whether engines (or a daemon before this
+    // one, whose segments engines still map) hold what the budget allows.
+    size_t free = 0, total = 0;
+    const std::string left = d.cuMemGetInfo(&free, &total) == CUDA_SUCCESS
+                                 ? " (the GPU has " + std::to_string(free >> 20) + " MiB free of " +
+                                       std::to_string(total >> 20) + " MiB)"
+                                 : "";
     return Error("cannot allocate " + std::to_string(m->bytes) + " bytes on cuda:" + uuid +
-                 ": cuMemCreate: " + d.Describe(r));
+                 ": cuMemCreate: " + d.Describe(r) + left);
   }
   m->have_handle = true;
   if (CUresult r = m->Map(CU_MEM_ACCESS_FLAGS_PROT_READWRITE); r != CUDA_SUCCESS) {
