@@ -1,4 +1,6 @@
 // `weightd make-checkpoint OUT --preset NAME [--seed N] [...]`
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
 #include <iostream>
 #include <memory>
@@ -27,9 +29,12 @@ int RunMake(MakeOptions o) {
   }
   o.synthetic.finetune = o.variant == "finetune";
   const auto start = std::chrono::steady_clock::now();
+  // One line rewritten on a terminal, a line per shard otherwise (a log).
+  const bool terminal = ::isatty(STDERR_FILENO) == 1;
   auto plan = format::WriteSyntheticCheckpoint(o.out, o.synthetic, [&](size_t done, size_t total) {
-    if (total > 1) std::cerr << "\rwrote shard " << done << "/" << total << std::flush;
-    if (total > 1 && done == total) std::cerr << "\n";
+    if (total <= 1) return;
+    std::cerr << (terminal ? "\r" : "") << "wrote shard " << done << "/" << total
+              << (terminal && done < total ? "" : "\n") << std::flush;
   });
   if (!plan.ok()) return ReportError("make-checkpoint", plan.error().message());
   const double seconds = SecondsSince(start);
