@@ -58,6 +58,7 @@ TEST(Registry, EachDeviceHasItsOwnBudgetAndEvictsOnlyItsOwnModels) {
   Registry::Snapshot s = r.Take();
   ASSERT_EQ(s.devices.size(), 2u);
   EXPECT_EQ(s.devices[0].device, "host");  // the host first
+  EXPECT_EQ(r.Devices(), (std::vector<std::string>{"host", kGpu}));
   EXPECT_EQ(Find(s, "host")->used, 4 * kMiB);
   EXPECT_EQ(Find(s, kGpu)->used, 4 * kMiB);
   EXPECT_EQ(Find(s, kGpu)->reserved, 4 * kMiB);

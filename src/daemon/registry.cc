@@ -228,4 +228,13 @@ Registry::Snapshot Registry::Take() const {
   return s;
 }
 
+std::vector<std::string> Registry::Devices() const {
+  std::lock_guard lock(mu_);
+  std::vector<std::string> out = {"host"};
+  for (const auto& [device, a] : accounts_) {
+    if (device != "host") out.push_back(device);
+  }
+  return out;
+}
+
 }  // namespace weightd::daemon

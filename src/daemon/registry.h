@@ -120,6 +120,8 @@ class Registry {
     std::vector<DeviceUse> devices;  // host first, then GPUs by name
   };
   Snapshot Take() const;
+  // The devices with a budget, the host first (cheap: for every hello).
+  std::vector<std::string> Devices() const;
 
  private:
   // Models taken out, kept here until the registry's lock is released: the

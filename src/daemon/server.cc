@@ -438,13 +438,12 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
   if (!m.fds.empty()) return Error("a `" + type + "` request carries no descriptors");
 
   if (type == "hello") {
+    // On every attach: the device names only, not a snapshot of every model.
     ApplyGpuBudgets(/*wait=*/false);
-    json devices = json::array();
-    for (const Registry::DeviceUse& d : registry.Take().devices) devices.push_back(d.device);
     return ch.Send({{"type", "hello"},
                     {"version", protocol::kProtocolVersion},
                     {"pid", ::getpid()},
-                    {"devices", devices}});
+                    {"devices", registry.Devices()}});
   }
 
   if (type == "acquire") {
@@ -600,6 +599,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
 }
 
 void Server::State::ApplyGpuBudgets(bool wait) {
+  if (gpu_budgets_done.load()) return;
   if (!cuda_probe.valid()) {
     gpu_budgets_done.store(true);
     return;

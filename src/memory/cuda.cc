@@ -247,6 +247,17 @@ Result<const Driver*> LoadDriver() {
   return &driver;
 }
 
+// What a segment's allocation asks for: pinned device memory on `dev`,
+// exportable as a POSIX file descriptor.
+CUmemAllocationProp SegmentProp(CUdevice dev) {
+  CUmemAllocationProp prop{};
+  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  prop.location.id = dev;
+  return prop;
+}
+
 }  // namespace
 
 Result<std::vector<CudaDevice>> ListCudaDevices() {
@@ -282,11 +293,8 @@ Result<std::vector<CudaDevice>> ListCudaDevices() {
     d->cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
                             dev);
     info.posix_fd_handles = vmm != 0 && fd != 0;
-    CUmemAllocationProp prop{};
-    prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-    prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-    prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-    prop.location.id = dev;
+    // The granularity of what a segment asks for.
+    const CUmemAllocationProp prop = SegmentProp(dev);
     size_t granularity = 0;
     if (info.posix_fd_handles &&
         d->cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) ==
@@ -299,17 +307,6 @@ Result<std::vector<CudaDevice>> ListCudaDevices() {
 }
 
 namespace {
-
-// What a segment's allocation asks for: pinned device memory on `dev`,
-// exportable as a POSIX file descriptor.
-CUmemAllocationProp SegmentProp(CUdevice dev) {
-  CUmemAllocationProp prop{};
-  prop.type = CU_MEM_ALLOCATION_TYPE_PINNED;
-  prop.requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
-  prop.location.type = CU_MEM_LOCATION_TYPE_DEVICE;
-  prop.location.id = dev;
-  return prop;
-}
 
 Error CudaError(const Driver& d, const char* call, CUresult r) {
   return Error(std::string(call) + ": " + d.Describe(r));
