@@ -4,7 +4,7 @@
 #   make demo    the main job on a generated model (release build)
 #   make test    unit, conformance, CLI and fuzz tests under ASan/UBSan (clang)
 #   make bench   benchmarks; writes docs/benchmarks.md
-#   make fuzz    the fuzz targets for longer (FUZZ_SECONDS each)
+#   make fuzz    every fuzz target for longer (FUZZ_SECONDS each)
 #   make format  clang-format the sources
 
 RELEASE := build/release
@@ -40,10 +40,13 @@ bench: release
 	scripts/bench $(RELEASE)
 
 fuzz: asan
-	mkdir -p $(ASAN)/fuzz/long-header $(ASAN)/fuzz/long-index
+	for t in header index segment frame plan; do mkdir -p $(ASAN)/fuzz/long-$$t || exit 1; done
 	$(ASAN)/fuzz/header_fuzz -max_total_time=$(FUZZ_SECONDS) -max_len=65536 $(ASAN)/fuzz/long-header \
 	  ../shared/conformance/rules ../shared/conformance/safetensors-samples
-	$(ASAN)/fuzz/index_fuzz -max_total_time=$(FUZZ_SECONDS) -max_len=65536 $(ASAN)/fuzz/long-index fuzz/corpus/index
+	for t in index segment frame plan; do \
+	  $(ASAN)/fuzz/$${t}_fuzz -max_total_time=$(FUZZ_SECONDS) -max_len=65536 $(ASAN)/fuzz/long-$$t \
+	    fuzz/corpus/$$t || exit 1; \
+	done
 
 format:
 	clang-format -i $$(git ls-files '*.cc' '*.h')
