@@ -708,6 +708,29 @@ TEST_F(DaemonTest, TruncatedCheckpointPublishesNothing) {
   EXPECT_EQ(Status()["devices"][0]["reserved"], 0);
 }
 
+// A FIFO where a shard or a shard plan should be would block a reader
+// until someone writes to it: refused at once, and the daemon stays
+// stoppable.
+TEST_F(DaemonTest, AFifoIsRefusedNotWaitedOn) {
+  const std::string a = MakeModel("a");
+  const std::string shard = a + "/model-00002-of-00004.safetensors";
+  ASSERT_EQ(::unlink(shard.c_str()), 0);
+  ASSERT_EQ(::mkfifo(shard.c_str(), 0600), 0);
+  const std::string plan = dir_.Join("plan.toml");
+  ASSERT_EQ(::mkfifo(plan.c_str(), 0600), 0);
+  auto daemon = StartDaemon();
+  CommandResult r = Run({"preload", a});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("model-00002-of-00004.safetensors: not a regular file"), std::string::npos)
+      << r.err;
+  r = Run({"preload", MakeModel("b"), "--tp-size", "2", "--shard-plan", plan});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("a shard plan must be a regular file"), std::string::npos) << r.err;
+  EXPECT_EQ(Status()["models"].size(), 0u);
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->Wait(), 0) << daemon->err();
+}
+
 TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   const std::string a = MakeModel("a"), b = MakeModel("b", true);
   auto daemon = StartDaemon();

@@ -72,7 +72,9 @@ class PosixFile final : public RandomAccessFile {
 class Posix final : public FileSystem {
  public:
   Result<std::unique_ptr<RandomAccessFile>> Open(const std::string& path) override {
-    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+    // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer;
+    // it is refused below, and regular files ignore the flag.
+    int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
     if (fd < 0) return Error(path + ": cannot open: " + ErrnoText(errno));
     struct stat st;
     if (::fstat(fd, &st) != 0) {

@@ -1,11 +1,15 @@
 #include "transform/plan.h"
 
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <toml++/toml.h>
+#include <unistd.h>
 #include <xxhash.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstdio>
-#include <fstream>
+#include <cstring>
 
 #include "transform/convert.h"
 
@@ -358,11 +362,30 @@ Result<std::shared_ptr<const ShardPlan>> ShardPlan::Load(const std::string& spec
     return Error("unknown shard plan `" + spec +
                  "` (presets: llama, replicate; or the path of a TOML plan file)");
   }
-  std::ifstream in(spec, std::ios::binary);
-  if (!in) return Error(spec + ": cannot read the shard plan");
+  // A regular file only: a FIFO named here (the daemon resolves plans that
+  // requests name) must not block a connection waiting for a writer.
+  const int fd = ::open(spec.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
+  if (fd < 0) return Error(spec + ": cannot read the shard plan: " + std::strerror(errno));
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Error(spec + ": a shard plan must be a regular file");
+  }
   std::string text(kMaxPlanFileBytes + 1, '\0');
-  in.read(text.data(), static_cast<std::streamsize>(text.size()));
-  text.resize(static_cast<size_t>(in.gcount()));
+  size_t got = 0;
+  while (got < text.size()) {
+    const ssize_t n = ::read(fd, text.data() + got, text.size() - got);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      return Error(spec + ": cannot read the shard plan: " + std::strerror(err));
+    }
+    if (n == 0) break;
+    got += static_cast<size_t>(n);
+  }
+  ::close(fd);
+  text.resize(got);
   if (text.size() > kMaxPlanFileBytes) return Error(spec + ": a shard plan is at most 1 MiB");
   return FromToml(text, spec);
 }
