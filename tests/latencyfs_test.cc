@@ -156,5 +156,37 @@ TEST(Latencyfs, IsReadOnlyAndPassesBytesThrough) {
   EXPECT_THROW(testing::WriteFileText(mnt + "/f", "x"), std::runtime_error);
 }
 
+// A preload stuck in a file system call (a hung network mount, here every
+// operation delayed 2 s) must not keep a stopping daemon, and its lock,
+// alive: SIGTERM gives busy connections --stop-timeout, then exits.
+TEST(Latencyfs, SigtermDoesNotWaitForAPreloadStuckOnTheFileSystem) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  TempDir dir;
+  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), sock = dir.Join("sock");
+  ::mkdir(src.c_str(), 0700);
+  ::mkdir(mnt.c_str(), 0700);
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(src + "/m", {.preset = "tiny"}).ok());
+  Mount mount(src, mnt, dir.Join("stats.json"), "2s");
+  ASSERT_TRUE(mount.mounted());
+  ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
+
+  testing::Process daemon({"serve", "--socket-dir", sock, "--stop-timeout", "0.2"});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  testing::Process preload({"preload", mnt + "/m", "--socket-dir", sock});
+  ASSERT_TRUE(testing::Eventually([&] {
+    return daemon.err().find("preload of " + mnt + "/m requested") != std::string::npos;
+  })) << daemon.err();
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+  EXPECT_NE(daemon.err().find("still busy"), std::string::npos) << daemon.err();
+  // Its engine is told, not left waiting.
+  EXPECT_NE(preload.Wait(), 0) << preload.err();
+  // The directory is free for the next daemon at once.
+  testing::Process next({"serve", "--socket-dir", sock});
+  EXPECT_TRUE(next.WaitForOutput("ready")) << next.err();
+  next.Signal(SIGTERM);
+  EXPECT_EQ(next.Wait(), 0) << next.err();
+}
+
 }  // namespace
 }  // namespace weightd

@@ -5,7 +5,10 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <chrono>
+#include <cstdlib>
 #include <ctime>
+#include <future>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -51,6 +54,7 @@ struct ServeOptions {
   std::vector<std::string> config_budgets;  // the config file's; --budget wins per device
   std::string config;
   bool no_cache = false;
+  double stop_timeout = 10;
 };
 
 struct ConfigModel {
@@ -128,6 +132,7 @@ int RunServe(ServeOptions o) {
   so.socket_dir = protocol::SocketDirectory(o.socket_dir);
   so.host_budget = HalfOfMemory();
   so.use_stat_cache = !o.no_cache;
+  so.stop_grace_seconds = o.stop_timeout;
   // The file's first, then the flags: for a device named in both, the last
   // one given (the flag) is the one that holds.
   std::vector<std::string> budgets = o.config_budgets;
@@ -167,15 +172,27 @@ int RunServe(ServeOptions o) {
             << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
   // Models from the config load in the background: engines may ask (and
   // fall back) meanwhile.
-  std::thread preloader([&server, &so, preloads] {
+  std::promise<void> preloads_done;
+  std::future<void> preloads_ended = preloads_done.get_future();
+  std::thread preloader([&server, &so, preloads, done = std::move(preloads_done)]() mutable {
     for (const ConfigModel& m : preloads) {
       if (server.stopping()) break;
       auto r = server.Preload({m.path, m.pin, m.device}, {});
       if (!r.ok())
         so.log("preload of " + m.path + " from the config failed: " + r.error().message());
     }
+    done.set_value();
   });
-  server.Run();
+  const bool ended = server.Run();
+  // A preload stuck in a read that never returns is not waited for either:
+  // the socket is gone already, and the lock goes with the process.
+  if (!ended || preloads_ended.wait_for(std::chrono::duration<double>(o.stop_timeout)) !=
+                    std::future_status::ready) {
+    if (ended) so.log("a preload from the config is still busy: not waiting for it");
+    std::cout.flush();
+    std::cerr.flush();
+    std::_Exit(kExitOk);
+  }
   preloader.join();
   running_server = nullptr;
   return kExitOk;
@@ -220,6 +237,10 @@ Command AddServeCommand(CLI::App& root) {
                   "(default: half of RAM for the host, " +
                       std::to_string(daemon::kDefaultGpuBudgetPercent) + "% of each GPU's memory)");
   app->add_flag("--no-cache", o->no_cache, "preloads do not use the fingerprint's stat cache");
+  app->add_option("--stop-timeout", o->stop_timeout,
+                  "seconds SIGTERM waits for busy connections and preloads (a read stuck on a "
+                  "hung network file system) before the daemon exits without them (default 10)")
+      ->check(CLI::Range(0.0, 3600.0));
   app->add_option("--config", o->config,
                   "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path/pin to preload "
                   "at start (see docs/cli.md)");

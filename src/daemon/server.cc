@@ -117,6 +117,9 @@ struct Server::State {
   std::condition_variable conn_done;
   std::set<int> open_sockets;  // raw fds of live connections, to shut down on stop
   int live_connections = 0;
+  // Run gave up waiting for some connection: its thread may still use the
+  // state, which is then never freed.
+  bool abandoned = false;
   // Serving threads accept connections themselves, each blocked in accept()
   // (the kernel hands a connection to one of them), and serve what they
   // accepted; one that takes the last idle place starts another first.
@@ -167,7 +170,9 @@ struct Server::State {
 
 Server::Server(ServerOptions options) : state_(std::make_unique<State>(std::move(options))) {}
 
-Server::~Server() = default;
+Server::~Server() {
+  if (state_ && state_->abandoned) (void)state_.release();
+}
 
 void Server::RequestStop() {
   state_->stopping.store(true);
@@ -273,7 +278,7 @@ Status Server::Start() {
   return OkStatus();
 }
 
-void Server::Run() {
+bool Server::Run() {
   State& s = *state_;
   while (!s.stopping.load()) {
     // While the driver is being asked, look now and then: the GPUs get their
@@ -293,9 +298,19 @@ void Server::Run() {
   ::unlink(s.socket_path.c_str());
   std::unique_lock lock(s.conn_mu);
   for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
-  s.conn_done.wait(lock, [&] { return s.live_connections == 0 && s.workers == 0; });
+  const bool ended =
+      s.conn_done.wait_for(lock, std::chrono::duration<double>(s.options.stop_grace_seconds),
+                           [&] { return s.live_connections == 0 && s.workers == 0; });
+  if (!ended) {
+    s.abandoned = true;
+    s.Log("stopping with " + std::to_string(s.live_connections) +
+          " connection(s) still busy after " + std::to_string(s.options.stop_grace_seconds) +
+          " s (a file system call that does not return?): not waiting for them");
+    return false;
+  }
   s.listen_fd.Reset();
   s.Log("stopped");
+  return true;
 }
 
 bool Server::State::Admit(memory::UniqueFd& conn, ucred* peer) {

@@ -43,6 +43,10 @@ struct ServerOptions {
   // Stat cache directory for the fingerprint preloads compute first; empty:
   // the default.
   bool use_stat_cache = true;
+  // How long a stop waits for busy connections (a preload stuck in a read
+  // that never returns, on a hung network file system) before giving up on
+  // them.
+  double stop_grace_seconds = 10;
 };
 
 class Server {
@@ -56,8 +60,11 @@ class Server {
   Status Start();
 
   // Serves until RequestStop; then stops accepting, removes the socket and
-  // closes every connection.
-  void Run();
+  // closes every connection. Connections still busy after
+  // stop_grace_seconds are left behind (logged, with what the Server holds
+  // left allocated for them): returns false then, and the caller should
+  // exit the process.
+  bool Run();
 
   // Async-signal-safe.
   void RequestStop();
