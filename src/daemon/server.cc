@@ -69,7 +69,10 @@ std::string ReadSmallFile(int fd) {
 // segment when the daemon tried (after its first preload there).
 json CudaJson(const std::shared_future<Result<std::vector<memory::CudaDevice>>>& probe,
               const std::map<std::string, std::string>& read_only) {
-  if (!probe.valid() || probe.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
+  if (!probe.valid()) {
+    return {{"available", false}, {"reason", "the CUDA driver was not asked (no thread for it)"}};
+  }
+  if (probe.wait_for(std::chrono::seconds(0)) != std::future_status::ready) {
     return {{"available", false}, {"reason", "still asking the CUDA driver"}};
   }
   const auto& devices = probe.get();
@@ -247,7 +250,7 @@ Status Server::Start() {
   // (the thread is detached and owns what it uses).
   try {
     auto answer = std::make_shared<std::promise<Result<std::vector<memory::CudaDevice>>>>();
-    s.cuda_probe = answer->get_future().share();
+    auto probe = answer->get_future().share();
     std::thread([answer, log = s.options.log] {
       auto gpus = memory::ListCudaDevices();
       if (log && !gpus.ok()) log("serving the host only; cuda: " + gpus.error().message());
@@ -260,6 +263,8 @@ Status Server::Start() {
       }
       answer->set_value(std::move(gpus));
     }).detach();
+    // Only once the thread runs: a promise it never got is no answer.
+    s.cuda_probe = std::move(probe);
   } catch (const std::system_error&) {
     // No thread for it: status says the driver was not asked.
   }
