@@ -136,9 +136,9 @@ class WeightsImpl final : public Weights {
       for (uint64_t d : r.shape) {
         if (__builtin_mul_overflow(elements, d, &elements)) elements = UINT64_MAX;
       }
-      uint64_t bits;
+      uint64_t bits;  // rounded up to whole bytes without wrapping near 2^64
       if (__builtin_mul_overflow(elements, format::DTypeBits(*dtype), &bits) ||
-          (bits + 7) / 8 != r.bytes) {
+          bits / 8 + (bits % 8 != 0 ? 1 : 0) != r.bytes) {
         return Error("segment tensor `" + std::string(r.name) + "`: its shape does not match its " +
                      std::to_string(r.bytes) + " bytes");
       }
