@@ -14,17 +14,22 @@ const std::string kGpu = "cuda:GPU-6f0e1c2a-0000-4a6f-9c1d-1234567890ab";
 
 // A model of `mib` MiB on `device`, published against its reservation.
 std::shared_ptr<ResidentModel> Publish(Registry& r, const std::string& device, uint64_t mib,
-                                       const std::string& digest) {
+                                       const std::string& digest, int tp_rank = 0,
+                                       const std::string& name = "",
+                                       const std::vector<protocol::CacheKey>& group = {}) {
   EXPECT_TRUE(r.Reserve(device, mib * kMiB, nullptr).ok());
   auto m = std::make_unique<ResidentModel>();
   m->key.checkpoint = digest;
   m->key.device = device;
+  m->key.tp_rank = tp_rank;
+  m->key.tp_size = group.empty() ? 1 : static_cast<int>(group.size());
+  m->name = name;
   // The registry counts what a segment reserves: host memory stands in for
   // the GPU's here, the accounting reads only its size and the key.
   auto segment = memory::CreateHostSegment(mib * kMiB, "registry-test");
   EXPECT_TRUE(segment.ok());
   m->segment = std::move(segment).value();
-  auto published = r.Publish(std::move(m), mib * kMiB);
+  auto published = r.Publish(std::move(m), mib * kMiB, group);
   std::this_thread::sleep_for(std::chrono::milliseconds(2));  // distinct last-used times
   return published;
 }
@@ -107,6 +112,53 @@ TEST(Registry, RoomOnEveryDeviceOrNothingEvicted) {
   ASSERT_TRUE(r.Reserve({{kGpu, 4 * kMiB}, {gpu2, 2 * kMiB}}, &evicted).ok());
   EXPECT_EQ(evicted.size(), 1u);
   EXPECT_EQ(Find(r.Take(), gpu2)->reserved, 2 * kMiB);
+}
+
+// A pin names every rank of one preload, each on its own GPU; pinning
+// another model takes the name from all of them, and only then are they
+// evictable.
+TEST(Registry, APinNamesEveryRankOfAPreloadAcrossDevices) {
+  Registry r(8 * kMiB);
+  const std::string gpu2 = "cuda:GPU-00000000-0000-0000-0000-000000000002";
+  r.SetBudget(kGpu, 8 * kMiB);
+  r.SetBudget(gpu2, 8 * kMiB);
+  std::vector<protocol::CacheKey> group(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    group[rank].checkpoint = "xxh3-128:tp";
+    group[rank].device = rank == 0 ? kGpu : gpu2;
+    group[rank].tp_rank = rank;
+    group[rank].tp_size = 2;
+  }
+  Publish(r, kGpu, 4, "xxh3-128:tp", 0, "prod", group);
+  Publish(r, gpu2, 4, "xxh3-128:tp", 1, "prod", group);
+  Registry::Snapshot s = r.Take();
+  ASSERT_EQ(s.names.size(), 2u);
+  EXPECT_EQ(s.names[0], "prod");
+  EXPECT_EQ(s.names[1], "prod");
+  // Trusted by name, on either GPU.
+  for (const protocol::CacheKey& k : group) {
+    Registry::Lookup found = r.Acquire(k, "prod");
+    ASSERT_TRUE(found.model) << found.reason;
+    EXPECT_EQ(found.name, "prod");
+    r.Release(found.model);
+  }
+  // Pinned: not evicted to make room.
+  EXPECT_FALSE(r.Reserve(gpu2, 8 * kMiB, nullptr).ok());
+
+  // Another model takes the name: both ranks lose it and become evictable.
+  auto other = Publish(r, "host", 1, "xxh3-128:other");
+  ASSERT_TRUE(r.Pin({other->key}, "prod"));
+  s = r.Take();
+  for (size_t i = 0; i < s.models.size(); ++i) {
+    EXPECT_EQ(s.names[i], s.models[i]->key.device == "host" ? "prod" : "")
+        << s.models[i]->key.device;
+  }
+  std::vector<Eviction> evicted;
+  EXPECT_TRUE(r.Reserve(gpu2, 8 * kMiB, &evicted).ok());
+  EXPECT_EQ(evicted.size(), 1u);
+  // Pinning a model that is not resident changes nothing.
+  EXPECT_FALSE(r.Pin({group[1]}, "prod"));
+  EXPECT_EQ(r.Take().names.back(), "prod");
 }
 
 }  // namespace

@@ -88,7 +88,8 @@ void Registry::Unreserve(const std::string& device, uint64_t bytes) {
 }
 
 std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> model,
-                                                 uint64_t reserved_bytes) {
+                                                 uint64_t reserved_bytes,
+                                                 const std::vector<protocol::CacheKey>& group) {
   Dropped dropped;  // freed after the lock is released
   std::lock_guard lock(mu_);
   Account& a = AccountLocked(model->key.device);
@@ -99,7 +100,11 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
       break;
     }
   }
-  if (!model->name.empty()) TakeNameLocked(model->name, model->key);
+  if (!model->name.empty()) {
+    std::vector<protocol::CacheKey> with_own = group;
+    with_own.push_back(model->key);
+    TakeNameLocked(model->name, with_own);
+  }
   model->id = next_id_++;
   model->last_used = std::chrono::steady_clock::now();
   a.used += model->segment->reserved_bytes();
@@ -135,6 +140,7 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
     return out;
   }
   out.model = models_[best];
+  out.name = out.model->name;
   ++out.model->leases;
   out.model->last_used = std::chrono::steady_clock::now();
   return out;
@@ -154,27 +160,26 @@ bool Registry::Has(const protocol::CacheKey& key) const {
   return std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->key == key; });
 }
 
-void Registry::TakeNameLocked(const std::string& name, const protocol::CacheKey& group) {
-  // The other ranks of the same preload keep the name: it names them all.
-  auto rank_free = [](protocol::CacheKey k) {
-    k.tp_rank = 0;
-    return k;
-  };
+void Registry::TakeNameLocked(const std::string& name,
+                              const std::vector<protocol::CacheKey>& group) {
   for (auto& m : models_) {
-    if (m->name == name && !(rank_free(m->key) == rank_free(group))) m->name.clear();
+    if (m->name == name && std::find(group.begin(), group.end(), m->key) == group.end()) {
+      m->name.clear();
+    }
   }
 }
 
-bool Registry::Pin(const protocol::CacheKey& key, const std::string& name) {
+bool Registry::Pin(const std::vector<protocol::CacheKey>& group, const std::string& name) {
   std::lock_guard lock(mu_);
+  auto in_group = [&](const std::shared_ptr<ResidentModel>& m) {
+    return std::find(group.begin(), group.end(), m->key) != group.end();
+  };
+  if (std::none_of(models_.begin(), models_.end(), in_group)) return false;
+  TakeNameLocked(name, group);
   for (auto& m : models_) {
-    if (m->key == key) {
-      TakeNameLocked(name, key);
-      m->name = name;
-      return true;
-    }
+    if (in_group(m)) m->name = name;
   }
-  return false;
+  return true;
 }
 
 void Registry::BeginLoad(const protocol::CacheKey& key) {
@@ -219,6 +224,7 @@ Registry::Snapshot Registry::Take() const {
   s.models = models_;
   for (const auto& m : models_) {
     s.leases.push_back(m->leases);
+    s.names.push_back(m->name);
     s.idle_seconds.push_back(std::chrono::duration<double>(now - m->last_used).count());
   }
   for (const auto& [device, a] : accounts_) {

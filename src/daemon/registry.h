@@ -32,7 +32,9 @@ namespace weightd::daemon {
 struct ResidentModel {
   uint64_t id = 0;
   protocol::CacheKey key;
-  std::string name;  // pinned name (--pin), may be empty
+  // Pinned name (--pin), may be empty. Guarded by the registry's mutex:
+  // read it from a Lookup or a Snapshot.
+  std::string name;
   std::string path;  // where it was loaded from: for people, never for matching
   std::unique_ptr<memory::Segment> segment;
   // A GPU's model: its manifest in host memory, sent along with the
@@ -74,16 +76,19 @@ class Registry {
   void Unreserve(const std::string& device, uint64_t bytes);
 
   // Makes a complete model visible; its reservation (on the device its key
-  // names) becomes its use. A model
-  // with the same key already resident is replaced (its leases keep their
-  // own bytes).
+  // names) becomes its use. A model with the same key already resident is
+  // replaced (its leases keep their own bytes). A named model takes its
+  // name from every model whose key is not in `group` (the keys of every
+  // rank of the same preload; its own key is always in it).
   std::shared_ptr<ResidentModel> Publish(std::unique_ptr<ResidentModel> model,
-                                         uint64_t reserved_bytes);
+                                         uint64_t reserved_bytes,
+                                         const std::vector<protocol::CacheKey>& group = {});
 
   struct Lookup {
     std::shared_ptr<ResidentModel> model;             // set on a hit, with a lease taken
     std::vector<protocol::FieldDifference> mismatch;  // on a miss, against the closest model
     std::string reason;                               // on a miss
+    std::string name;                                 // on a hit: its pinned name, if any
   };
   // Finds the model for `key` and leases it. `trust` (not empty) names a
   // pinned model whose content is not compared (every other field is).
@@ -93,9 +98,9 @@ class Registry {
   // Whether a model with exactly this key is resident.
   bool Has(const protocol::CacheKey& key) const;
 
-  // Names the resident model with `key` (taking the name from any other);
-  // false when none is resident.
-  bool Pin(const protocol::CacheKey& key, const std::string& name);
+  // Names every resident model whose key is in `group` (the ranks of one
+  // preload), taking the name from every other; false when none is resident.
+  bool Pin(const std::vector<protocol::CacheKey>& group, const std::string& name);
 
   // One load per key at a time: BeginLoad waits while another load of
   // `key` is in flight, then marks it in flight; EndLoad clears the mark.
@@ -116,6 +121,7 @@ class Registry {
   struct Snapshot {
     std::vector<std::shared_ptr<ResidentModel>> models;
     std::vector<int> leases;
+    std::vector<std::string> names;
     std::vector<double> idle_seconds;
     std::vector<DeviceUse> devices;  // host first, then GPUs by name
   };
@@ -129,10 +135,10 @@ class Registry {
   using Dropped = std::vector<std::shared_ptr<ResidentModel>>;
   // REQUIRES: mu_ held.
   Eviction EvictLocked(size_t index, Dropped& dropped);
-  // Takes `name` from every model but the ranks of `group` (keys equal but
-  // for tp_rank): a name pins all the ranks one preload made.
+  // Takes `name` from every model whose key is not in `group`: a name pins
+  // all the ranks one preload made, whatever device each is on.
   // REQUIRES: mu_ held.
-  void TakeNameLocked(const std::string& name, const protocol::CacheKey& group);
+  void TakeNameLocked(const std::string& name, const std::vector<protocol::CacheKey>& group);
 
   mutable std::mutex mu_;
   std::condition_variable load_done_;

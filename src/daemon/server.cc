@@ -508,10 +508,10 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
           "`: its content was not compared with the engine's checkpoint");
     }
     Log("acquire hit from " + who + ": " + protocol::ShortDescription(model.key) +
-        (model.name.empty() ? "" : " (" + model.name + ")"));
+        (found.name.empty() ? "" : " (" + found.name + ")"));
     json reply = {
         {"type", "acquired"},       {"lease", model.id},  {"bytes", model.segment->size()},
-        {"tensors", model.tensors}, {"name", model.name}, {"key", protocol::ToJson(model.key)}};
+        {"tensors", model.tensors}, {"name", found.name}, {"key", protocol::ToJson(model.key)}};
     if (model.manifest) reply["manifest_bytes"] = model.manifest->size();
     return ch.Send(reply, fds);
   }
@@ -585,7 +585,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
         models.push_back({{"id", model.id},
                           {"key", protocol::ToJson(model.key)},
                           {"description", protocol::ShortDescription(model.key)},
-                          {"name", model.name},
+                          {"name", snap.names[i]},
                           {"path", model.path},
                           {"device", model.key.device},
                           {"bytes", model.segment->size()},
@@ -767,12 +767,17 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
       missing.push_back(r);
       continue;
     }
-    if (name.empty()) name = found.model->name;
+    if (name.empty()) name = found.name;
     held.push_back(std::move(found.model));
   }
+  auto group_of = [&](const std::string& digest) {
+    std::vector<protocol::CacheKey> group;
+    for (int r = 0; r < ranks; ++r) group.push_back(key_of(digest, r));
+    return group;
+  };
   auto pin_all = [&](const std::string& digest) {
     if (name.empty()) return;
-    for (int r = 0; r < ranks; ++r) registry.Pin(key_of(digest, r), name);
+    registry.Pin(group_of(digest), name);
     Log("pinned " + protocol::ShortDescription(key_of(digest, 0)) + " (" + std::to_string(ranks) +
         " rank(s)) as `" + name + "`");
   };
@@ -848,6 +853,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   uint64_t bytes = 0;
+  const std::vector<protocol::CacheKey> group = group_of(loaded->checkpoint_digest);
   for (size_t i = 0; i < loaded->ranks.size(); ++i) {
     loader::LoadedRank& rank = loaded->ranks[i];
     auto model = std::make_unique<ResidentModel>();
@@ -861,7 +867,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     const bool on_gpu = devices[static_cast<size_t>(rank.rank)].kind == memory::DeviceKind::kCuda;
     if (on_gpu) model->manifest = manifest_copy;
     bytes += model->segment->size();
-    auto published = registry.Publish(std::move(model), reserved[i]);
+    auto published = registry.Publish(std::move(model), reserved[i], group);
     if (on_gpu) LearnReadOnly(*published->segment);
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
         (name.empty() ? "" : " (pinned as `" + name + "`)") + ": " +
