@@ -565,13 +565,18 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       // The preload goes on when the asker has gone away (`load --populate`).
       peer_gone = !ch.Send({{"type", "progress"}, {"done", done}, {"total", total}}).ok();
     });
-    if (!result.ok()) {
+    json reply;
+    if (result.ok()) {
+      reply = *result;
+      reply["type"] = "preloaded";
+    } else {
       Log("preload of " + path + " failed: " + result.error().message());
-      return ch.Send({{"type", "error"}, {"message", result.error().message()}});
+      reply = {{"type", "error"}, {"message", result.error().message()}};
     }
-    json reply = *result;
-    reply["type"] = "preloaded";
-    return ch.Send(reply);
+    // An asker that did not wait for the answer (`load --populate`) is no
+    // error: the preload was logged above either way.
+    (void)ch.Send(reply);
+    return OkStatus();
   }
 
   if (type == "status" || type == "memory") {

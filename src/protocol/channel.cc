@@ -71,6 +71,9 @@ Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds,
     ssize_t r = ::recvmsg(fd, &msg, MSG_CMSG_CLOEXEC);
     if (r < 0) {
       if (errno == EINTR || errno == EAGAIN) continue;
+      // A peer that closed with our last reply unread resets the
+      // connection: between frames, that is an ordinary close.
+      if (errno == ECONNRESET && got == 0 && first) return Error(Channel::kClosed);
       return Error(Errno("receive"));
     }
     for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
