@@ -743,9 +743,13 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   EXPECT_EQ(j["checksum"], DiskChecksum(a));
   EXPECT_NE(r.err.find("TRUSTING"), std::string::npos) << r.err;
   EXPECT_NE(daemon->err().find("TRUSTED"), std::string::npos);
-  // Other fields are still checked; an unknown name is a miss.
+  // A name nothing is pinned as: the content decides, as without --trust.
   json unknown = Load(a, {"--trust", "staging"});
-  EXPECT_EQ(unknown["source"], "disk");
+  EXPECT_EQ(unknown["source"], "daemon");
+  EXPECT_EQ(unknown["checksum"], DiskChecksum(a));
+  json not_resident = Load(b, {"--trust", "staging"});
+  EXPECT_EQ(not_resident["source"], "disk");
+  EXPECT_EQ(not_resident["checksum"], DiskChecksum(b));
 }
 
 TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
@@ -775,6 +779,14 @@ TEST_F(DaemonTest, PopulateAsksTheDaemonToPreloadWhatWasMissed) {
   json second = Load(a);
   EXPECT_EQ(second["source"], "daemon");
   EXPECT_EQ(second["checksum"], first["checksum"]);
+  // Without a fallback the engine fails, but the daemon is still asked.
+  const std::string b = MakeModel("b", true);
+  CommandResult r = Run({"load", b, "--populate", "--no-fallback"});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  ASSERT_TRUE(Eventually([&] { return Status()["models"].size() == 2; })) << daemon->err();
+  EXPECT_EQ(Load(b)["source"], "daemon");
+  // An asker that did not wait for the answer is not logged as an error.
+  EXPECT_EQ(daemon->err().find("closing it"), std::string::npos) << daemon->err();
 }
 
 TEST_F(DaemonTest, AnEngineCanWaitForADaemonThatIsStarting) {

@@ -442,8 +442,9 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   protocol::Processing keyed = processing;
   keyed.device = device.Name();
 
-  protocol::CacheKey key;
-  if (options.trust.empty()) {
+  // The key with the checkpoint's content digest (the stat cache answers
+  // for unchanged shards).
+  auto content_key = [&]() -> Result<protocol::CacheKey> {
     std::unique_ptr<fingerprint::StatCache> cache;
     if (options.stat_cache) {
       cache = fingerprint::StatCache::Load(fingerprint::StatCache::DefaultDirectory());
@@ -454,22 +455,38 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
         fingerprint::Fingerprint fp,
         fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), spec.path, fo));
     if (cache) (void)cache->Save();
-    key = protocol::MakeKey(fp.digest, keyed, plan_name, plan_digest);
-  } else {
-    key = protocol::MakeKey("", keyed, plan_name, plan_digest);
-  }
+    return protocol::MakeKey(fp.digest, keyed, plan_name, plan_digest);
+  };
 
+  protocol::CacheKey key;
   Miss miss;
-  std::unique_ptr<WeightsImpl> hit = TryDaemon(key, options, miss);
+  std::unique_ptr<WeightsImpl> hit;
+  AcquireOptions checked = options;  // what the lookup that counts was asked with
+  if (!options.trust.empty()) {
+    key = protocol::MakeKey("", keyed, plan_name, plan_digest);
+    hit = TryDaemon(key, options, miss);
+    if (!hit && miss.daemon_reachable) {
+      // The name is not (or no longer) on a model like this: the checkpoint
+      // may still be resident, found by its content as without --trust.
+      log("trusted name `" + options.trust + "` not served (" + miss.reason + "); checking " +
+          spec.path + "'s content instead");
+      checked.trust.clear();
+    }
+  }
+  if (!hit && checked.trust.empty()) {
+    WEIGHTD_ASSIGN_OR_RETURN(key, content_key());
+    miss = {};
+    hit = TryDaemon(key, checked, miss);
+  }
   // Not on this GPU, but in the daemon's host memory: copied up from there.
   bool reloaded = false;
   if (!hit && device.kind == memory::DeviceKind::kCuda &&
       miss.fields == std::vector<std::string>{"device"}) {
-    hit = ReloadFromHost(key, device, options, miss);
+    hit = ReloadFromHost(key, device, checked, miss);
     reloaded = hit != nullptr;
   }
   if (hit) {
-    if (!options.trust.empty()) {
+    if (!checked.trust.empty()) {
       log("TRUSTING resident model `" + options.trust + "` for " + spec.path +
           " without comparing its content: changes to that checkpoint are not seen until it is "
           "preloaded again");
@@ -480,7 +497,11 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     if (reloaded && options.populate) AskToPopulate(spec, keyed, options, log);
     return std::unique_ptr<Weights>(std::move(hit));
   }
-  if (!options.fallback) return Error("not served by the daemon: " + miss.reason);
+  if (!options.fallback) {
+    // Nothing read here: the daemon may start at once.
+    if (options.populate && miss.daemon_reachable) AskToPopulate(spec, keyed, options, log);
+    return Error("not served by the daemon: " + miss.reason);
+  }
   log("loading " + spec.path + " from disk" +
       (device.kind == memory::DeviceKind::kCuda ? " onto " + device.Name() : "") + ": " +
       miss.reason);
