@@ -731,6 +731,26 @@ TEST_F(DaemonTest, AFifoIsRefusedNotWaitedOn) {
   EXPECT_EQ(daemon->Wait(), 0) << daemon->err();
 }
 
+// A daemon that accepts but never answers (stopped, hung) gives the
+// operator's commands an error, not a wait without end.
+TEST_F(DaemonTest, AdminCommandsGiveUpOnASilentDaemon) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  daemon->Signal(SIGSTOP);
+  std::vector<std::unique_ptr<Process>> asked;
+  for (std::vector<std::string> args :
+       std::vector<std::vector<std::string>>{{"status"}, {"evict", "all"}, {"preload", a}}) {
+    args.push_back("--socket-dir");
+    args.push_back(sock_);
+    asked.push_back(std::make_unique<Process>(args));
+  }
+  for (auto& p : asked) {
+    EXPECT_EQ(p->Wait(), 1) << p->err();
+    EXPECT_NE(p->err().find("is it stopped or hung?"), std::string::npos) << p->err();
+  }
+  daemon->Signal(SIGCONT);
+}
+
 TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   const std::string a = MakeModel("a"), b = MakeModel("b", true);
   auto daemon = StartDaemon();

@@ -11,6 +11,8 @@
 #include <nlohmann/json.hpp>
 
 #include "format/synthetic.h"
+#include "protocol/cache_key.h"
+#include "protocol/channel.h"
 #include "test_util.h"
 
 namespace weightd {
@@ -154,6 +156,43 @@ TEST(Latencyfs, IsReadOnlyAndPassesBytesThrough) {
   EXPECT_EQ(std::string(reinterpret_cast<const char*>(bytes.data()), bytes.size()),
             "hello, latency");
   EXPECT_THROW(testing::WriteFileText(mnt + "/f", "x"), std::runtime_error);
+}
+
+// A preload that moves no bytes for a while (here its fingerprint and
+// headers: some twenty operations one after another, each 0.5 s) still tells its asker the daemon
+// is alive: heartbeats come before the answer, and the operator's command waits through them.
+TEST(Latencyfs, ASlowPreloadSendsHeartbeats) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  TempDir dir;
+  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), sock = dir.Join("sock");
+  ::mkdir(src.c_str(), 0700);
+  ::mkdir(mnt.c_str(), 0700);
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(src + "/m", {.preset = "tiny"}).ok());
+  Mount mount(src, mnt, dir.Join("stats.json"), "500ms");
+  ASSERT_TRUE(mount.mounted());
+  ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
+  testing::Process daemon({"serve", "--socket-dir", sock});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+
+  auto ch = protocol::ConnectToDaemon(sock);
+  ASSERT_TRUE(ch.ok()) << ch.error().message();
+  ASSERT_TRUE(ch->Send({{"type", "preload"},
+                        {"path", mnt + "/m"},
+                        {"processing", protocol::ToJson(protocol::Processing{})}})
+                  .ok());
+  int heartbeats = 0;
+  std::string last;
+  for (int i = 0; i < 1000; ++i) {
+    auto m = ch->Receive(60'000);
+    ASSERT_TRUE(m.ok()) << m.error().message();
+    last = m->type();
+    if (last != "progress") break;
+    if (m->body.value("heartbeat", false)) ++heartbeats;
+  }
+  EXPECT_EQ(last, "preloaded") << daemon.err();
+  EXPECT_GE(heartbeats, 1);
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }
 
 // A preload stuck in a file system call (a hung network mount, here every

@@ -7,6 +7,12 @@
 #include "protocol/paths.h"
 
 namespace weightd::client {
+namespace {
+
+// Six of the daemon's heartbeats missed.
+constexpr int kSilenceLimitMs = 30'000;
+
+}  // namespace
 
 Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::json& request,
                                const std::function<void(const nlohmann::json&)>& on_progress,
@@ -22,12 +28,17 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
   if (!ch.ok()) return Error("no daemon: " + ch.error().message());
   WEIGHTD_RETURN_IF_ERROR(ch->Send(request));
   while (true) {
-    // A preload reports progress at least every few seconds; anything else
-    // answers at once.
-    auto reply = ch->Receive(-1);
-    if (!reply.ok()) return Error("the daemon did not answer: " + reply.error().message());
+    // A preload sends progress, or a heartbeat, every few seconds; anything
+    // else answers at once. Silence this long is a stopped or hung daemon.
+    auto reply = ch->Receive(kSilenceLimitMs);
+    if (!reply.ok()) {
+      return Error("the daemon did not answer: " + reply.error().message() + " (nothing for " +
+                   std::to_string(kSilenceLimitMs / 1000) + " s: is it stopped or hung?)");
+    }
     if (reply->type() == "progress") {
-      if (on_progress) on_progress(reply->body);
+      const auto beat = reply->body.find("heartbeat");
+      const bool heartbeat = beat != reply->body.end() && beat->is_boolean() && beat->get<bool>();
+      if (on_progress && !heartbeat) on_progress(reply->body);
       continue;
     }
     if (reply->type() == "error") {

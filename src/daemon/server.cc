@@ -38,6 +38,8 @@ using nlohmann::json;
 
 constexpr uint64_t kReserveRounding = 2ull << 20;  // a segment may round up to huge pages
 constexpr auto kProgressEvery = std::chrono::milliseconds(100);
+// A preload's asker hears from the daemon at least this often.
+constexpr auto kHeartbeat = std::chrono::seconds(5);
 // Serving threads kept ready (each mostly an idle stack), and how long one
 // more than those waits for a connection before it ends.
 constexpr int kKeptWorkers = 64;
@@ -556,15 +558,50 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       }
     }
     Log("preload of " + path + " requested by " + who);
+    // Progress goes out as the load reports it and, while nothing moves (a
+    // fingerprint, another load of the same model to wait for), as a
+    // heartbeat at least every kHeartbeat: the asker can tell a busy daemon
+    // from a hung one. The preload goes on when the asker has gone away
+    // (`load --populate`).
+    std::mutex send_mu;
+    std::condition_variable beat_cv;
+    bool finished = false, peer_gone = false;
+    uint64_t last_done = 0, last_total = 0;
     auto last = std::chrono::steady_clock::now();
-    bool peer_gone = false;
+    auto send_progress = [&](bool heartbeat) {  // REQUIRES: send_mu held
+      last = std::chrono::steady_clock::now();
+      json p = {{"type", "progress"}, {"done", last_done}, {"total", last_total}};
+      if (heartbeat) p["heartbeat"] = true;
+      peer_gone = !ch.Send(p).ok();
+    };
+    std::thread beat;
+    try {
+      beat = std::thread([&] {
+        std::unique_lock lock(send_mu);
+        while (!beat_cv.wait_for(lock, kHeartbeat, [&] { return finished; })) {
+          if (!peer_gone && std::chrono::steady_clock::now() - last >= kHeartbeat) {
+            send_progress(true);
+          }
+        }
+      });
+    } catch (const std::system_error&) {
+      // No thread for it: progress only as the load reports it.
+    }
     auto result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
-      const auto now = std::chrono::steady_clock::now();
-      if (peer_gone || (now - last < kProgressEvery && done < total)) return;
-      last = now;
-      // The preload goes on when the asker has gone away (`load --populate`).
-      peer_gone = !ch.Send({{"type", "progress"}, {"done", done}, {"total", total}}).ok();
+      std::lock_guard lock(send_mu);
+      last_done = done;
+      last_total = total;
+      if (peer_gone || (std::chrono::steady_clock::now() - last < kProgressEvery && done < total)) {
+        return;
+      }
+      send_progress(false);
     });
+    {
+      std::lock_guard lock(send_mu);
+      finished = true;
+    }
+    beat_cv.notify_all();
+    if (beat.joinable()) beat.join();
     json reply;
     if (result.ok()) {
       reply = *result;
