@@ -788,6 +788,20 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   CommandResult bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("tp_size"), std::string::npos) << bad.err;
+  // A size that is not one is named as such, in the file.
+  testing::WriteFileText(config, "[budget]\nhost = \"lots\"\n");
+  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("budget.host: `lots` is not a size"), std::string::npos) << bad.err;
+  // Neither a directory nor a FIFO is a config file: an error, not defaults
+  // or a wait.
+  const std::string fifo = dir_.Join("fifo.toml");
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  for (const std::string& not_a_file : {dir_.path(), fifo}) {
+    bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", not_a_file});
+    EXPECT_EQ(bad.exit_code, 2);
+    EXPECT_NE(bad.err.find("not a regular file"), std::string::npos) << bad.err;
+  }
 }
 
 TEST_F(DaemonTest, PopulateAsksTheDaemonToPreloadWhatWasMissed) {

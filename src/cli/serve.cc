@@ -76,9 +76,16 @@ struct ConfigModel {
 //
 // Unknown keys are errors, so a typo does not silently do nothing.
 Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigModel>& models) {
+  // A regular file of reasonable size: a FIFO or a directory given here is
+  // an error, not a wait or a config silently ignored.
+  constexpr uint64_t kMaxConfigBytes = 1 << 20;
+  WEIGHTD_ASSIGN_OR_RETURN(auto opened, io::PosixFileSystem().Open(file));
+  if (opened->size() > kMaxConfigBytes) return Error(file + ": a config file is at most 1 MiB");
+  std::string text(static_cast<size_t>(opened->size()), '\0');
+  WEIGHTD_RETURN_IF_ERROR(opened->ReadExactly(0, std::as_writable_bytes(std::span(text))));
   toml::table t;
   try {
-    t = toml::parse_file(file);
+    t = toml::parse(text, file);
   } catch (const toml::parse_error& e) {
     const auto& where = e.source().begin;
     return Error(file + ":" + std::to_string(where.line) + ":" + std::to_string(where.column) +
@@ -96,9 +103,17 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
         if (!size.is_string() && !size.is_integer()) {
           return fail("budget." + std::string(device.str()) + " must be a size like \"64G\"");
         }
-        const std::string text =
+        const std::string amount =
             size.is_string() ? *size.value<std::string>() : std::to_string(*size.value<int64_t>());
-        o.config_budgets.push_back(std::string(device.str()) + "=" + text);
+        if (!ParseSize(amount)) {
+          return fail("budget." + std::string(device.str()) + ": `" + amount +
+                      "` is not a size like \"64G\"");
+        }
+        if (!memory::ParseDevice(std::string(device.str())).ok()) {
+          return fail("[budget] names `" + std::string(device.str()) +
+                      "`, not host, cuda:N or cuda:GPU-<uuid>");
+        }
+        o.config_budgets.push_back(std::string(device.str()) + "=" + amount);
       }
     } else if (k == "model") {
       if (!value.is_array_of_tables()) return fail("model must be [[model]] tables");
@@ -144,9 +159,10 @@ int RunServe(ServeOptions o) {
     auto spec = memory::ParseDevice(device);
     if (!spec.ok() || !size) {
       return ReportError("serve",
-                         "--budget " + b +
-                             ": expected DEVICE=SIZE, DEVICE one of host, cuda:N, "
-                             "cuda:GPU-<uuid> (e.g. host=64G, cuda:0=70G)",
+                         "--budget " + b + ": " +
+                             (!spec.ok() ? "`" + device + "` is not host, cuda:N or cuda:GPU-<uuid>"
+                                         : "not a size like 64G") +
+                             " (expected DEVICE=SIZE, e.g. host=64G, cuda:0=70G)",
                          kExitUsage);
     }
     if (spec->kind == memory::DeviceSpec::Kind::kHost) {
