@@ -143,6 +143,17 @@ TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   Preload(a);
   json j = Load(copy);
   EXPECT_EQ(j["source"], "daemon") << j.dump();
+  // Preloading the copy reads nothing, and says so with a load's keys.
+  CommandResult r = Run({"preload", copy, "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  json again = json::parse(r.out);
+  EXPECT_TRUE(again["already_resident"].get<bool>());
+  for (const char* key :
+       {"key", "ranks", "loaded_ranks", "bytes", "tensors", "seconds", "evicted"}) {
+    EXPECT_TRUE(again.contains(key)) << key << " in " << again.dump();
+  }
+  EXPECT_EQ(again["bytes"], Status()["models"][0]["bytes"]);
+  EXPECT_TRUE(again["loaded_ranks"].empty());
 }
 
 TEST_F(DaemonTest, OtherProcessingIsAMissThatNamesTheField) {

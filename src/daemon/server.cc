@@ -825,7 +825,18 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   };
   if (missing.empty()) {
     if (!pin.empty()) pin_all(fp->digest);
-    return json{{"already_resident", true}, {"key", protocol::ToJson(expected)}, {"ranks", ranks}};
+    // The same keys as a load's reply, for scripts that read them either way.
+    uint64_t bytes = 0;
+    for (const auto& m : held) bytes += m->segment->size();
+    return json{{"already_resident", true},
+                {"key", protocol::ToJson(expected)},
+                {"ranks", ranks},
+                {"loaded_ranks", json::array()},
+                {"bytes", bytes},
+                {"tensors", held.empty() ? 0 : held.front()->tensors},
+                {"seconds",
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
+                {"evicted", json::array()}};
   }
 
   std::vector<uint64_t> reserved;  // per rank, in load order
