@@ -687,6 +687,17 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
   engine.Signal(SIGKILL);
   engine.Wait();
   EXPECT_TRUE(Eventually([&] { return Status()["devices"][0]["used"] == 0; }));
+  // Nothing left: `all` is no error, a name that matches nothing is, in
+  // JSON too.
+  EXPECT_EQ(Run({"evict", "all"}).exit_code, 0);
+  for (std::vector<std::string> args : {std::vector<std::string>{"evict", "nomatch"},
+                                        std::vector<std::string>{"evict", "nomatch", "--json"}}) {
+    CommandResult none = Run(args);
+    EXPECT_EQ(none.exit_code, 1);
+    EXPECT_NE(none.err.find("weightd: error: evict: nothing resident matched `nomatch`"),
+              std::string::npos)
+        << none.err;
+  }
 }
 
 TEST_F(DaemonTest, ConcurrentPreloadsOfOneModelLoadItOnce) {

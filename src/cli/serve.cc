@@ -387,17 +387,17 @@ Command AddEvictCommand(CLI::App& root) {
   return {app, [o] {
             auto reply = client::Request(o->socket_dir, {{"type", "evict"}, {"what", o->what}});
             if (!reply.ok()) return ReportError("evict", reply.error().message());
-            if (o->json) {
-              std::cout << DumpJson(*reply, 2) << "\n";
-              return kExitOk;
+            const json models = reply->value("models", json::array());
+            if (o->json) std::cout << DumpJson(*reply, 2) << "\n";
+            // `all` with nothing resident has nothing to miss.
+            if (models.empty() && o->what != "all") {
+              return ReportError("evict", "nothing resident matched `" + o->what + "`");
             }
-            const auto& models = (*reply)["models"];
-            if (models.empty()) {
-              std::cout << "nothing matched `" << Printable(o->what) << "`\n";
-              return kExitFailure;
-            }
-            for (const auto& m : models) {
-              std::cout << "evicted " << Printable(m.value("description", "")) << "\n";
+            if (!o->json) {
+              if (models.empty()) std::cout << "nothing was resident\n";
+              for (const auto& m : models) {
+                std::cout << "evicted " << Printable(m.value("description", "")) << "\n";
+              }
             }
             return kExitOk;
           }};
