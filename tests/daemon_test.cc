@@ -532,13 +532,16 @@ TEST_F(DaemonTest, SocketDirectoryMustBeOursAlone) {
 }
 
 TEST_F(DaemonTest, SigtermRemovesTheSocket) {
-  auto daemon = StartDaemon();
-  struct stat st;
-  ASSERT_EQ(::stat((sock_ + "/weightd.sock").c_str(), &st), 0);
-  EXPECT_EQ(st.st_mode & 0777, 0600u);
-  daemon->Signal(SIGTERM);
-  EXPECT_EQ(daemon->Wait(), 0) << daemon->err();
-  EXPECT_NE(::stat((sock_ + "/weightd.sock").c_str(), &st), 0);
+  // SIGHUP (its terminal gone) and SIGINT stop it as cleanly.
+  for (int sig : {SIGTERM, SIGHUP, SIGINT}) {
+    auto daemon = StartDaemon();
+    struct stat st;
+    ASSERT_EQ(::stat((sock_ + "/weightd.sock").c_str(), &st), 0);
+    EXPECT_EQ(st.st_mode & 0777, 0600u);
+    daemon->Signal(sig);
+    EXPECT_EQ(daemon->Wait(), 0) << daemon->err();
+    EXPECT_NE(::stat((sock_ + "/weightd.sock").c_str(), &st), 0) << strsignal(sig);
+  }
 }
 
 // Raw bytes on the daemon's socket, as a hostile or broken peer sends them.

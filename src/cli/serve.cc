@@ -183,6 +183,9 @@ int RunServe(ServeOptions o) {
   sa.sa_handler = OnSignal;
   ::sigaction(SIGTERM, &sa, nullptr);
   ::sigaction(SIGINT, &sa, nullptr);
+  // The terminal it ran in going away: a clean stop too, not a death that
+  // leaves the socket behind.
+  ::sigaction(SIGHUP, &sa, nullptr);
   ::signal(SIGPIPE, SIG_IGN);
   std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
             << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
@@ -244,7 +247,7 @@ Command AddServeCommand(CLI::App& root) {
       "Run the daemon in the foreground. It keeps preloaded models in sealed memory segments\n"
       "and hands them to engines of the same user over a Unix socket. Prints one `ready` line\n"
       "on stdout when it accepts requests; logs every acquire, miss and eviction on stderr.\n"
-      "SIGTERM or SIGINT stops it (engines keep the weights they have mapped).");
+      "SIGTERM, SIGINT or SIGHUP stops it (engines keep the weights they have mapped).");
   app->add_option("--socket-dir", o->socket_dir,
                   "default: $WEIGHTD_SOCKET_DIR, $XDG_RUNTIME_DIR/weightd, /tmp/weightd-$UID");
   app->add_option("--budget", o->budgets,
