@@ -195,6 +195,63 @@ TEST(Latencyfs, ASlowPreloadSendsHeartbeats) {
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }
 
+// An engine asking for a model the daemon is loading right now (its
+// config's preloads at start) waits for that load when it is willing to
+// wait for the daemon, instead of reading the same files itself; without
+// --wait-for-daemon, its miss says why.
+TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  TempDir dir;
+  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), sock = dir.Join("sock");
+  ::mkdir(src.c_str(), 0700);
+  ::mkdir(mnt.c_str(), 0700);
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(src + "/m", {.preset = "llama", .size_bytes = 16 << 20})
+          .ok());
+  // Its 23 MB come through at 4 MB/s: a load of some seconds.
+  pid_t fs = ::fork();
+  if (fs == 0) {
+    ::execl(LATENCYFS_BINARY, "latencyfs", src.c_str(), mnt.c_str(), "--latency", "0",
+            "--bandwidth", "4M", static_cast<char*>(nullptr));
+    ::_exit(127);
+  }
+  ASSERT_TRUE(testing::Eventually([&] {
+    struct stat st;
+    return ::stat((mnt + "/m").c_str(), &st) == 0;
+  }));
+  ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
+  testing::Process daemon({"serve", "--socket-dir", sock});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  testing::Process preload({"preload", mnt + "/m", "--socket-dir", sock});
+  auto reserved = [&] {
+    auto r = testing::RunWeightd({"status", "--json", "--socket-dir", sock});
+    return r.exit_code == 0 &&
+           nlohmann::json::parse(r.out)["devices"][0]["reserved"].get<uint64_t>() > 0;
+  };
+  ASSERT_TRUE(testing::Eventually(reserved)) << daemon.err();  // the load is under way
+
+  // The same checkpoint, read by the engines where it lies.
+  auto impatient =
+      testing::RunWeightd({"load", src + "/m", "--json", "--socket-dir", sock, "--checksum"});
+  ASSERT_EQ(impatient.exit_code, 0) << impatient.err;
+  auto j = nlohmann::json::parse(impatient.out);
+  EXPECT_EQ(j["source"], "disk");
+  EXPECT_NE(j["reason"].get<std::string>().find("loading this very model right now"),
+            std::string::npos)
+      << j.dump();
+  auto patient = testing::RunWeightd({"load", src + "/m", "--json", "--socket-dir", sock,
+                                      "--checksum", "--wait-for-daemon", "600"});
+  ASSERT_EQ(patient.exit_code, 0) << patient.err;
+  auto k = nlohmann::json::parse(patient.out);
+  EXPECT_EQ(k["source"], "daemon") << k.dump() << daemon.err();
+  EXPECT_EQ(k["checksum"], j["checksum"]);
+  EXPECT_EQ(preload.Wait(), 0) << preload.err();
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+  ::kill(fs, SIGTERM);
+  ::waitpid(fs, nullptr, 0);
+}
+
 // A preload stuck in a file system call (a hung network mount, here every
 // operation delayed 2 s) must not keep a stopping daemon, and its lock,
 // alive: SIGTERM gives busy connections --stop-timeout, then exits.

@@ -63,7 +63,9 @@ struct AcquireOptions {
   AcquireMode mode = AcquireMode::kZeroCopy;
   // Load from disk on any miss or error; false turns those into errors.
   bool fallback = true;
-  // Wait this long for a daemon that is starting (its socket not there yet).
+  // Wait this long for a daemon that is starting (its socket not there
+  // yet), and for a load of exactly this model that the daemon has in
+  // flight (its config's preloads at start, another engine's --populate).
   double wait_for_daemon_seconds = 0;
   // After a miss, ask the daemon to preload the checkpoint for next time.
   bool populate = false;

@@ -179,7 +179,10 @@ Command AddLoadCommand(CLI::App& root) {
   app->add_option("--hold", o->hold,
                   "keep the weights (and lease) this many seconds, then "
                   "checksum again (with --checksum)");
-  app->add_option("--wait-for-daemon", o->wait, "seconds to wait for a daemon that is starting");
+  app->add_option("--wait-for-daemon", o->wait,
+                  "seconds to wait for a daemon that is starting, or for its load of this very "
+                  "model in flight")
+      ->check(CLI::Range(0.0, 3600.0));
   app->add_flag("--populate", o->populate, "after a miss, ask the daemon to preload for next time");
   app->add_option("--trust", o->trust,
                   "accept the model pinned under NAME without checking its content (loud)");

@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <iostream>
+#include <limits>
 #include <optional>
 #include <thread>
 
@@ -174,8 +175,11 @@ Result<protocol::Channel> ConnectWaiting(const std::string& socket_dir, double w
   }
 }
 
-Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want) {
-  WEIGHTD_ASSIGN_OR_RETURN(protocol::Message m, ch.Receive(kReplyTimeoutMs));
+Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
+                                 double extra_seconds = 0) {
+  const int timeout_ms = static_cast<int>(
+      std::min<double>(kReplyTimeoutMs + extra_seconds * 1000, std::numeric_limits<int>::max()));
+  WEIGHTD_ASSIGN_OR_RETURN(protocol::Message m, ch.Receive(timeout_ms));
   if (m.type() == "error") {
     auto it = m.body.find("message");
     return Error("the daemon says: " +
@@ -204,13 +208,15 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   // that cannot speak our version answers the hello with an error.
   json request = {{"type", "acquire"}, {"key", protocol::ToJson(key)}};
   if (!o.trust.empty()) request["trust"] = o.trust;
+  // Willing to wait for the daemon: for a load of this model in flight too.
+  if (o.wait_for_daemon_seconds > 0) request["wait_seconds"] = o.wait_for_daemon_seconds;
   if (Status s = ch->Send({{"type", "hello"}, {"versions", {protocol::kProtocolVersion}}});
       !s.ok()) {
     return fail("protocol error", s.error());
   }
   if (Status s = ch->Send(request); !s.ok()) return fail("protocol error", s.error());
   if (auto hello = Expect(*ch, "hello"); !hello.ok()) return fail("protocol error", hello.error());
-  auto reply = Expect(*ch, "acquired");
+  auto reply = Expect(*ch, "acquired", o.wait_for_daemon_seconds);
   if (!reply.ok()) return fail("protocol error", reply.error());
   const json& body = reply->body;
   if (reply->type() == "miss") {

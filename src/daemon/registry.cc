@@ -182,18 +182,32 @@ bool Registry::Pin(const std::vector<protocol::CacheKey>& group, const std::stri
   return true;
 }
 
-void Registry::BeginLoad(const protocol::CacheKey& key) {
-  std::unique_lock lock(mu_);
-  load_done_.wait(
-      lock, [&] { return std::find(loading_.begin(), loading_.end(), key) == loading_.end(); });
-  loading_.push_back(key);
+bool Registry::LoadingLocked(const protocol::CacheKey& key) const {
+  return std::find(loading_.begin(), loading_.end(), key) != loading_.end();
 }
 
-void Registry::EndLoad(const protocol::CacheKey& key) {
+void Registry::BeginLoad(const std::vector<protocol::CacheKey>& keys) {
+  std::unique_lock lock(mu_);
+  load_done_.wait(lock, [&] {
+    return std::none_of(keys.begin(), keys.end(),
+                        [&](const protocol::CacheKey& k) { return LoadingLocked(k); });
+  });
+  loading_.insert(loading_.end(), keys.begin(), keys.end());
+}
+
+void Registry::EndLoad(const std::vector<protocol::CacheKey>& keys) {
   std::lock_guard lock(mu_);
-  auto it = std::find(loading_.begin(), loading_.end(), key);
-  if (it != loading_.end()) loading_.erase(it);
+  for (const protocol::CacheKey& k : keys) {
+    auto it = std::find(loading_.begin(), loading_.end(), k);
+    if (it != loading_.end()) loading_.erase(it);
+  }
   load_done_.notify_all();
+}
+
+bool Registry::WaitForLoad(const protocol::CacheKey& key,
+                           std::chrono::steady_clock::time_point until) {
+  std::unique_lock lock(mu_);
+  return !load_done_.wait_until(lock, until, [&] { return !LoadingLocked(key); });
 }
 
 std::vector<Eviction> Registry::Evict(const std::string& what) {

@@ -102,10 +102,14 @@ class Registry {
   // preload), taking the name from every other; false when none is resident.
   bool Pin(const std::vector<protocol::CacheKey>& group, const std::string& name);
 
-  // One load per key at a time: BeginLoad waits while another load of
-  // `key` is in flight, then marks it in flight; EndLoad clears the mark.
-  void BeginLoad(const protocol::CacheKey& key);
-  void EndLoad(const protocol::CacheKey& key);
+  // One load per model at a time: BeginLoad waits while another load of
+  // any of `keys` (every rank of one preload) is in flight, then marks
+  // them all in flight; EndLoad clears the marks.
+  void BeginLoad(const std::vector<protocol::CacheKey>& keys);
+  void EndLoad(const std::vector<protocol::CacheKey>& keys);
+  // Whether a load of `key` is in flight, after waiting for it to end until
+  // `until` (now: no wait).
+  bool WaitForLoad(const protocol::CacheKey& key, std::chrono::steady_clock::time_point until);
 
   // Evicts models matching `what`: "all", a pinned name, a prefix (at
   // least 8 characters) of the checkpoint digest, or "#ID" (one model, as
@@ -137,6 +141,8 @@ class Registry {
   Eviction EvictLocked(size_t index, Dropped& dropped);
   // Takes `name` from every model whose key is not in `group`: a name pins
   // all the ranks one preload made, whatever device each is on.
+  // REQUIRES: mu_ held.
+  bool LoadingLocked(const protocol::CacheKey& key) const;
   // REQUIRES: mu_ held.
   void TakeNameLocked(const std::string& name, const std::vector<protocol::CacheKey>& group);
 

@@ -38,6 +38,8 @@ using nlohmann::json;
 
 constexpr uint64_t kReserveRounding = 2ull << 20;  // a segment may round up to huge pages
 constexpr auto kProgressEvery = std::chrono::milliseconds(100);
+// The longest an acquire waits for a load of its model in flight.
+constexpr double kMaxAcquireWaitSeconds = 3600;
 // A preload's asker hears from the daemon at least this often.
 constexpr auto kHeartbeat = std::chrono::seconds(5);
 // Serving threads kept ready (each mostly an idle stack), and how long one
@@ -476,7 +478,35 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       if (!it->is_string()) return Error("`trust` is not a string");
       trust = it->get<std::string>();
     }
+    // An engine may wait for a load of exactly its model in flight (a
+    // daemon preloading its config at start) rather than read the same
+    // files itself: as long as it said it would wait for the daemon.
+    double wait_seconds = 0;
+    if (auto it = body.find("wait_seconds"); it != body.end()) {
+      if (!it->is_number() || !(it->get<double>() >= 0)) {
+        return Error("`wait_seconds` is not a number of seconds");
+      }
+      wait_seconds = std::min(it->get<double>(), kMaxAcquireWaitSeconds);
+    }
     Registry::Lookup found = registry.Acquire(key, trust);
+    if (!found.model && trust.empty()) {
+      const auto until = std::chrono::steady_clock::now() +
+                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                             std::chrono::duration<double>(wait_seconds));
+      const bool loading = registry.WaitForLoad(key, std::chrono::steady_clock::now());
+      if (loading && wait_seconds > 0) {
+        Log("acquire from " + who + " waits for the load of " + protocol::ShortDescription(key) +
+            " in flight");
+      }
+      if (loading && !registry.WaitForLoad(key, until)) {
+        found = registry.Acquire(key, trust);
+      } else if (loading) {
+        found.reason =
+            "the daemon is loading this very model right now (an engine that waits "
+            "for the daemon, --wait-for-daemon, waits for the load)";
+        found.mismatch.clear();
+      }
+    }
     if (!found.model) {
       json mismatch = json::array(), fields = json::array();
       std::string described;
@@ -781,14 +811,21 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   };
   const int ranks = processing.tp_size;
   const protocol::CacheKey expected = key_of(fp->digest, 0);
+  auto group_of = [&](const std::string& digest) {
+    std::vector<protocol::CacheKey> group;
+    for (int r = 0; r < ranks; ++r) group.push_back(key_of(digest, r));
+    return group;
+  };
   // Engines that all missed may ask for the same model at once: one load,
-  // the others wait for it and find it resident.
-  registry.BeginLoad(expected);
+  // the others wait for it and find it resident. Engines that acquire one
+  // of its ranks meanwhile may wait for it too.
+  const std::vector<protocol::CacheKey> loading = group_of(fp->digest);
+  registry.BeginLoad(loading);
   struct EndLoad {
     Registry& r;
-    const protocol::CacheKey& k;
-    ~EndLoad() { r.EndLoad(k); }
-  } end_load{registry, expected};
+    const std::vector<protocol::CacheKey>& keys;
+    ~EndLoad() { r.EndLoad(keys); }
+  } end_load{registry, loading};
   // Only the ranks not resident are loaded (one may have been evicted). The
   // resident ones are leased meanwhile, so that making room for the others
   // cannot evict them; their name (a pin) goes to the new ranks too.
@@ -812,11 +849,6 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     if (name.empty()) name = found.name;
     held.push_back(std::move(found.model));
   }
-  auto group_of = [&](const std::string& digest) {
-    std::vector<protocol::CacheKey> group;
-    for (int r = 0; r < ranks; ++r) group.push_back(key_of(digest, r));
-    return group;
-  };
   auto pin_all = [&](const std::string& digest) {
     if (name.empty()) return;
     registry.Pin(group_of(digest), name);
