@@ -156,6 +156,15 @@ TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   EXPECT_TRUE(again["loaded_ranks"].empty());
 }
 
+// A directory whose name is not UTF-8 (Latin-1, say) is preloaded from
+// where it is, not from a name with its odd byte replaced.
+TEST_F(DaemonTest, APathThatIsNotUtf8IsPreloadedAsItIs) {
+  const std::string a = MakeModel("caf\xe9");
+  auto daemon = StartDaemon();
+  Preload(a);
+  EXPECT_EQ(Load(a)["source"], "daemon");
+}
+
 TEST_F(DaemonTest, OtherProcessingIsAMissThatNamesTheField) {
   const std::string a = MakeModel("a");
   auto daemon = StartDaemon();

@@ -21,6 +21,7 @@
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
+#include "protocol/paths.h"
 #include "test_util.h"
 
 namespace weightd {
@@ -305,6 +306,22 @@ TEST(Channel, CarriesMessagesAndOneDescriptor) {
   ASSERT_TRUE(second.ok());
   EXPECT_TRUE(second->fds.empty());
   EXPECT_FALSE(b.Receive(50).ok());  // nothing more: a timeout, not a hang
+}
+
+// Paths are bytes, JSON is UTF-8: a Latin-1 directory name must arrive
+// unchanged, and a malformed encoding is an error, not a guess.
+TEST(Channel, PathsArriveAsTheyLeft) {
+  for (const std::string& path : {std::string("/models/llama"), std::string("/models/caf\xe9"),
+                                  std::string("/m/\xff\x00x", 7)}) {
+    nlohmann::json wire = nlohmann::json::parse(protocol::PathToJson(path).dump());
+    auto back = protocol::PathFromJson(wire);
+    ASSERT_TRUE(back.ok()) << back.error().message();
+    EXPECT_EQ(*back, path);
+  }
+  EXPECT_TRUE(protocol::PathToJson("/models/llama").is_string());
+  for (const char* bad : {R"({"hex": "abc"})", R"({"hex": "zz"})", R"({"hex": 1})", "3", "{}"}) {
+    EXPECT_FALSE(protocol::PathFromJson(nlohmann::json::parse(bad)).ok()) << bad;
+  }
 }
 
 TEST(Channel, CarriesTwoDescriptorsInOrderAndRefusesThree) {

@@ -302,7 +302,7 @@ Command AddPreloadCommand(CLI::App& root) {
             }
             o->processing.device = devices;
             json request = {{"type", "preload"},
-                            {"path", *real},
+                            {"path", protocol::PathToJson(*real)},
                             {"processing", protocol::ToJson(o->processing)}};
             if (!o->pin.empty()) request["pin"] = o->pin;
             auto reply = client::Request(

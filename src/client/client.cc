@@ -372,7 +372,9 @@ void AskToPopulate(const LoadSpec& spec, const protocol::Processing& p, const Ac
   }
   auto ch = protocol::ConnectToDaemon(protocol::SocketDirectory(o.socket_dir));
   if (!real.ok() || !ch.ok()) return;
-  json request = {{"type", "preload"}, {"path", *real}, {"processing", protocol::ToJson(absolute)}};
+  json request = {{"type", "preload"},
+                  {"path", protocol::PathToJson(*real)},
+                  {"processing", protocol::ToJson(absolute)}};
   // On a GPU, this rank only: the other ranks' engines are on other GPUs,
   // and ask for their own.
   if (p.device != "host" && p.tp_size > 1) request["ranks"] = {p.tp_rank};

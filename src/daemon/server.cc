@@ -564,8 +564,8 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
   }
 
   if (type == "preload") {
-    if (!body.contains("path") || !body["path"].is_string()) return Error("preload without a path");
-    const std::string path = body["path"].get<std::string>();
+    if (!body.contains("path")) return Error("preload without a path");
+    WEIGHTD_ASSIGN_OR_RETURN(const std::string path, protocol::PathFromJson(body["path"]));
     protocol::Processing processing;
     if (body.contains("processing")) {
       WEIGHTD_ASSIGN_OR_RETURN(processing, protocol::ProcessingFromJson(body["processing"]));

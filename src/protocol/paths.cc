@@ -41,4 +41,40 @@ Status CheckSocketDirectory(const std::string& dir) {
   return OkStatus();
 }
 
+nlohmann::json PathToJson(const std::string& path) {
+  try {
+    (void)nlohmann::json(path).dump();  // throws on bytes that are not UTF-8
+    return path;
+  } catch (const nlohmann::json::type_error&) {
+    static constexpr char kHex[] = "0123456789abcdef";
+    std::string hex;
+    for (unsigned char c : path) {
+      hex += kHex[c >> 4];
+      hex += kHex[c & 0xf];
+    }
+    return {{"hex", hex}};
+  }
+}
+
+Result<std::string> PathFromJson(const nlohmann::json& j) {
+  if (j.is_string()) return j.get<std::string>();
+  auto it = j.is_object() ? j.find("hex") : j.end();
+  if (it == j.end() || !it->is_string() || it->get_ref<const std::string&>().size() % 2 != 0) {
+    return Error("a path is a string or {\"hex\": \"...\"}");
+  }
+  const std::string& hex = it->get_ref<const std::string&>();
+  auto nibble = [](char c) -> int {
+    if (c >= '0' && c <= '9') return c - '0';
+    if (c >= 'a' && c <= 'f') return c - 'a' + 10;
+    return -1;
+  };
+  std::string path;
+  for (size_t i = 0; i < hex.size(); i += 2) {
+    const int hi = nibble(hex[i]), lo = nibble(hex[i + 1]);
+    if (hi < 0 || lo < 0) return Error("a path's hex is not lowercase hex digits");
+    path += static_cast<char>(hi << 4 | lo);
+  }
+  return path;
+}
+
 }  // namespace weightd::protocol

@@ -4,6 +4,7 @@
 //   else /tmp/weightd-$UID
 #pragma once
 
+#include <nlohmann/json.hpp>
 #include <string>
 
 #include "weightd/result.h"
@@ -23,5 +24,11 @@ std::string SocketPath(const std::string& dir);
 // checks it before listening; engines before trusting what listens there
 // (/tmp/weightd-$UID could be made by anyone first).
 Status CheckSocketDirectory(const std::string& dir);
+
+// A file path on the wire. JSON carries UTF-8 text and a Linux path is
+// bytes: a path that is not UTF-8 travels as {"hex": "<its bytes>"} so it
+// arrives as it left, instead of with its odd bytes replaced.
+nlohmann::json PathToJson(const std::string& path);
+Result<std::string> PathFromJson(const nlohmann::json& j);
 
 }  // namespace weightd::protocol
