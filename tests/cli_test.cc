@@ -44,6 +44,17 @@ TEST(Cli, UsageErrorsExitTwo) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("weightd: error: "), std::string::npos);
   EXPECT_EQ(RunWeightd({"inspect", "--help"}).exit_code, 0);
+  // Seconds are finite and not negative: nan would wait forever, inf not
+  // at all.
+  for (const char* bad : {"nan", "inf", "-1", "1e308", "5x"}) {
+    r = RunWeightd({"load", dir.path(), "--wait-for-daemon", bad});
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.err;
+    EXPECT_NE(r.err.find("--wait-for-daemon"), std::string::npos) << r.err;
+    EXPECT_EQ(RunWeightd({"load", dir.path(), "--hold", bad}).exit_code, 2) << bad;
+    EXPECT_EQ(RunWeightd({"serve", "--socket-dir", dir.Join("s"), "--stop-timeout", bad}).exit_code,
+              2)
+        << bad;
+  }
 }
 
 TEST(Cli, ValuesPrintsTheReferenceSamplesNumbers) {

@@ -119,8 +119,10 @@ int RunLoad(LoadCommandOptions& o) {
       if (again != checksum) {
         return ReportError("load", "the weights changed while held: " + again);
       }
-      std::cout << (o.json ? "" : "checksum after hold: ") << (o.json ? "" : again + "\n")
-                << std::flush;
+      // With --json, stdout holds one document: the line goes to stderr.
+      (o.json ? std::cerr : std::cout)
+          << (o.json ? "weightd: " : "") << "checksum after hold: " << again << " (unchanged)\n"
+          << std::flush;
     }
   }
   return kExitOk;
@@ -176,13 +178,14 @@ Command AddLoadCommand(CLI::App& root) {
   app->add_flag("--no-fallback", o->no_fallback, "fail instead of loading from disk");
   app->add_flag("--checksum", o->checksum,
                 "print an XXH3-128 over every tensor's name and bytes (daemon and disk agree)");
-  app->add_option("--hold", o->hold,
-                  "keep the weights (and lease) this many seconds, then "
-                  "checksum again (with --checksum)");
-  app->add_option("--wait-for-daemon", o->wait,
-                  "seconds to wait for a daemon that is starting, or for its load of this very "
-                  "model in flight")
-      ->check(CLI::Range(0.0, 3600.0));
+  AddSecondsOption(*app, "--hold", o->hold,
+                   "keep the weights (and lease) this many seconds, then checksum again (with "
+                   "--checksum)",
+                   7 * 24 * 3600);
+  AddSecondsOption(*app, "--wait-for-daemon", o->wait,
+                   "seconds to wait for a daemon that is starting, or for its load of this very "
+                   "model in flight",
+                   3600);
   app->add_flag("--populate", o->populate, "after a miss, ask the daemon to preload for next time");
   app->add_option("--trust", o->trust,
                   "accept the model pinned under NAME without checking its content (loud)");

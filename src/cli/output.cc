@@ -1,5 +1,7 @@
 #include "cli/output.h"
 
+#include <CLI/CLI.hpp>
+#include <cmath>
 #include <cstdio>
 #include <iostream>
 
@@ -95,6 +97,29 @@ std::string Printable(std::string_view text) {
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
+
+void AddSecondsOption(CLI::App& app, const std::string& name, double& value,
+                      const std::string& help, double max) {
+  app.add_option(name, value, help)
+      ->check(CLI::Validator(
+          [max](std::string& text) -> std::string {
+            double v = 0;
+            try {
+              size_t used = 0;
+              v = std::stod(text, &used);
+              if (used != text.size()) return "`" + text + "` is not a number of seconds";
+            } catch (const std::exception&) {
+              return "`" + text + "` is not a number of seconds";
+            }
+            if (!std::isfinite(v) || v < 0 || v > max) {
+              char limit[32];
+              std::snprintf(limit, sizeof limit, "%g", max);
+              return "`" + text + "` is not between 0 and " + limit + " seconds";
+            }
+            return "";
+          },
+          "SECONDS"));
 }
 
 }  // namespace weightd::cli

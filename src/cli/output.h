@@ -62,6 +62,11 @@ Command AddStatusCommand(CLI::App& root);
 Command AddEvictCommand(CLI::App& root);
 Command AddLoadCommand(CLI::App& root);
 
+// An option of seconds: a finite number in [0, max] (nan and inf are usage
+// errors, as CLI11's Range lets nan through).
+void AddSecondsOption(CLI::App& app, const std::string& name, double& value,
+                      const std::string& help, double max);
+
 // The processing flags `preload` and `load` share (--tp-size, --tp-rank,
 // --dtype, --quant, --shard-plan, --device).
 void AddProcessingFlags(CLI::App& app, protocol::Processing& p);

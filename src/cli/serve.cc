@@ -256,10 +256,10 @@ Command AddServeCommand(CLI::App& root) {
                   "(default: half of RAM for the host, " +
                       std::to_string(daemon::kDefaultGpuBudgetPercent) + "% of each GPU's memory)");
   app->add_flag("--no-cache", o->no_cache, "preloads do not use the fingerprint's stat cache");
-  app->add_option("--stop-timeout", o->stop_timeout,
-                  "seconds SIGTERM waits for busy connections and preloads (a read stuck on a "
-                  "hung network file system) before the daemon exits without them (default 10)")
-      ->check(CLI::Range(0.0, 3600.0));
+  AddSecondsOption(*app, "--stop-timeout", o->stop_timeout,
+                   "seconds SIGTERM waits for busy connections and preloads (a read stuck on a "
+                   "hung network file system) before the daemon exits without them (default 10)",
+                   3600);
   app->add_option("--config", o->config,
                   "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path/pin to preload "
                   "at start (see docs/cli.md)");
@@ -284,7 +284,8 @@ Command AddPreloadCommand(CLI::App& root) {
   app->add_option("--pin", o->pin,
                   "name the model, so engines may `load --trust NAME` without a content check");
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");
-  app->add_option("--wait-for-daemon", o->wait, "seconds to wait for a daemon that is starting");
+  AddSecondsOption(*app, "--wait-for-daemon", o->wait,
+                   "seconds to wait for a daemon that is starting", 3600);
   app->add_flag("--json", o->json, "print the daemon's reply as JSON");
   return {app, [o] {
             if (Status s = FinishProcessingFlags(o->processing); !s.ok()) {
