@@ -629,6 +629,8 @@ TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
       {"no type", protocol::FrameHeader(2, 0) + "{}", 0, false},
       {"unknown request", protocol::FrameHeader(19, 0) + R"({"type":"launch!!"})", 0, false},
       {"bad key", protocol::FrameHeader(30, 0) + R"({"type":"acquire","key":[1,2]})", 0, false},
+      {"no version in common", protocol::FrameHeader(32, 0) + R"({"type":"hello","versions":[99]})",
+       0, false},
   };
   // Someone else is attached all along and must not notice.
   Process engine({"load", a, "--checksum", "--hold", "5", "--socket-dir", sock_});

@@ -462,6 +462,15 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
   if (!m.fds.empty()) return Error("a `" + type + "` request carries no descriptors");
 
   if (type == "hello") {
+    // The client lists the versions it speaks: ours must be one of them.
+    const auto versions = body.find("versions");
+    if (versions == body.end() || !versions->is_array()) return Error("hello without `versions`");
+    if (std::find(versions->begin(), versions->end(), protocol::kProtocolVersion) ==
+        versions->end()) {
+      return Error("no protocol version in common: this daemon speaks " +
+                   std::to_string(protocol::kProtocolVersion) + ", the client offers " +
+                   versions->dump());
+    }
     // On every attach: the device names only, not a snapshot of every model.
     ApplyGpuBudgets(/*wait=*/false);
     return ch.Send({{"type", "hello"},
