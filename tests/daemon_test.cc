@@ -747,6 +747,31 @@ TEST_F(DaemonTest, TruncatedCheckpointPublishesNothing) {
 // A FIFO where a shard or a shard plan should be would block a reader
 // until someone writes to it: refused at once, and the daemon stays
 // stoppable.
+// Names that would be ambiguous (`all` is what `evict all` means) or
+// unprintable are refused; so is a path the daemon would read from its own
+// working directory instead of the asker's.
+TEST_F(DaemonTest, PinNamesAndPathsAreChecked) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  const std::vector<std::string> bad_names = {"", "all", "two\nlines", "#3", std::string(65, 'x')};
+  for (const std::string& bad : bad_names) {
+    CommandResult r = Run({"preload", a, "--pin", bad});
+    EXPECT_EQ(r.exit_code, 2) << bad;
+    EXPECT_NE(r.err.find("pinned name"), std::string::npos) << r.err;
+  }
+  auto ch = protocol::ConnectToDaemon(sock_);
+  ASSERT_TRUE(ch.ok());
+  ASSERT_TRUE(ch->Send({{"type", "preload"},
+                        {"path", "a"},
+                        {"processing", protocol::ToJson(protocol::Processing{})}})
+                  .ok());
+  auto reply = ch->Receive(30'000);
+  ASSERT_TRUE(reply.ok());
+  EXPECT_EQ(reply->type(), "error");
+  EXPECT_NE(reply->body.dump().find("must be absolute"), std::string::npos) << reply->body.dump();
+  EXPECT_EQ(Status()["models"].size(), 0u);
+}
+
 TEST_F(DaemonTest, AFifoIsRefusedNotWaitedOn) {
   const std::string a = MakeModel("a");
   const std::string shard = a + "/model-00002-of-00004.safetensors";
@@ -811,12 +836,15 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
 TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   const std::string a = MakeModel("a");
   const std::string config = dir_.Join("weightd.toml");
-  testing::WriteFileText(
-      config, "[budget]\nhost = \"1G\"\n[[model]]\npath = \"" + a + "\"\npin = \"prod\"\n");
+  // A relative path is the config file's neighbour, wherever the daemon
+  // was started.
+  testing::WriteFileText(config,
+                         "[budget]\nhost = \"1G\"\n[[model]]\npath = \"a\"\npin = \"prod\"\n");
   auto daemon = StartDaemon({"--config", config});
   ASSERT_TRUE(Eventually([&] { return Status()["models"].size() == 1; })) << daemon->err();
   json s = Status();
   EXPECT_EQ(s["models"][0]["name"], "prod");
+  EXPECT_EQ(s["models"][0]["path"], std::filesystem::canonical(a).string());
   EXPECT_EQ(s["devices"][0]["budget"], 1u << 30);
   EXPECT_EQ(Load(a)["source"], "daemon");
 
@@ -824,6 +852,13 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   CommandResult bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("tp_size"), std::string::npos) << bad.err;
+  // A name pins one model.
+  testing::WriteFileText(config,
+                         "[[model]]\npath = \"a\"\npin = \"p\"\n[[model]]\npath = "
+                         "\"b\"\npin = \"p\"\n");
+  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("pinned as `p`"), std::string::npos) << bad.err;
   // A size that is not one is named as such, in the file.
   testing::WriteFileText(config, "[budget]\nhost = \"lots\"\n");
   bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});

@@ -16,6 +16,7 @@
 
 #include "cli/output.h"
 #include "client/admin.h"
+#include "daemon/registry.h"
 #include "daemon/server.h"
 #include "io/file.h"
 #include "memory/cuda.h"
@@ -127,6 +128,26 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
           (f == "path" ? m.path : f == "pin" ? m.pin : m.device) = *v.value<std::string>();
         }
         if (m.path.empty()) return fail("a [[model]] without a path");
+        // Relative to the config file, wherever the daemon was started.
+        if (m.path.front() != '/') {
+          const size_t slash = file.rfind('/');
+          auto dir = io::PosixFileSystem().RealPath(
+              slash == std::string::npos ? std::string(".")
+                                         : file.substr(0, std::max<size_t>(slash, 1)));
+          if (!dir.ok()) return fail(dir.error().message());
+          m.path = *dir + "/" + m.path;
+        }
+        if (!m.pin.empty()) {
+          if (Status s = daemon::CheckPinName(m.pin); !s.ok()) {
+            return fail("[[model]] pin `" + m.pin + "`: " + s.error().message());
+          }
+          for (const ConfigModel& other : models) {
+            if (other.pin == m.pin) {
+              return fail("two [[model]] entries are pinned as `" + m.pin +
+                          "`; a name pins one model");
+            }
+          }
+        }
         models.push_back(m);
       }
     } else {
@@ -287,9 +308,16 @@ Command AddPreloadCommand(CLI::App& root) {
   AddSecondsOption(*app, "--wait-for-daemon", o->wait,
                    "seconds to wait for a daemon that is starting", 3600);
   app->add_flag("--json", o->json, "print the daemon's reply as JSON");
-  return {app, [o] {
+  auto pin = app->get_option("--pin");
+  return {app, [o, pin] {
             if (Status s = FinishProcessingFlags(o->processing); !s.ok()) {
               return ReportError("preload", s.error().message(), kExitUsage);
+            }
+            if (pin->count() > 0) {
+              if (Status s = daemon::CheckPinName(o->pin); !s.ok()) {
+                return ReportError("preload", "--pin `" + o->pin + "`: " + s.error().message(),
+                                   kExitUsage);
+              }
             }
             auto real = io::PosixFileSystem().RealPath(o->path);
             if (!real.ok()) return ReportError("preload", real.error().message());

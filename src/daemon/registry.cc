@@ -1,6 +1,7 @@
 #include "daemon/registry.h"
 
 #include <algorithm>
+#include <cctype>
 
 namespace weightd::daemon {
 namespace {
@@ -24,6 +25,22 @@ Eviction Registry::EvictLocked(size_t index, Dropped& dropped) {
   if (m->leases == 0) AccountLocked(m->key.device).used -= bytes;
   return {m->id, protocol::ShortDescription(m->key) + (m->name.empty() ? "" : " (" + m->name + ")"),
           bytes};
+}
+
+Status CheckPinName(std::string_view name) {
+  constexpr size_t kMaxPinName = 64;
+  auto allowed = [](char c) {
+    return std::isalnum(static_cast<unsigned char>(c)) || c == '.' || c == '_' || c == '-';
+  };
+  if (name.empty() || name.size() > kMaxPinName ||
+      !std::isalnum(static_cast<unsigned char>(name.front())) ||
+      !std::all_of(name.begin(), name.end(), allowed)) {
+    return Error(
+        "a pinned name is 1 to 64 letters, digits, '.', '_' or '-', starting with a "
+        "letter or a digit");
+  }
+  if (name == "all") return Error("`all` cannot be a pinned name: `evict all` means every model");
+  return OkStatus();
 }
 
 void Registry::SetBudget(const std::string& device, uint64_t bytes) {

@@ -49,6 +49,11 @@ struct ResidentModel {
   std::chrono::steady_clock::time_point last_used;
 };
 
+// A pinned name (--pin): 1 to 64 letters, digits, '.', '_' and '-', the
+// first a letter or a digit, and not `all` (what `evict all` means). An
+// error says why.
+Status CheckPinName(std::string_view name);
+
 struct Eviction {
   uint64_t id;
   std::string description;

@@ -579,10 +579,16 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     if (body.contains("processing")) {
       WEIGHTD_ASSIGN_OR_RETURN(processing, protocol::ProcessingFromJson(body["processing"]));
     }
+    // Absolute: this daemon's working directory is not the asker's.
+    if (path.empty() || path.front() != '/') return Error("a preload's `path` must be absolute");
+    if (transform::IsPlanFile(processing.shard_plan) && processing.shard_plan.front() != '/') {
+      return Error("a preload's shard plan file must be an absolute path");
+    }
     std::string pin;
     if (body.contains("pin")) {
       if (!body["pin"].is_string()) return Error("`pin` is not a string");
       pin = body["pin"].get<std::string>();
+      WEIGHTD_RETURN_IF_ERROR(CheckPinName(pin));
     }
     // Only these ranks (an engine populating its own GPU); default: all.
     std::vector<int> only;
