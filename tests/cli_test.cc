@@ -38,7 +38,9 @@ TEST(Cli, InspectOfABrokenFileExitsOneNamingTheRule) {
 
 TEST(Cli, UsageErrorsExitTwo) {
   EXPECT_EQ(RunWeightd({"inspect"}).exit_code, 2);
-  EXPECT_EQ(RunWeightd({"frobnicate"}).exit_code, 2);
+  auto unknown = RunWeightd({"frobnicate"});
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_NE(unknown.err.find("`frobnicate` is not a command"), std::string::npos) << unknown.err;
   TempDir dir;
   auto r = RunWeightd({"make-checkpoint", dir.Join("x"), "--preset", "llama", "--size", "lots"});
   EXPECT_EQ(r.exit_code, 2);

@@ -29,6 +29,17 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
+    // CLI11 says only that a subcommand is required when the first word is
+    // not one: name the word.
+    if (argc > 1 && argv[1][0] != '-') {
+      const std::string word = argv[1];
+      bool known = false;
+      for (const Command& c : commands) known = known || c.app->get_name() == word;
+      if (!known) {
+        return ReportError("usage", "`" + word + "` is not a command (see weightd --help)",
+                           kExitUsage);
+      }
+    }
     return ReportError("usage", std::string(e.what()) + " (see weightd --help)", kExitUsage);
   }
   for (const Command& command : commands) {

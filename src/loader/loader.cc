@@ -542,7 +542,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   for (size_t s = 0; s < shards.size(); ++s) {
     WEIGHTD_ASSIGN_OR_RETURN(io::StatSignature now, shards[s].file->Stat());
     if (!(now == shards[s].signature)) {
-      return Error(headers[s].path + ": changed while being loaded; nothing was published");
+      return Error(headers[s].path + ": changed while being loaded");
     }
   }
 
