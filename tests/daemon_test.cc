@@ -154,6 +154,11 @@ TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   }
   EXPECT_EQ(again["bytes"], Status()["models"][0]["bytes"]);
   EXPECT_TRUE(again["loaded_ranks"].empty());
+  // The text status shows the #ID that `evict #ID` takes.
+  const std::string id = "#" + std::to_string(Status()["models"][0]["id"].get<uint64_t>());
+  CommandResult text = Run({"status"});
+  EXPECT_NE(text.out.find("  " + id + "  "), std::string::npos) << text.out;
+  EXPECT_EQ(Run({"evict", id}).exit_code, 0);
 }
 
 // A directory whose name is not UTF-8 (Latin-1, say) is preloaded from

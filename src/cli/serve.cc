@@ -375,8 +375,12 @@ Command AddStatusCommand(CLI::App& root) {
               return kExitOk;
             }
             for (const auto& d : (*reply)["devices"]) {
+              const uint64_t reserved = d.value("reserved", uint64_t{0});
               std::cout << d.value("name", "") << ": " << FormatBytes(d.value("used", uint64_t{0}))
-                        << " held of " << FormatBytes(d.value("budget", uint64_t{0})) << "\n";
+                        << " held of " << FormatBytes(d.value("budget", uint64_t{0}))
+                        << (reserved > 0 ? ", " + FormatBytes(reserved) + " for preloads under way"
+                                         : "")
+                        << "\n";
             }
             if (const json cuda = reply->value("cuda", json::object()); !cuda.empty()) {
               if (!cuda.value("available", false)) {
@@ -392,7 +396,9 @@ Command AddStatusCommand(CLI::App& root) {
             const auto& models = (*reply)["models"];
             if (models.empty()) std::cout << "no model is resident\n";
             for (const auto& m : models) {
-              std::cout << "  " << Printable(m.value("description", "")) << "  "
+              // #ID: what `evict #ID` takes.
+              std::cout << "  #" << m.value("id", uint64_t{0}) << "  "
+                        << Printable(m.value("description", "")) << "  "
                         << FormatBytes(m.value("bytes", uint64_t{0})) << "  "
                         << Count(m.value("leases", uint64_t{0}), "lease")
                         << (m.value("name", "").empty() ? "" : "  pinned as " + m.value("name", ""))
