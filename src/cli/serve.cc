@@ -43,10 +43,15 @@ std::string Now() {
   return buf;
 }
 
-uint64_t HalfOfMemory() {
+// This machine's memory; 0 when it cannot be told.
+uint64_t PhysicalMemory() {
   const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) / 2
-                               : 1ull << 30;
+  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
+}
+
+uint64_t HalfOfMemory() {
+  const uint64_t total = PhysicalMemory();
+  return total > 0 ? total / 2 : 1ull << 30;
 }
 
 struct ServeOptions {
@@ -197,6 +202,14 @@ int RunServe(ServeOptions o) {
     std::lock_guard lock(*log_mu);
     std::cerr << Now() << " weightd: " << Printable(line) << std::endl;
   };
+  // Budgets that cannot mean what they say are taken, and said.
+  if (so.host_budget == 0) {
+    so.log("the host budget is 0: no model can be preloaded into host memory");
+  } else if (const uint64_t total = PhysicalMemory(); total > 0 && so.host_budget > total) {
+    so.log("the host budget (" + FormatBytes(so.host_budget) + ") is more than this machine's " +
+           FormatBytes(total) +
+           " of memory: preloads are refused for memory before the budget is reached");
+  }
   daemon::Server server(so);
   if (Status s = server.Start(); !s.ok()) return ReportError("serve", s.error().message());
   running_server = &server;
