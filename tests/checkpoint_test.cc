@@ -95,6 +95,16 @@ TEST(Checkpoint, SymlinkPointingOutsideIsAnError) {
   ExpectError(dir.path(), rules::kShardNameEscapes, "m.safetensors");  // and with one
 }
 
+// A dangling symlink is named as one where no index named the shard, and as
+// a missing shard where one did.
+TEST(Checkpoint, ADanglingSymlinkSaysWhatItIs) {
+  TempDir dir;
+  ASSERT_EQ(::symlink("gone.bin", dir.Join("m.safetensors").c_str()), 0);
+  ExpectError(dir.path(), "a symlink whose target is missing", "m.safetensors");
+  WriteIndex(dir.path(), {{"a", "m.safetensors"}});
+  ExpectError(dir.path(), rules::kShardMissing, "m.safetensors");
+}
+
 TEST(Checkpoint, SymlinkInsideAndHubCacheBlobsAreFine) {
   TempDir dir;
   WriteShardWith(dir.Join("real.bin"), {"a"});

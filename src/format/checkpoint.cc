@@ -62,7 +62,8 @@ bool IsUnder(const std::string& path, const std::string& dir) {
 // Checks that `name` in `dir` resolves inside `real_dir` (or into the hub
 // cache's blobs folder, see checkpoint.h) and exists.
 Result<std::string> CheckShardPath(io::FileSystem& fs, const std::string& label,
-                                   const std::string& real_dir, const std::string& name) {
+                                   const std::string& real_dir, const std::string& name,
+                                   bool named_by_index) {
   if (!NameStaysInside(name)) {
     return Error(label + ": shard `" + name + "`: " + std::string(rules::kShardNameEscapes));
   }
@@ -73,9 +74,11 @@ Result<std::string> CheckShardPath(io::FileSystem& fs, const std::string& label,
   }
   auto real = fs.RealPath(path);
   if (!real.ok()) {
-    // A dangling symlink.
-    return Error(label + ": shard `" + name + "`: " + std::string(rules::kShardMissing) + " (" +
-                 real.error().message() + ")");
+    // A dangling symlink: listed by the directory, its target gone.
+    return Error(label + ": shard `" + name + "`: " +
+                 (named_by_index ? std::string(rules::kShardMissing)
+                                 : std::string("a symlink whose target is missing")) +
+                 " (" + real.error().message() + ")");
   }
   if (IsUnder(*real, real_dir)) return *real;
   const std::string snapshots = Parent(real_dir);
@@ -290,7 +293,7 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
       listing.remote ? std::min<size_t>(names.size(), kMaxParallelPathChecks) : 1;
   io::RunTeam(static_cast<int>(checkers), [&](int) {
     for (size_t i; (i = next.fetch_add(1)) < names.size();) {
-      auto resolved = CheckShardPath(fs, path, real_dir, names[i]);
+      auto resolved = CheckShardPath(fs, path, real_dir, names[i], listing.has_index);
       if (!resolved.ok()) {
         errors[i] = resolved.error();
         continue;
