@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <fstream>
+#include <memory>
 #include <nlohmann/json.hpp>
 
 #include "format/synthetic.h"
@@ -62,6 +63,28 @@ class Mount {
 };
 
 bool HaveFuse() { return ::access("/dev/fuse", R_OK | W_OK) == 0; }
+
+// A tiny checkpoint at mnt()/m, served through latencyfs at `latency` per
+// operation, beside a socket directory and a stat cache of its own.
+class SlowCheckpoint {
+ public:
+  explicit SlowCheckpoint(const std::string& latency) {
+    ::mkdir(src().c_str(), 0700);
+    ::mkdir(mnt().c_str(), 0700);
+    written_ = format::WriteSyntheticCheckpoint(src() + "/m", {.preset = "tiny"}).ok();
+    mount_ = std::make_unique<Mount>(src(), mnt(), dir_.Join("stats.json"), latency);
+    ::setenv("WEIGHTD_CACHE_DIR", dir_.Join("cache").c_str(), 1);
+  }
+  bool ready() const { return written_ && mount_->mounted(); }
+  std::string src() const { return dir_.Join("src"); }
+  std::string mnt() const { return dir_.Join("mnt"); }
+  std::string sock() const { return dir_.Join("sock"); }
+
+ private:
+  TempDir dir_;
+  bool written_ = false;
+  std::unique_ptr<Mount> mount_;
+};
 
 TEST(Latencyfs, FingerprintThroughTheMountMatchesAndReadsAreCounted) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
@@ -163,14 +186,9 @@ TEST(Latencyfs, IsReadOnlyAndPassesBytesThrough) {
 // is alive: heartbeats come before the answer, and the operator's command waits through them.
 TEST(Latencyfs, ASlowPreloadSendsHeartbeats) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
-  TempDir dir;
-  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), sock = dir.Join("sock");
-  ::mkdir(src.c_str(), 0700);
-  ::mkdir(mnt.c_str(), 0700);
-  ASSERT_TRUE(format::WriteSyntheticCheckpoint(src + "/m", {.preset = "tiny"}).ok());
-  Mount mount(src, mnt, dir.Join("stats.json"), "500ms");
-  ASSERT_TRUE(mount.mounted());
-  ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
+  SlowCheckpoint slow("500ms");
+  ASSERT_TRUE(slow.ready());
+  const std::string mnt = slow.mnt(), sock = slow.sock();
   testing::Process daemon({"serve", "--socket-dir", sock});
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
 
@@ -257,14 +275,9 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
 // alive: SIGTERM gives busy connections --stop-timeout, then exits.
 TEST(Latencyfs, SigtermDoesNotWaitForAPreloadStuckOnTheFileSystem) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
-  TempDir dir;
-  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), sock = dir.Join("sock");
-  ::mkdir(src.c_str(), 0700);
-  ::mkdir(mnt.c_str(), 0700);
-  ASSERT_TRUE(format::WriteSyntheticCheckpoint(src + "/m", {.preset = "tiny"}).ok());
-  Mount mount(src, mnt, dir.Join("stats.json"), "2s");
-  ASSERT_TRUE(mount.mounted());
-  ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
+  SlowCheckpoint slow("2s");
+  ASSERT_TRUE(slow.ready());
+  const std::string mnt = slow.mnt(), sock = slow.sock();
 
   testing::Process daemon({"serve", "--socket-dir", sock, "--stop-timeout", "0.2"});
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
