@@ -5,6 +5,7 @@
 #include <xxhash.h>
 
 #include <chrono>
+#include <cmath>
 #include <cstring>
 #include <iostream>
 #include <limits>
@@ -29,6 +30,8 @@ namespace {
 using nlohmann::json;
 
 constexpr int kReplyTimeoutMs = 30'000;
+// The longest an acquire asks the daemon to wait for a load in flight.
+constexpr double kMaxWaitSeconds = 3600;
 constexpr auto kConnectRetry = std::chrono::milliseconds(50);
 
 // Private, page-aligned memory for `copy` mode.
@@ -194,7 +197,12 @@ Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
 // Asks the daemon; on a hit returns the weights, else fills `miss`.
 std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const AcquireOptions& o,
                                        Miss& miss) {
-  auto ch = ConnectWaiting(protocol::SocketDirectory(o.socket_dir), o.wait_for_daemon_seconds);
+  // Waiting for the daemon, to start or to finish loading this model: an
+  // hour at most (inf means that), nan not at all.
+  const double wait = std::isnan(o.wait_for_daemon_seconds)
+                          ? 0
+                          : std::clamp(o.wait_for_daemon_seconds, 0.0, kMaxWaitSeconds);
+  auto ch = ConnectWaiting(protocol::SocketDirectory(o.socket_dir), wait);
   if (!ch.ok()) {
     miss.reason = "no daemon: " + ch.error().message();
     return nullptr;
@@ -208,15 +216,14 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   // that cannot speak our version answers the hello with an error.
   json request = {{"type", "acquire"}, {"key", protocol::ToJson(key)}};
   if (!o.trust.empty()) request["trust"] = o.trust;
-  // Willing to wait for the daemon: for a load of this model in flight too.
-  if (o.wait_for_daemon_seconds > 0) request["wait_seconds"] = o.wait_for_daemon_seconds;
+  if (wait > 0) request["wait_seconds"] = wait;
   if (Status s = ch->Send({{"type", "hello"}, {"versions", {protocol::kProtocolVersion}}});
       !s.ok()) {
     return fail("protocol error", s.error());
   }
   if (Status s = ch->Send(request); !s.ok()) return fail("protocol error", s.error());
   if (auto hello = Expect(*ch, "hello"); !hello.ok()) return fail("protocol error", hello.error());
-  auto reply = Expect(*ch, "acquired", o.wait_for_daemon_seconds);
+  auto reply = Expect(*ch, "acquired", wait);
   if (!reply.ok()) return fail("protocol error", reply.error());
   const json& body = reply->body;
   if (reply->type() == "miss") {
@@ -470,9 +477,16 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   Miss miss;
   std::unique_ptr<WeightsImpl> hit;
   AcquireOptions checked = options;  // what the lookup that counts was asked with
+  bool reloaded = false;
   if (!options.trust.empty()) {
     key = protocol::MakeKey("", keyed, plan_name, plan_digest);
     hit = TryDaemon(key, options, miss);
+    // Pinned in host memory, wanted on this GPU: copied up, still trusted.
+    if (!hit && device.kind == memory::DeviceKind::kCuda &&
+        miss.fields == std::vector<std::string>{"device"}) {
+      hit = ReloadFromHost(key, device, options, miss);
+      reloaded = hit != nullptr;
+    }
     if (!hit && miss.daemon_reachable) {
       // The name is not (or no longer) on a model like this: the checkpoint
       // may still be resident, found by its content as without --trust.
@@ -487,8 +501,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     hit = TryDaemon(key, checked, miss);
   }
   // Not on this GPU, but in the daemon's host memory: copied up from there.
-  bool reloaded = false;
-  if (!hit && device.kind == memory::DeviceKind::kCuda &&
+  if (!hit && checked.trust.empty() && device.kind == memory::DeviceKind::kCuda &&
       miss.fields == std::vector<std::string>{"device"}) {
     hit = ReloadFromHost(key, device, checked, miss);
     reloaded = hit != nullptr;
