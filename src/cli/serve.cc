@@ -242,6 +242,7 @@ int RunServe(ServeOptions o) {
   if (!ended || preloads_ended.wait_for(std::chrono::duration<double>(o.stop_timeout)) !=
                     std::future_status::ready) {
     if (ended) so.log("a preload from the config is still busy: not waiting for it");
+    server.ReleaseLock();
     std::cout.flush();
     std::cerr.flush();
     std::_Exit(kExitOk);

@@ -191,6 +191,8 @@ void Server::RequestStop() {
 
 bool Server::stopping() const { return state_->stopping.load(); }
 
+void Server::ReleaseLock() { state_->lock_fd.Reset(); }
+
 Status Server::Start() {
   State& s = *state_;
   // A preload holds every shard open and each engine a connection: take
@@ -315,6 +317,10 @@ bool Server::Run() {
     s.Log("stopping with " + std::to_string(s.live_connections) +
           " connection(s) still busy after " + std::to_string(s.options.stop_grace_seconds) +
           " s (a file system call that does not return?): not waiting for them");
+    // A thread stuck in a FUSE request may outlive even SIGKILL, and with
+    // it this process's descriptors: the directory is free for the next
+    // daemon now, not when that thread ends.
+    s.lock_fd.Reset();
     return false;
   }
   s.listen_fd.Reset();

@@ -68,6 +68,9 @@ class Server {
 
   // Async-signal-safe.
   void RequestStop();
+  // Lets the socket directory go (the lock file), for a caller about to
+  // exit while some thread of the Server's is stuck.
+  void ReleaseLock();
   bool stopping() const;
 
   // Preloads a model as a `preload` request would (for --config at start).
