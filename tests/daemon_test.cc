@@ -556,6 +556,15 @@ TEST_F(DaemonTest, SigtermRemovesTheSocket) {
     EXPECT_EQ(daemon->Wait(), 0) << daemon->err();
     EXPECT_NE(::stat((sock_ + "/weightd.sock").c_str(), &st), 0) << strsignal(sig);
   }
+  // Started to ignore SIGHUP (nohup), it goes on serving.
+  Process nohup({"serve", "--socket-dir", sock_}, {"nohup"});
+  ASSERT_TRUE(nohup.WaitForOutput("ready")) << nohup.err();
+  nohup.Signal(SIGHUP);
+  ::usleep(300'000);  // time to die, had it not ignored the signal
+  EXPECT_EQ(Run({"status"}).exit_code, 0);
+  EXPECT_EQ(nohup.err().find("stopped"), std::string::npos) << nohup.err();
+  nohup.Signal(SIGTERM);
+  EXPECT_EQ(nohup.Wait(), 0) << nohup.err();
 }
 
 // Raw bytes on the daemon's socket, as a hostile or broken peer sends them.

@@ -98,6 +98,10 @@ Process::Process(const std::vector<std::string>& args, const std::vector<std::st
     int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     ::dup2(out, 1);
     ::dup2(err, 2);
+    // Signals as a shell in a terminal leaves them, whatever the test runner
+    // ignores (a prefix such as nohup changes them again).
+    ::signal(SIGHUP, SIG_DFL);
+    ::signal(SIGINT, SIG_DFL);
     std::vector<std::string> all = prefix;
     all.push_back(WEIGHTD_BINARY);
     all.insert(all.end(), args.begin(), args.end());

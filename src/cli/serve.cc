@@ -216,10 +216,15 @@ int RunServe(ServeOptions o) {
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
   ::sigaction(SIGTERM, &sa, nullptr);
-  ::sigaction(SIGINT, &sa, nullptr);
-  // The terminal it ran in going away: a clean stop too, not a death that
-  // leaves the socket behind.
-  ::sigaction(SIGHUP, &sa, nullptr);
+  // SIGINT, and SIGHUP (the terminal it ran in gone): a clean stop too, not
+  // a death that leaves the socket behind; but a daemon started to ignore
+  // them (nohup, a shell's background job) goes on ignoring them.
+  for (int sig : {SIGINT, SIGHUP}) {
+    struct sigaction was {};
+    if (::sigaction(sig, nullptr, &was) == 0 && was.sa_handler != SIG_IGN) {
+      ::sigaction(sig, &sa, nullptr);
+    }
+  }
   ::signal(SIGPIPE, SIG_IGN);
   std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
             << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
