@@ -26,14 +26,15 @@ using testing::TempDir;
 class Mount {
  public:
   Mount(const std::string& src, const std::string& mnt, const std::string& stats,
-        const std::string& latency)
+        const std::string& latency, const std::string& bandwidth = "0")
       : mnt_(mnt) {
     struct stat outer;
     ::stat(mnt.c_str(), &outer);
     pid_ = ::fork();
     if (pid_ == 0) {
       ::execl(LATENCYFS_BINARY, "latencyfs", src.c_str(), mnt.c_str(), "--latency", latency.c_str(),
-              "--stats-file", stats.c_str(), static_cast<char*>(nullptr));
+              "--bandwidth", bandwidth.c_str(), "--stats-file", stats.c_str(),
+              static_cast<char*>(nullptr));
       ::_exit(127);
     }
     for (int i = 0; i < 500 && !mounted_; ++i) {
@@ -227,16 +228,8 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
       format::WriteSyntheticCheckpoint(src + "/m", {.preset = "llama", .size_bytes = 16 << 20})
           .ok());
   // Its 23 MB come through at 4 MB/s: a load of some seconds.
-  pid_t fs = ::fork();
-  if (fs == 0) {
-    ::execl(LATENCYFS_BINARY, "latencyfs", src.c_str(), mnt.c_str(), "--latency", "0",
-            "--bandwidth", "4M", static_cast<char*>(nullptr));
-    ::_exit(127);
-  }
-  ASSERT_TRUE(testing::Eventually([&] {
-    struct stat st;
-    return ::stat((mnt + "/m").c_str(), &st) == 0;
-  }));
+  Mount mount(src, mnt, dir.Join("stats.json"), "0", "4M");
+  ASSERT_TRUE(mount.mounted());
   ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
   testing::Process daemon({"serve", "--socket-dir", sock});
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
@@ -266,8 +259,6 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
   EXPECT_EQ(preload.Wait(), 0) << preload.err();
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
-  ::kill(fs, SIGTERM);
-  ::waitpid(fs, nullptr, 0);
 }
 
 // A preload stuck in a file system call (a hung network mount, here every

@@ -32,8 +32,11 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
     // else answers at once. Silence this long is a stopped or hung daemon.
     auto reply = ch->Receive(kSilenceLimitMs);
     if (!reply.ok()) {
-      return Error("the daemon did not answer: " + reply.error().message() + " (nothing for " +
-                   std::to_string(kSilenceLimitMs / 1000) + " s: is it stopped or hung?)");
+      const bool silent = reply.error().message().find("timed out") != std::string::npos;
+      return Error("the daemon did not answer: " + reply.error().message() +
+                   (silent ? " (nothing for " + std::to_string(kSilenceLimitMs / 1000) +
+                                 " s: is it stopped or hung?)"
+                           : ""));
     }
     if (reply->type() == "progress") {
       const auto beat = reply->body.find("heartbeat");

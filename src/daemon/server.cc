@@ -440,6 +440,7 @@ void Server::State::Serve(uint64_t id, memory::UniqueFd fd, ucred peer) {
         break;
       }
       if (Status st = Handle(ch, *m, id, peer, leases); !st.ok()) {
+        if (st.error().message() == protocol::Channel::kClosed) break;  // the peer went first
         Log("connection " + std::to_string(id) + " (pid " + std::to_string(peer.pid) +
             "): " + st.error().message() + "; closing it");
         (void)ch.Send({{"type", "error"}, {"message", st.error().message()}});
@@ -509,6 +510,8 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
                          std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                              std::chrono::duration<double>(wait_seconds));
       const bool loading = registry.WaitForLoad(key, std::chrono::steady_clock::now());
+      // Published between the lookup and that look: found now.
+      if (!loading) found = registry.Acquire(key, trust);
       if (loading && wait_seconds > 0) {
         Log("acquire from " + who + " waits for the load of " + protocol::ShortDescription(key) +
             " in flight");
@@ -629,10 +632,13 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     try {
       beat = std::thread([&] {
         std::unique_lock lock(send_mu);
-        while (!beat_cv.wait_for(lock, kHeartbeat, [&] { return finished; })) {
-          if (!peer_gone && std::chrono::steady_clock::now() - last >= kHeartbeat) {
-            send_progress(true);
+        // Woken kHeartbeat after the last frame, whatever sent it.
+        while (!beat_cv.wait_until(lock, last + kHeartbeat, [&] { return finished; })) {
+          if (peer_gone) {
+            beat_cv.wait(lock, [&] { return finished; });
+            break;
           }
+          if (std::chrono::steady_clock::now() - last >= kHeartbeat) send_progress(true);
         }
       });
     } catch (const std::system_error&) {
@@ -662,8 +668,9 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       reply = {{"type", "error"}, {"message", result.error().message()}};
     }
     // An asker that did not wait for the answer (`load --populate`) is no
-    // error: the preload was logged above either way.
-    (void)ch.Send(reply);
+    // error: the preload was logged above either way. After a frame that
+    // could not be sent whole, the connection is closed, not written to.
+    if (peer_gone || !ch.Send(reply).ok()) return Error(protocol::Channel::kClosed);
     return OkStatus();
   }
 
@@ -840,7 +847,12 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   // Engines that all missed may ask for the same model at once: one load,
   // the others wait for it and find it resident. Engines that acquire one
   // of its ranks meanwhile may wait for it too.
-  const std::vector<protocol::CacheKey> loading = group_of(fp->digest);
+  std::vector<protocol::CacheKey> loading;
+  for (int r = 0; r < ranks; ++r) {
+    if (only.empty() || std::find(only.begin(), only.end(), r) != only.end()) {
+      loading.push_back(key_of(fp->digest, r));
+    }
+  }
   registry.BeginLoad(loading);
   struct EndLoad {
     Registry& r;
