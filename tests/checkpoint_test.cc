@@ -1,6 +1,7 @@
 #include "format/checkpoint.h"
 
 #include <gtest/gtest.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -103,6 +104,10 @@ TEST(Checkpoint, ADanglingSymlinkSaysWhatItIs) {
   ExpectError(dir.path(), "a symlink whose target is missing", "m.safetensors");
   WriteIndex(dir.path(), {{"a", "m.safetensors"}});
   ExpectError(dir.path(), rules::kShardMissing, "m.safetensors");
+  // Listed, not a file: said so, not only that no shard was found.
+  TempDir fifo;
+  ASSERT_EQ(::mkfifo(fifo.Join("m.safetensors").c_str(), 0600), 0);
+  ExpectError(fifo.path(), rules::kNoShards, "m.safetensors is not a regular file");
 }
 
 TEST(Checkpoint, SymlinkInsideAndHubCacheBlobsAreFine) {

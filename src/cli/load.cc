@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "cli/output.h"
+#include "daemon/registry.h"
 #include "format/writer.h"
 #include "io/file.h"
 #include "protocol/cache_key.h"
@@ -188,7 +189,13 @@ Command AddLoadCommand(CLI::App& root) {
                    3600);
   app->add_flag("--populate", o->populate, "after a miss, ask the daemon to preload for next time");
   app->add_option("--trust", o->trust,
-                  "accept the model pinned under NAME without checking its content (loud)");
+                  "accept the model pinned under NAME without checking its content (loud)")
+      ->check(CLI::Validator(
+          [](std::string& name) {
+            Status s = daemon::CheckPinName(name);
+            return s.ok() ? std::string() : s.error().message();
+          },
+          "NAME"));
   app->add_option("--save", o->save,
                   "write the tensors received (this rank, processed) to FILE as safetensors");
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");

@@ -445,11 +445,12 @@ Command AddEvictCommand(CLI::App& root) {
             auto reply = client::Request(o->socket_dir, {{"type", "evict"}, {"what", o->what}});
             if (!reply.ok()) return ReportError("evict", reply.error().message());
             const json models = reply->value("models", json::array());
-            if (o->json) std::cout << DumpJson(*reply, 2) << "\n";
-            // `all` with nothing resident has nothing to miss.
+            // `all` with nothing resident has nothing to miss. A miss is an
+            // error alone: nothing on stdout a script could take for success.
             if (models.empty() && o->what != "all") {
               return ReportError("evict", "nothing resident matched `" + o->what + "`");
             }
+            if (o->json) std::cout << DumpJson(*reply, 2) << "\n";
             if (!o->json) {
               if (models.empty()) std::cout << "nothing was resident\n";
               for (const auto& m : models) {

@@ -314,8 +314,10 @@ bool Server::Run() {
                            [&] { return s.live_connections == 0 && s.workers == 0; });
   if (!ended) {
     s.abandoned = true;
+    char grace[32];
+    std::snprintf(grace, sizeof grace, "%g", s.options.stop_grace_seconds);
     s.Log("stopping with " + std::to_string(s.live_connections) +
-          " connection(s) still busy after " + std::to_string(s.options.stop_grace_seconds) +
+          " connection(s) still busy after " + grace +
           " s (a file system call that does not return?): not waiting for them");
     // A thread stuck in a FUSE request may outlive even SIGKILL, and with
     // it this process's descriptors: the directory is free for the next
@@ -890,14 +892,13 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   };
   if (missing.empty()) {
     if (!pin.empty()) pin_all(fp->digest);
-    // The same keys as a load's reply, for scripts that read them either way.
-    uint64_t bytes = 0;
-    for (const auto& m : held) bytes += m->segment->size();
+    // The same keys as a load's reply, for scripts that read them either
+    // way: nothing loaded, no bytes.
     return json{{"already_resident", true},
                 {"key", protocol::ToJson(expected)},
                 {"ranks", ranks},
                 {"loaded_ranks", json::array()},
-                {"bytes", bytes},
+                {"bytes", 0},
                 {"tensors", held.empty() ? 0 : held.front()->tensors},
                 {"seconds",
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},

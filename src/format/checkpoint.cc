@@ -265,6 +265,7 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
     listing.bytes_read = text.size();
   }
   if (lister.joinable()) lister.join();
+  std::string skipped;  // the first *.safetensors entry that is not a file
   if (!has_index) {
     if (!entries) entries = fs.ListDirectory(path);
     if (!entries->ok()) return entries->error();
@@ -272,12 +273,18 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
       if (!EndsWith(e.name, kShardSuffix)) continue;
       if (e.type == io::EntryType::kRegular || e.type == io::EntryType::kSymlink) {
         names.push_back(e.name);
+      } else if (skipped.empty()) {
+        skipped = e.name;  // a directory, a FIFO...: not a shard
       }
     }
     listing.round_trips += 2;  // opendir, readdir
   }
   std::sort(names.begin(), names.end());
   names.erase(std::unique(names.begin(), names.end()), names.end());
+  if (names.empty() && !skipped.empty()) {
+    return Error(path + ": " + std::string(rules::kNoShards) + " (" + skipped +
+                 " is not a regular file)");
+  }
   if (names.empty()) return Error(path + ": " + std::string(rules::kNoShards));
   if (listing.weight_map && index_signature && options.remember_index) {
     options.remember_index(*index_signature, names);
