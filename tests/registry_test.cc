@@ -161,5 +161,36 @@ TEST(Registry, APinNamesEveryRankOfAPreloadAcrossDevices) {
   EXPECT_EQ(r.Take().names.back(), "prod");
 }
 
+// A lookup that misses while its very key is being loaded says so, or waits
+// for the load and finds what it published.
+TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
+  Registry r(8 * kMiB);
+  protocol::CacheKey key;
+  key.checkpoint = "xxh3-128:loading";
+  key.device = "host";
+  r.BeginLoad({key});
+  Registry::Lookup now = r.Acquire(key, "");
+  EXPECT_FALSE(now.model);
+  EXPECT_TRUE(now.loading);
+  std::thread loader([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    Publish(r, "host", 1, "xxh3-128:loading");
+    r.EndLoad({key});
+  });
+  Registry::Lookup waited =
+      r.Acquire(key, "", std::chrono::steady_clock::now() + std::chrono::minutes(5));
+  loader.join();
+  ASSERT_TRUE(waited.model) << waited.reason;
+  EXPECT_FALSE(waited.loading);
+  r.Release(waited.model);
+  // Nothing in flight: a miss is a plain miss, at once.
+  protocol::CacheKey other = key;
+  other.checkpoint = "xxh3-128:other";
+  Registry::Lookup miss =
+      r.Acquire(other, "", std::chrono::steady_clock::now() + std::chrono::minutes(5));
+  EXPECT_FALSE(miss.model);
+  EXPECT_FALSE(miss.loading);
+}
+
 }  // namespace
 }  // namespace weightd::daemon

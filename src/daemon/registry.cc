@@ -129,8 +129,20 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
   return models_.back();
 }
 
-Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::string& trust) {
-  std::lock_guard lock(mu_);
+Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::string& trust,
+                                   std::chrono::steady_clock::time_point wait_until) {
+  std::unique_lock lock(mu_);
+  Lookup out = AcquireLocked(key, trust);
+  if (out.model || !trust.empty() || !LoadingLocked(key)) return out;
+  // Published when the load ends (before EndLoad wakes us): look again then.
+  if (!load_done_.wait_until(lock, wait_until, [&] { return !LoadingLocked(key); })) {
+    out.loading = true;
+    return out;
+  }
+  return AcquireLocked(key, trust);
+}
+
+Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const std::string& trust) {
   Lookup out;
   if (models_.empty()) {
     out.reason = "no model is resident";
@@ -170,11 +182,6 @@ void Registry::Release(const std::shared_ptr<ResidentModel>& model) {
     AccountLocked(model->key.device).used -= model->segment->reserved_bytes();
   }
   model->last_used = std::chrono::steady_clock::now();
-}
-
-bool Registry::Has(const protocol::CacheKey& key) const {
-  std::lock_guard lock(mu_);
-  return std::any_of(models_.begin(), models_.end(), [&](const auto& m) { return m->key == key; });
 }
 
 void Registry::TakeNameLocked(const std::string& name,
@@ -219,12 +226,6 @@ void Registry::EndLoad(const std::vector<protocol::CacheKey>& keys) {
     if (it != loading_.end()) loading_.erase(it);
   }
   load_done_.notify_all();
-}
-
-bool Registry::WaitForLoad(const protocol::CacheKey& key,
-                           std::chrono::steady_clock::time_point until) {
-  std::unique_lock lock(mu_);
-  return !load_done_.wait_until(lock, until, [&] { return !LoadingLocked(key); });
 }
 
 std::vector<Eviction> Registry::Evict(const std::string& what) {

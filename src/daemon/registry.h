@@ -94,14 +94,15 @@ class Registry {
     std::vector<protocol::FieldDifference> mismatch;  // on a miss, against the closest model
     std::string reason;                               // on a miss
     std::string name;                                 // on a hit: its pinned name, if any
+    bool loading = false;  // on a miss: a load of exactly this key is in flight
   };
   // Finds the model for `key` and leases it. `trust` (not empty) names a
   // pinned model whose content is not compared (every other field is).
-  Lookup Acquire(const protocol::CacheKey& key, const std::string& trust);
+  // Missing it while a load of exactly `key` is in flight, waits for that
+  // load until `wait_until` (default: no wait) and looks again.
+  Lookup Acquire(const protocol::CacheKey& key, const std::string& trust,
+                 std::chrono::steady_clock::time_point wait_until = {});
   void Release(const std::shared_ptr<ResidentModel>& model);
-
-  // Whether a model with exactly this key is resident.
-  bool Has(const protocol::CacheKey& key) const;
 
   // Names every resident model whose key is in `group` (the ranks of one
   // preload), taking the name from every other; false when none is resident.
@@ -112,9 +113,6 @@ class Registry {
   // them all in flight; EndLoad clears the marks.
   void BeginLoad(const std::vector<protocol::CacheKey>& keys);
   void EndLoad(const std::vector<protocol::CacheKey>& keys);
-  // Whether a load of `key` is in flight, after waiting for it to end until
-  // `until` (now: no wait).
-  bool WaitForLoad(const protocol::CacheKey& key, std::chrono::steady_clock::time_point until);
 
   // Evicts models matching `what`: "all", a pinned name, a prefix (at
   // least 8 characters) of the checkpoint digest, or "#ID" (one model, as
@@ -146,6 +144,8 @@ class Registry {
   Eviction EvictLocked(size_t index, Dropped& dropped);
   // Takes `name` from every model whose key is not in `group`: a name pins
   // all the ranks one preload made, whatever device each is on.
+  // REQUIRES: mu_ held.
+  Lookup AcquireLocked(const protocol::CacheKey& key, const std::string& trust);
   // REQUIRES: mu_ held.
   bool LoadingLocked(const protocol::CacheKey& key) const;
   // REQUIRES: mu_ held.

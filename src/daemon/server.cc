@@ -506,26 +506,16 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       }
       wait_seconds = std::min(it->get<double>(), kMaxAcquireWaitSeconds);
     }
-    Registry::Lookup found = registry.Acquire(key, trust);
-    if (!found.model && trust.empty()) {
-      const auto until = std::chrono::steady_clock::now() +
-                         std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                             std::chrono::duration<double>(wait_seconds));
-      const bool loading = registry.WaitForLoad(key, std::chrono::steady_clock::now());
-      // Published between the lookup and that look: found now.
-      if (!loading) found = registry.Acquire(key, trust);
-      if (loading && wait_seconds > 0) {
-        Log("acquire from " + who + " waits for the load of " + protocol::ShortDescription(key) +
-            " in flight");
-      }
-      if (loading && !registry.WaitForLoad(key, until)) {
-        found = registry.Acquire(key, trust);
-      } else if (loading) {
-        found.reason =
-            "the daemon is loading this very model right now (an engine that waits "
-            "for the daemon, --wait-for-daemon, waits for the load)";
-        found.mismatch.clear();
-      }
+    Registry::Lookup found =
+        registry.Acquire(key, trust,
+                         std::chrono::steady_clock::now() +
+                             std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                                 std::chrono::duration<double>(wait_seconds)));
+    if (found.loading) {
+      found.reason =
+          "the daemon is loading this very model right now (an engine that waits for the daemon, "
+          "--wait-for-daemon, waits for the load)";
+      found.mismatch.clear();
     }
     if (!found.model) {
       json mismatch = json::array(), fields = json::array();
@@ -849,11 +839,12 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   // Engines that all missed may ask for the same model at once: one load,
   // the others wait for it and find it resident. Engines that acquire one
   // of its ranks meanwhile may wait for it too.
+  auto wanted = [&](int r) {
+    return only.empty() || std::find(only.begin(), only.end(), r) != only.end();
+  };
   std::vector<protocol::CacheKey> loading;
   for (int r = 0; r < ranks; ++r) {
-    if (only.empty() || std::find(only.begin(), only.end(), r) != only.end()) {
-      loading.push_back(key_of(fp->digest, r));
-    }
+    if (wanted(r)) loading.push_back(key_of(fp->digest, r));
   }
   registry.BeginLoad(loading);
   struct EndLoad {
@@ -875,7 +866,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   } release_held{registry, held};
   std::string name = pin;
   for (int r = 0; r < ranks; ++r) {
-    if (!only.empty() && std::find(only.begin(), only.end(), r) == only.end()) continue;
+    if (!wanted(r)) continue;
     Registry::Lookup found = registry.Acquire(key_of(fp->digest, r), "");
     if (!found.model) {
       missing.push_back(r);
