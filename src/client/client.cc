@@ -108,6 +108,9 @@ class WeightsImpl final : public Weights {
   std::vector<std::string> fields_;
   std::string digest_;
 
+  // The manifest's bytes at the start of the segment last indexed.
+  uint64_t manifest_bytes() const { return manifest_bytes_; }
+
   Status CopyToHost(const Tensor& t, uint64_t offset, std::span<std::byte> out) const override {
     if (offset > t.bytes || out.size() > t.bytes - offset) {
       return Error("bytes past the end of tensor `" + std::string(t.name) + "`");
@@ -129,6 +132,7 @@ class WeightsImpl final : public Weights {
                uint64_t device_base, uint64_t segment_bytes) {
     WEIGHTD_ASSIGN_OR_RETURN(memory::ManifestView view,
                              memory::ReadManifest(manifest, segment_bytes));
+    manifest_bytes_ = view.data_offset;
     tensors_.clear();
     tensors_.reserve(view.tensors.size());
     for (const memory::TensorRecord& r : view.tensors) {
@@ -159,6 +163,7 @@ class WeightsImpl final : public Weights {
 
   std::string device_ = "host";
   uint64_t device_base_ = 0;
+  uint64_t manifest_bytes_ = 0;  // where the tensors' data starts
 };
 
 struct Miss {
@@ -346,12 +351,7 @@ std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
   w->segment = std::move(copy).value();
   // The manifest is kept, not the host mapping: the daemon may evict its
   // copy and free that memory.
-  auto view = memory::ReadManifest(host);
-  if (!view.ok()) {
-    miss.reason += "; " + view.error().message();
-    return nullptr;
-  }
-  w->manifest_copy.assign(host.begin(), host.begin() + static_cast<ptrdiff_t>(view->data_offset));
+  w->manifest_copy.assign(host.begin(), host.begin() + static_cast<ptrdiff_t>(w->manifest_bytes()));
   if (Status s =
           w->IndexOnGpu(w->manifest_copy, w->segment->device_address(), host.size(), device.Name());
       !s.ok()) {
@@ -475,18 +475,24 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
 
   protocol::CacheKey key;
   Miss miss;
+  bool reloaded = false;
+  // The daemon asked for `key`; a model it holds in host memory only is
+  // copied up to this GPU from there (the host-tier reload).
+  auto ask = [&](const AcquireOptions& o) {
+    miss = {};
+    std::unique_ptr<WeightsImpl> w = TryDaemon(key, o, miss);
+    if (!w && device.kind == memory::DeviceKind::kCuda &&
+        miss.fields == std::vector<std::string>{"device"}) {
+      w = ReloadFromHost(key, device, o, miss);
+      reloaded = w != nullptr;
+    }
+    return w;
+  };
   std::unique_ptr<WeightsImpl> hit;
   AcquireOptions checked = options;  // what the lookup that counts was asked with
-  bool reloaded = false;
   if (!options.trust.empty()) {
     key = protocol::MakeKey("", keyed, plan_name, plan_digest);
-    hit = TryDaemon(key, options, miss);
-    // Pinned in host memory, wanted on this GPU: copied up, still trusted.
-    if (!hit && device.kind == memory::DeviceKind::kCuda &&
-        miss.fields == std::vector<std::string>{"device"}) {
-      hit = ReloadFromHost(key, device, options, miss);
-      reloaded = hit != nullptr;
-    }
+    hit = ask(options);
     if (!hit && miss.daemon_reachable) {
       // The name is not (or no longer) on a model like this: the checkpoint
       // may still be resident, found by its content as without --trust.
@@ -497,14 +503,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   }
   if (!hit && checked.trust.empty()) {
     WEIGHTD_ASSIGN_OR_RETURN(key, content_key());
-    miss = {};
-    hit = TryDaemon(key, checked, miss);
-  }
-  // Not on this GPU, but in the daemon's host memory: copied up from there.
-  if (!hit && checked.trust.empty() && device.kind == memory::DeviceKind::kCuda &&
-      miss.fields == std::vector<std::string>{"device"}) {
-    hit = ReloadFromHost(key, device, checked, miss);
-    reloaded = hit != nullptr;
+    hit = ask(checked);
   }
   if (hit) {
     if (!checked.trust.empty()) {
