@@ -260,7 +260,9 @@ CUmemAllocationProp SegmentProp(CUdevice dev) {
 
 }  // namespace
 
-Result<std::vector<CudaDevice>> ListCudaDevices() {
+namespace {
+
+Result<std::vector<CudaDevice>> AskForCudaDevices() {
   WEIGHTD_ASSIGN_OR_RETURN(const Driver* d, LoadDriver());
   int count = 0;
   if (CUresult r = d->cuDeviceGetCount(&count); r != CUDA_SUCCESS) {
@@ -304,6 +306,15 @@ Result<std::vector<CudaDevice>> ListCudaDevices() {
     out.push_back(std::move(info));
   }
   return out;
+}
+
+}  // namespace
+
+// The driver fixes what a process sees at cuInit (CUDA_VISIBLE_DEVICES
+// included): asked once, not at every segment made or mapped.
+Result<std::vector<CudaDevice>> ListCudaDevices() {
+  static const Result<std::vector<CudaDevice>> devices = AskForCudaDevices();
+  return devices;
 }
 
 namespace {

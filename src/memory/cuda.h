@@ -64,7 +64,8 @@ struct CudaDevice {
 };
 
 // What the driver sees, or why there is no CUDA here ("libcuda.so.1 not
-// found: ...", "no CUDA device: ..."). Loads the driver once.
+// found: ...", "no CUDA device: ..."). Asked once per process: the driver
+// fixes what a process sees when it starts.
 Result<std::vector<CudaDevice>> ListCudaDevices();
 
 // The device an ordinal names in this process, by UUID.
