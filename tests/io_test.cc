@@ -174,11 +174,14 @@ TEST(WorkerPool, TeamsFromManyThreadsAndReserve) {
   EXPECT_GE(WorkerPool::Shared().threads(), 64);
 }
 
-TEST(Paths, JoinAndBaseName) {
+TEST(Paths, JoinBaseNameAndDirName) {
   EXPECT_EQ(JoinPath("a", "b"), "a/b");
   EXPECT_EQ(JoinPath("a/", "b"), "a/b");
   EXPECT_EQ(BaseName("/x/y/model.safetensors"), "model.safetensors");
   EXPECT_EQ(BaseName("dir/"), "dir");
+  EXPECT_EQ(DirName("/x/y/model.safetensors"), "/x/y");
+  EXPECT_EQ(DirName("weightd.toml"), ".");
+  EXPECT_EQ(DirName("/weightd.toml"), "/");
 }
 
 }  // namespace

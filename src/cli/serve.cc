@@ -54,10 +54,25 @@ uint64_t HalfOfMemory() {
   return total > 0 ? total / 2 : 1ull << 30;
 }
 
+// One device's budget, as --budget DEVICE=SIZE or a config's [budget] names it.
+struct Budget {
+  std::string device;  // as given: host, cuda:N, cuda:GPU-<uuid>
+  bool host = false;
+  uint64_t bytes = 0;
+};
+
+Result<Budget> ParseBudget(const std::string& device, const std::string& amount) {
+  auto spec = memory::ParseDevice(device);
+  if (!spec.ok()) return Error("`" + device + "` is not host, cuda:N or cuda:GPU-<uuid>");
+  auto bytes = ParseSize(amount);
+  if (!bytes) return Error("`" + amount + "` is not a size like 64G");
+  return Budget{device, spec->kind == memory::DeviceSpec::Kind::kHost, *bytes};
+}
+
 struct ServeOptions {
   std::string socket_dir;
   std::vector<std::string> budgets;
-  std::vector<std::string> config_budgets;  // the config file's; --budget wins per device
+  std::vector<Budget> config_budgets;  // the config file's; --budget wins per device
   std::string config;
   bool no_cache = false;
   double stop_timeout = 10;
@@ -111,15 +126,11 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
         }
         const std::string amount =
             size.is_string() ? *size.value<std::string>() : std::to_string(*size.value<int64_t>());
-        if (!ParseSize(amount)) {
-          return fail("budget." + std::string(device.str()) + ": `" + amount +
-                      "` is not a size like \"64G\"");
+        auto budget = ParseBudget(std::string(device.str()), amount);
+        if (!budget.ok()) {
+          return fail("budget." + std::string(device.str()) + ": " + budget.error().message());
         }
-        if (!memory::ParseDevice(std::string(device.str())).ok()) {
-          return fail("[budget] names `" + std::string(device.str()) +
-                      "`, not host, cuda:N or cuda:GPU-<uuid>");
-        }
-        o.config_budgets.push_back(std::string(device.str()) + "=" + amount);
+        o.config_budgets.push_back(*budget);
       }
     } else if (k == "model") {
       if (!value.is_array_of_tables()) return fail("model must be [[model]] tables");
@@ -135,12 +146,9 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
         if (m.path.empty()) return fail("a [[model]] without a path");
         // Relative to the config file, wherever the daemon was started.
         if (m.path.front() != '/') {
-          const size_t slash = file.rfind('/');
-          auto dir = io::PosixFileSystem().RealPath(
-              slash == std::string::npos ? std::string(".")
-                                         : file.substr(0, std::max<size_t>(slash, 1)));
+          auto dir = io::PosixFileSystem().RealPath(io::DirName(file));
           if (!dir.ok()) return fail(dir.error().message());
-          m.path = *dir + "/" + m.path;
+          m.path = io::JoinPath(*dir, m.path);
         }
         if (!m.pin.empty()) {
           if (Status s = daemon::CheckPinName(m.pin); !s.ok()) {
@@ -176,25 +184,24 @@ int RunServe(ServeOptions o) {
   so.stop_grace_seconds = o.stop_timeout;
   // The file's first, then the flags: for a device named in both, the last
   // one given (the flag) is the one that holds.
-  std::vector<std::string> budgets = o.config_budgets;
-  budgets.insert(budgets.end(), o.budgets.begin(), o.budgets.end());
-  for (const std::string& b : budgets) {
+  std::vector<Budget> budgets = o.config_budgets;
+  for (const std::string& b : o.budgets) {
     const size_t eq = b.find('=');
-    const std::string device = eq == std::string::npos ? "host" : b.substr(0, eq);
-    auto size = ParseSize(eq == std::string::npos ? b : b.substr(eq + 1));
-    auto spec = memory::ParseDevice(device);
-    if (!spec.ok() || !size) {
+    auto budget = eq == std::string::npos ? ParseBudget("host", b)
+                                          : ParseBudget(b.substr(0, eq), b.substr(eq + 1));
+    if (!budget.ok()) {
       return ReportError("serve",
-                         "--budget " + b + ": " +
-                             (!spec.ok() ? "`" + device + "` is not host, cuda:N or cuda:GPU-<uuid>"
-                                         : "not a size like 64G") +
+                         "--budget " + b + ": " + budget.error().message() +
                              " (expected DEVICE=SIZE, e.g. host=64G, cuda:0=70G)",
                          kExitUsage);
     }
-    if (spec->kind == memory::DeviceSpec::Kind::kHost) {
-      so.host_budget = *size;
+    budgets.push_back(*budget);
+  }
+  for (const Budget& b : budgets) {
+    if (b.host) {
+      so.host_budget = b.bytes;
     } else {
-      so.gpu_budgets.emplace_back(device, *size);
+      so.gpu_budgets.emplace_back(b.device, b.bytes);
     }
   }
   auto log_mu = std::make_shared<std::mutex>();
@@ -450,8 +457,9 @@ Command AddEvictCommand(CLI::App& root) {
             if (models.empty() && o->what != "all") {
               return ReportError("evict", "nothing resident matched `" + o->what + "`");
             }
-            if (o->json) std::cout << DumpJson(*reply, 2) << "\n";
-            if (!o->json) {
+            if (o->json) {
+              std::cout << DumpJson(*reply, 2) << "\n";
+            } else {
               if (models.empty()) std::cout << "nothing was resident\n";
               for (const auto& m : models) {
                 std::cout << "evicted " << Printable(m.value("description", "")) << "\n";

@@ -32,13 +32,6 @@ bool EndsWith(std::string_view s, std::string_view suffix) {
   return s.size() >= suffix.size() && s.substr(s.size() - suffix.size()) == suffix;
 }
 
-std::string Parent(const std::string& path) {
-  size_t slash = path.rfind('/');
-  if (slash == std::string::npos) return ".";
-  if (slash == 0) return "/";
-  return path.substr(0, slash);
-}
-
 // The name as written must not climb out: no absolute paths, no "..", no
 // empty or NUL-bearing names.
 bool NameStaysInside(std::string_view name) {
@@ -81,9 +74,9 @@ Result<std::string> CheckShardPath(io::FileSystem& fs, const std::string& label,
                  " (" + real.error().message() + ")");
   }
   if (IsUnder(*real, real_dir)) return *real;
-  const std::string snapshots = Parent(real_dir);
+  const std::string snapshots = io::DirName(real_dir);
   if (io::BaseName(snapshots) == "snapshots" &&
-      IsUnder(*real, io::JoinPath(Parent(snapshots), "blobs"))) {
+      IsUnder(*real, io::JoinPath(io::DirName(snapshots), "blobs"))) {
     return *real;
   }
   return Error(label + ": shard `" + name + "`: " + std::string(rules::kShardNameEscapes) +

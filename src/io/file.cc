@@ -178,4 +178,11 @@ std::string BaseName(const std::string& path) {
   return slash == std::string::npos ? p : p.substr(slash + 1);
 }
 
+std::string DirName(const std::string& path) {
+  const size_t slash = path.rfind('/');
+  if (slash == std::string::npos) return ".";
+  if (slash == 0) return "/";
+  return path.substr(0, slash);
+}
+
 }  // namespace weightd::io

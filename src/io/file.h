@@ -95,4 +95,7 @@ std::string JoinPath(const std::string& dir, const std::string& name);
 // The last component of a path ("a/b/c.safetensors" -> "c.safetensors").
 std::string BaseName(const std::string& path);
 
+// All but the last component ("a/b/c" -> "a/b", "c" -> ".", "/c" -> "/").
+std::string DirName(const std::string& path);
+
 }  // namespace weightd::io
