@@ -32,7 +32,7 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
     // else answers at once. Silence this long is a stopped or hung daemon.
     auto reply = ch->Receive(kSilenceLimitMs);
     if (!reply.ok()) {
-      const bool silent = reply.error().message().find("timed out") != std::string::npos;
+      const bool silent = reply.error().message() == protocol::Channel::kTimedOut;
       return Error("the daemon did not answer: " + reply.error().message() +
                    (silent ? " (nothing for " + std::to_string(kSilenceLimitMs / 1000) +
                                  " s: is it stopped or hung?)"

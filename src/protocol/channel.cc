@@ -59,7 +59,7 @@ Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds,
     }
     WEIGHTD_ASSIGN_OR_RETURN(bool ready, WaitReadable(fd, timeout));
     if (!ready) {
-      return Error(got == 0 && first ? "timed out waiting for a frame" : "frame timed out halfway");
+      return Error(got == 0 && first ? Channel::kTimedOut : "frame timed out halfway");
     }
     iovec iov{dst + got, n - got};
     alignas(cmsghdr) char control[kControlRoom];

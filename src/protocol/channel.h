@@ -54,6 +54,8 @@ class Channel {
   int fd() const { return socket_.get(); }
 
   static constexpr const char* kClosed = "connection closed";
+  // ...and one whose timeout passed before a frame began: kTimedOut.
+  static constexpr const char* kTimedOut = "timed out waiting for a frame";
   static constexpr int kBodyTimeoutMs = 10'000;
 
  private:
