@@ -10,6 +10,9 @@
 #include <array>
 #include <csignal>
 #include <cstring>
+#include <fstream>
+#include <limits>
+#include <thread>
 
 #include "fingerprint/fingerprint.h"
 #include "format/checkpoint.h"
@@ -163,6 +166,76 @@ TEST(HostSegment, GatheredWritesLandInOrder) {
   }
   EXPECT_EQ(bytes[at], std::byte{0});
   EXPECT_EQ(bytes[99], std::byte{0});
+}
+
+// Free 2 MiB pages in the system's huge-page pool (HugePages_Free).
+long FreeHugePages() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  long value = 0;
+  while (meminfo >> key) {
+    if (key == "HugePages_Free:" && meminfo >> value) return value;
+    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
+  }
+  return 0;
+}
+
+// Raises the huge-page pool by `pages` for one test and puts it back
+// after. Needs root, and room the kernel can find for the pages: where
+// either is missing, `raised` stays false.
+class HugePagePool {
+ public:
+  explicit HugePagePool(long pages) {
+    std::ifstream in(kKnob);
+    if (!(in >> old_)) return;
+    std::ofstream(kKnob) << old_ + pages << "\n";
+    raised_ = FreeHugePages() >= pages;
+  }
+  ~HugePagePool() {
+    if (old_ >= 0) std::ofstream(kKnob) << old_ << "\n";
+  }
+  bool raised() const { return raised_; }
+
+ private:
+  static constexpr const char* kKnob = "/proc/sys/vm/nr_hugepages";
+  long old_ = -1;
+  bool raised_ = false;
+};
+
+TEST(HostSegment, HugePagesFromThePoolAndNormalPagesWhenItIsShort) {
+  constexpr long kPool = 64;  // 128 MiB: room for other tests' segments too
+  HugePagePool pool(kPool);
+  if (!pool.raised()) GTEST_SKIP() << "no huge-page pool can be set up here (needs root)";
+  constexpr uint64_t kSize = (6ull << 20) + 1;
+  auto seg = memory::CreateHostSegment(kSize, "huge-test");
+  ASSERT_TRUE(seg.ok()) << seg.error().message();
+  ASSERT_TRUE((*seg)->huge_pages());
+  EXPECT_EQ((*seg)->reserved_bytes(), 8ull << 20);
+  // Filled by two threads at once, each page first touched by a write.
+  std::vector<std::byte> pattern(kSize);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<std::byte>(i * 13 + 5);
+  auto fill = [&](uint64_t from, uint64_t to) {
+    ASSERT_TRUE(
+        (*seg)->Write(from, std::span(pattern).subspan(from, static_cast<size_t>(to - from))).ok());
+  };
+  std::thread half(fill, 0, kSize / 2);
+  fill(kSize / 2, kSize);
+  half.join();
+  ASSERT_TRUE((*seg)->Seal().ok());
+  auto fd = (*seg)->Export();
+  ASSERT_TRUE(fd.ok());
+  auto map = memory::MapHostSegment(*fd, kSize);
+  ASSERT_TRUE(map.ok()) << map.error().message();
+  EXPECT_TRUE(std::equal(pattern.begin(), pattern.end(), (*map)->bytes().begin()));
+
+  // More than the pool holds: normal pages, not a failure, and nothing
+  // taken from the pool.
+  const long free_before = FreeHugePages();
+  const uint64_t too_big = static_cast<uint64_t>(free_before + 1) * (2ull << 20);
+  auto fallback = memory::CreateHostSegment(too_big, "huge-test-short");
+  ASSERT_TRUE(fallback.ok()) << fallback.error().message();
+  EXPECT_FALSE((*fallback)->huge_pages());
+  EXPECT_EQ((*fallback)->size(), too_big);
 }
 
 TEST(HostSegment, UnsealedDescriptorsAreRefused) {

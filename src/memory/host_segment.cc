@@ -133,19 +133,30 @@ class HostSegment final : public Segment {
   bool sealed_ = false;
 };
 
-// A memfd with `bytes` of memory behind it, or an error (ENOSPC, ENOMEM
-// when the system has not that much to give).
+// A memfd of `bytes`, or an error (ENOSPC, ENOMEM when the system has not
+// that much to give).
 Result<UniqueFd> MakeMemfd(const std::string& name, uint64_t bytes, bool huge) {
   unsigned flags = MFD_CLOEXEC | MFD_ALLOW_SEALING | (huge ? MFD_HUGETLB | MFD_HUGE_2MB : 0u);
   UniqueFd fd(::memfd_create(name.c_str(), flags));
   if (!fd.valid()) return Error(Errno("memfd_create"));
   if (::ftruncate(fd.get(), static_cast<off_t>(bytes)) != 0) return Error(Errno("ftruncate"));
-  // Huge pages are a fixed pool: take them now, so a short pool falls back
-  // to normal pages here instead of failing halfway through the fill.
-  if (huge && ::fallocate(fd.get(), 0, 0, static_cast<off_t>(bytes)) != 0) {
+  return fd;
+}
+
+// A huge-page memfd of `bytes` (a multiple of the huge page size) and its
+// writable mapping. Huge pages are a fixed pool: making a shared mapping
+// reserves every page it covers from the pool, so a pool too small fails
+// here, before any byte is written, and the caller falls back to normal
+// pages instead of failing halfway through the fill. The pages themselves
+// are taken and zeroed as the fill first touches them, by every writing
+// thread at once (fallocate would do it in one pass, under the file's lock).
+Result<std::pair<UniqueFd, std::byte*>> MakeHugeSegment(const std::string& name, uint64_t bytes) {
+  WEIGHTD_ASSIGN_OR_RETURN(UniqueFd fd, MakeMemfd(name, bytes, true));
+  void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
+  if (p == MAP_FAILED) {
     return Error(Errno("cannot reserve " + std::to_string(bytes) + " bytes of huge pages"));
   }
-  return fd;
+  return std::pair(std::move(fd), static_cast<std::byte*>(p));
 }
 
 // MemAvailable from /proc/meminfo, in bytes; nullopt where it cannot be read.
@@ -212,26 +223,21 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
                  std::to_string(*available) + " bytes of memory are available (MemAvailable)");
   }
   const std::string label = "weightd:" + name;
-  const long page = ::sysconf(_SC_PAGESIZE);
-  bool huge = options.try_huge_pages && size >= kHugePageBytes;
-  uint64_t reserved = RoundUp(size, huge ? kHugePageBytes : static_cast<uint64_t>(page));
-  auto fd = huge ? MakeMemfd(label, reserved, true) : Error("no huge pages tried");
-  if (!fd.ok()) {
-    huge = false;
-    reserved = RoundUp(size, static_cast<uint64_t>(page));
-    fd = MakeMemfd(label, reserved, false);
-    if (!fd.ok())
-      return Error("cannot create a host segment of " + std::to_string(size) +
-                   " bytes: " + fd.error().message());
+  if (options.try_huge_pages && size >= kHugePageBytes) {
+    const uint64_t reserved = RoundUp(size, kHugePageBytes);
+    if (auto made = MakeHugeSegment(label, reserved); made.ok()) {
+      auto& [fd, map] = *made;
+      return std::unique_ptr<Segment>(new HostSegment(std::move(fd), size, reserved, true, map));
+    }
   }
-  std::byte* map = nullptr;
-  if (huge) {
-    void* p = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_SHARED, fd->get(), 0);
-    if (p == MAP_FAILED) return Error(Errno("cannot map a new host segment"));
-    map = static_cast<std::byte*>(p);
+  const uint64_t reserved = RoundUp(size, static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
+  auto fd = MakeMemfd(label, reserved, false);
+  if (!fd.ok()) {
+    return Error("cannot create a host segment of " + std::to_string(size) +
+                 " bytes: " + fd.error().message());
   }
   return std::unique_ptr<Segment>(
-      new HostSegment(std::move(fd).value(), size, reserved, huge, map));
+      new HostSegment(std::move(fd).value(), size, reserved, false, nullptr));
 }
 
 Mapping::~Mapping() {
