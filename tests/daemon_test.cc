@@ -140,7 +140,18 @@ TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   std::filesystem::create_directories(dir_.Join("elsewhere"));
   std::filesystem::copy(a, copy);
   auto daemon = StartDaemon();
-  Preload(a);
+  // A load says where its time went: each phase within the whole.
+  CommandResult first = Run({"preload", a, "--json"});
+  ASSERT_EQ(first.exit_code, 0) << first.err;
+  const json loaded = json::parse(first.out);
+  double phases = 0;
+  for (const char* phase : {"fingerprint", "plan", "read", "finish"}) {
+    ASSERT_TRUE(loaded["phases"].contains(phase)) << phase << " in " << loaded.dump();
+    EXPECT_GE(loaded["phases"][phase].get<double>(), 0) << phase;
+    phases += loaded["phases"][phase].get<double>();
+  }
+  EXPECT_GT(loaded["phases"]["read"].get<double>(), 0);
+  EXPECT_LE(phases, loaded["seconds"].get<double>());
   json j = Load(copy);
   EXPECT_EQ(j["source"], "daemon") << j.dump();
   // Preloading the copy reads nothing, and says so with a load's keys.
@@ -149,7 +160,7 @@ TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   json again = json::parse(r.out);
   EXPECT_TRUE(again["already_resident"].get<bool>());
   for (const char* key :
-       {"key", "ranks", "loaded_ranks", "bytes", "tensors", "seconds", "evicted"}) {
+       {"key", "ranks", "loaded_ranks", "bytes", "tensors", "seconds", "phases", "evicted"}) {
     EXPECT_TRUE(again.contains(key)) << key << " in " << again.dump();
   }
   EXPECT_EQ(again["bytes"], 0);  // of the ranks loaded: none

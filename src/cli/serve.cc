@@ -6,6 +6,7 @@
 
 #include <CLI/CLI.hpp>
 #include <chrono>
+#include <cstdio>
 #include <cstdlib>
 #include <ctime>
 #include <future>
@@ -375,6 +376,16 @@ Command AddPreloadCommand(CLI::App& root) {
                         << Count(reply->value("tensors", uint64_t{0}), "tensor") << ", "
                         << FormatBytes(reply->value("bytes", uint64_t{0})) << ", "
                         << reply->value("seconds", 0.0) << " s)\n";
+              if (const json phases = reply->value("phases", json::object()); !phases.empty()) {
+                auto s = [&](const char* phase) {
+                  char text[32];
+                  std::snprintf(text, sizeof text, "%.3f s", phases.value(phase, 0.0));
+                  return std::string(text);
+                };
+                std::cout << "  fingerprint " << s("fingerprint") << ", headers and plan "
+                          << s("plan") << ", reads " << s("read") << ", seal and digest "
+                          << s("finish") << "\n";
+              }
               for (const auto& e : reply->value("evicted", json::array())) {
                 std::cout << "  evicted to make room: " << e.get<std::string>() << "\n";
               }

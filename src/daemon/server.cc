@@ -822,6 +822,8 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
   if (!fp.ok()) return fp.error();
   if (cache) (void)cache->Save();
+  const double fingerprint_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // Every rank's key; a preload makes them all.
   auto key_of = [&](const std::string& digest, int rank) {
     protocol::Processing p = processing;
@@ -885,15 +887,18 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     if (!pin.empty()) pin_all(fp->digest);
     // The same keys as a load's reply, for scripts that read them either
     // way: nothing loaded, no bytes.
-    return json{{"already_resident", true},
-                {"key", protocol::ToJson(expected)},
-                {"ranks", ranks},
-                {"loaded_ranks", json::array()},
-                {"bytes", 0},
-                {"tensors", held.empty() ? 0 : held.front()->tensors},
-                {"seconds",
-                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
-                {"evicted", json::array()}};
+    return json{
+        {"already_resident", true},
+        {"key", protocol::ToJson(expected)},
+        {"ranks", ranks},
+        {"loaded_ranks", json::array()},
+        {"bytes", 0},
+        {"tensors", held.empty() ? 0 : held.front()->tensors},
+        {"seconds",
+         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
+        {"phases",
+         {{"fingerprint", fingerprint_seconds}, {"plan", 0.0}, {"read", 0.0}, {"finish", 0.0}}},
+        {"evicted", json::array()}};
   }
 
   std::vector<uint64_t> reserved;  // per rank, in load order
@@ -962,6 +967,10 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const json phases = {{"fingerprint", fingerprint_seconds},
+                       {"plan", loaded->phases.plan},
+                       {"read", loaded->phases.read},
+                       {"finish", loaded->phases.finish}};
   uint64_t bytes = 0;
   const std::vector<protocol::CacheKey> group = group_of(loaded->checkpoint_digest);
   for (size_t i = 0; i < loaded->ranks.size(); ++i) {
@@ -982,7 +991,10 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
         (name.empty() ? "" : " (pinned as `" + name + "`)") + ": " +
         std::to_string(published->segment->size()) + " bytes, " +
-        std::to_string(published->tensors) + " tensors in " + std::to_string(seconds) + " s");
+        std::to_string(published->tensors) + " tensors in " + std::to_string(seconds) +
+        " s (fingerprint " + std::to_string(fingerprint_seconds) + " s, headers and plan " +
+        std::to_string(loaded->phases.plan) + " s, reads " + std::to_string(loaded->phases.read) +
+        " s, seal and digest " + std::to_string(loaded->phases.finish) + " s)");
   }
   // Ranks that stayed resident take a new name too.
   if (!pin.empty() && !held.empty()) pin_all(loaded->checkpoint_digest);
@@ -995,6 +1007,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
               {"bytes", bytes},
               {"tensors", loaded->tensors},
               {"seconds", seconds},
+              {"phases", phases},
               {"evicted", evicted_json}};
 }
 

@@ -241,6 +241,9 @@ std::vector<size_t> AllTargets(size_t n) {
 Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
                                    const LoadOptions& options) {
   const auto start = std::chrono::steady_clock::now();
+  auto since = [](std::chrono::steady_clock::time_point t) {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count();
+  };
   const transform::Processing& processing = options.processing;
   const bool identity = processing.tp_size == 1 && !processing.dtype && !processing.fp8_block;
   if (!identity && processing.plan == nullptr) return Error("processing without a shard plan");
@@ -477,6 +480,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     const transform::OutputTensor& o = plan.outputs[j.output];
     total += (j.row1 - j.row0) * transform::SourceRowBytes(o, source_dtypes[o.source]);
   }
+  model.phases.plan = since(start);
+  const auto reading = std::chrono::steady_clock::now();
   std::atomic<size_t> next_job{0};
   std::atomic<bool> failed{false};
   std::mutex mu;  // guards error, progress and stats
@@ -516,6 +521,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     }
   });
   if (error) return *error;
+  const auto finishing = std::chrono::steady_clock::now();
   for (const auto& [t, range] : zeros) {  // vocab padding
     const std::vector<std::byte> zero(static_cast<size_t>(range.second));
     WEIGHTD_RETURN_IF_ERROR(targets[t].segment->Write(range.first, zero));
@@ -571,7 +577,9 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   model.tensors = plan.outputs.size();
   model.data_bytes = done;
   model.reads = reads + 2 * shards.size();
-  model.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  model.phases.read = std::chrono::duration<double>(finishing - reading).count();
+  model.phases.finish = since(finishing);
+  model.seconds = since(start);
   return model;
 }
 
