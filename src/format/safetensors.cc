@@ -68,6 +68,7 @@ Result<TensorInfo> ParseTensorEntry(std::string_view label, std::string_view nam
       if (field.value.get_array().get(dims) != simdjson::SUCCESS) {
         return TensorError(label, name, rules::kBadShape);
       }
+      info.shape.reserve(dims.size());
       for (auto dim : dims) {
         uint64_t d;
         if (dim.get_uint64().get(d) != simdjson::SUCCESS) {

@@ -142,7 +142,8 @@ Result<OutputTensor> Cut(const SourceTensor& s, Split split, int n) {
   o.shape.assign(s.shape.begin(), s.shape.end());
   o.split = split;
   const auto ranks = static_cast<uint64_t>(n);
-  const std::string how = std::string(SplitName(split)) + " split";
+  // For errors only: not built for the 70,000 tensors that have none.
+  auto how = [&] { return std::string(SplitName(split)) + " split"; };
   uint64_t rest = 1;
   for (size_t d = 1; d < s.shape.size(); ++d) {
     if (!Mul(rest, s.shape[d], &rest)) return TensorError(s.name, "too many elements");
@@ -156,9 +157,10 @@ Result<OutputTensor> Cut(const SourceTensor& s, Split split, int n) {
       break;
     case Split::kColumn:
     case Split::kVocab:
-      if (s.shape.empty()) return TensorError(s.name, how + " cuts dim 0; the tensor is a scalar");
+      if (s.shape.empty())
+        return TensorError(s.name, how() + " cuts dim 0; the tensor is a scalar");
       if (split == Split::kColumn && o.source_rows % ranks != 0) {
-        return TensorError(s.name, how + ": dim 0 (" + std::to_string(o.source_rows) +
+        return TensorError(s.name, how() + ": dim 0 (" + std::to_string(o.source_rows) +
                                        ") is not divisible by --tp-size " + std::to_string(n));
       }
       o.rows = (o.source_rows + ranks - 1) / ranks;
@@ -166,11 +168,11 @@ Result<OutputTensor> Cut(const SourceTensor& s, Split split, int n) {
       break;
     case Split::kRow: {
       if (s.shape.size() < 2) {
-        return TensorError(s.name, how + " cuts dim 1; the tensor has " +
+        return TensorError(s.name, how() + " cuts dim 1; the tensor has " +
                                        std::to_string(s.shape.size()) + " dimension(s)");
       }
       if (s.shape[1] % ranks != 0) {
-        return TensorError(s.name, how + ": dim 1 (" + std::to_string(s.shape[1]) +
+        return TensorError(s.name, how() + ": dim 1 (" + std::to_string(s.shape[1]) +
                                        ") is not divisible by --tp-size " + std::to_string(n));
       }
       o.shape[1] = s.shape[1] / ranks;
@@ -181,7 +183,7 @@ Result<OutputTensor> Cut(const SourceTensor& s, Split split, int n) {
   const uint64_t bits = format::DTypeBits(s.dtype);
   if (split != Split::kReplicate && n > 1 && bits % 8 != 0 &&
       ((o.source_row_elems * bits) % 8 != 0 || (o.row_elems * bits) % 8 != 0)) {
-    return TensorError(s.name, how + ": packed " + std::string(format::DTypeName(s.dtype)) +
+    return TensorError(s.name, how() + ": packed " + std::string(format::DTypeName(s.dtype)) +
                                    " elements would be cut inside a byte");
   }
   uint64_t elements, total_bits;
