@@ -228,6 +228,20 @@ TEST(HostSegment, HugePagesFromThePoolAndNormalPagesWhenItIsShort) {
   ASSERT_TRUE(map.ok()) << map.error().message();
   EXPECT_TRUE(std::equal(pattern.begin(), pattern.end(), (*map)->bytes().begin()));
 
+  // Pages the fill never touched read as zeros (they come from the
+  // reservation when an engine first reads them), not a SIGBUS.
+  auto sparse = memory::CreateHostSegment(kSize, "huge-test-sparse");
+  ASSERT_TRUE(sparse.ok()) << sparse.error().message();
+  ASSERT_TRUE((*sparse)->huge_pages());
+  ASSERT_TRUE((*sparse)->Write(0, std::span(pattern).first(100)).ok());
+  ASSERT_TRUE((*sparse)->Seal().ok());
+  auto sparse_fd = (*sparse)->Export();
+  ASSERT_TRUE(sparse_fd.ok());
+  auto sparse_map = memory::MapHostSegment(*sparse_fd, kSize);
+  ASSERT_TRUE(sparse_map.ok()) << sparse_map.error().message();
+  const std::span<const std::byte> rest = (*sparse_map)->bytes().subspan(100);
+  EXPECT_TRUE(std::all_of(rest.begin(), rest.end(), [](std::byte b) { return b == std::byte{0}; }));
+
   // More than the pool holds: normal pages, not a failure, and nothing
   // taken from the pool.
   const long free_before = FreeHugePages();
