@@ -332,6 +332,35 @@ TEST(Manifest, CorruptTablesAreErrorsNotCrashes) {
   EXPECT_FALSE(memory::ReadManifest(tables.first(64), plan->total_bytes).ok());
 }
 
+TEST(Manifest, VisitingHandsOverEveryTensorAndStopsAtTheVisitorsError) {
+  const std::vector<uint64_t> shape = {2};
+  auto plan = memory::PlanSegment(
+      {{"a", "F32", shape, 8, 0}, {"b", "BF16", shape, 4, 0}, {"c", "U8", shape, 2, 0}});
+  ASSERT_TRUE(plan.ok());
+  std::vector<uint64_t> words(plan->total_bytes / 8 + 1);
+  std::span<std::byte> seg(reinterpret_cast<std::byte*>(words.data()), plan->total_bytes);
+  memory::WriteManifest(*plan, seg);
+  auto summary = memory::ReadManifestSummary(seg, seg.size());
+  ASSERT_TRUE(summary.ok()) << summary.error().message();
+  EXPECT_EQ(summary->tensor_count, 3u);
+  EXPECT_EQ(summary->data_offset, plan->data_offset);
+  std::string seen;
+  ASSERT_TRUE(memory::VisitTensors(seg, seg.size(), [&](const memory::TensorRecord& t) {
+                seen += std::string(t.name) + ":" + std::string(t.dtype) + " ";
+                return OkStatus();
+              }).ok());
+  EXPECT_EQ(seen, "a:F32 b:BF16 c:U8 ");
+  seen.clear();
+  Status stopped = memory::VisitTensors(seg, seg.size(), [&](const memory::TensorRecord& t) {
+    seen += t.name;
+    return t.name == "b" ? Status(Error("no b here")) : OkStatus();
+  });
+  ASSERT_FALSE(stopped.ok());
+  EXPECT_EQ(stopped.error().message(), "no b here");
+  EXPECT_EQ(seen, "ab");
+  EXPECT_FALSE(memory::ReadManifestSummary(seg.first(10), seg.size()).ok());
+}
+
 TEST(CacheKey, DifferencesAreNamedAndTrustSkipsOnlyTheContent) {
   protocol::CacheKey held = protocol::MakeKey("xxh3-128:aa", {}, "replicate", "xxh3-64:0");
   protocol::CacheKey wanted = held;

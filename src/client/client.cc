@@ -130,35 +130,44 @@ class WeightsImpl final : public Weights {
   // for a GPU's, which are at `device_base`).
   Status Index(std::span<const std::byte> manifest, std::span<const std::byte> host,
                uint64_t device_base, uint64_t segment_bytes) {
-    WEIGHTD_ASSIGN_OR_RETURN(memory::ManifestView view,
-                             memory::ReadManifest(manifest, segment_bytes));
-    manifest_bytes_ = view.data_offset;
+    WEIGHTD_ASSIGN_OR_RETURN(memory::ManifestSummary summary,
+                             memory::ReadManifestSummary(manifest, segment_bytes));
+    manifest_bytes_ = summary.data_offset;
     tensors_.clear();
-    tensors_.reserve(view.tensors.size());
-    for (const memory::TensorRecord& r : view.tensors) {
-      // The engine will index the data by shape: shape and dtype must
-      // account for exactly the bytes the record gives.
-      auto dtype = format::ParseDType(r.dtype);
-      if (!dtype) return Error("segment tensor `" + std::string(r.name) + "`: unknown dtype");
-      uint64_t elements = 1;
-      for (uint64_t d : r.shape) {
-        if (__builtin_mul_overflow(elements, d, &elements)) elements = UINT64_MAX;
-      }
-      uint64_t bits;  // rounded up to whole bytes without wrapping near 2^64
-      if (__builtin_mul_overflow(elements, format::DTypeBits(*dtype), &bits) ||
-          bits / 8 + (bits % 8 != 0 ? 1 : 0) != r.bytes) {
-        return Error("segment tensor `" + std::string(r.name) + "`: its shape does not match its " +
-                     std::to_string(r.bytes) + " bytes");
-      }
-      Tensor t{r.name, r.dtype, r.shape, {}, r.bytes, 0};
-      if (host.empty()) {
-        t.device_address = device_base + r.offset;
-      } else {
-        t.data = host.subspan(static_cast<size_t>(r.offset), static_cast<size_t>(r.bytes));
-      }
-      tensors_.push_back(t);
-    }
-    return OkStatus();
+    // Bounded by the manifest's size, which ReadManifestSummary checked.
+    tensors_.reserve(static_cast<size_t>(summary.tensor_count));
+    // Neighbours mostly share a dtype: its name is looked up once a run.
+    std::string_view last_name;
+    std::optional<format::DType> last_dtype;
+    return memory::VisitTensors(
+        manifest, segment_bytes, [&](const memory::TensorRecord& r) -> Status {
+          if (r.dtype != last_name || !last_dtype) {
+            last_dtype = format::ParseDType(r.dtype);
+            last_name = r.dtype;
+          }
+          if (!last_dtype)
+            return Error("segment tensor `" + std::string(r.name) + "`: unknown dtype");
+          // The engine will index the data by shape: shape and dtype must
+          // account for exactly the bytes the record gives.
+          uint64_t elements = 1;
+          for (uint64_t d : r.shape) {
+            if (__builtin_mul_overflow(elements, d, &elements)) elements = UINT64_MAX;
+          }
+          uint64_t bits;  // rounded up to whole bytes without wrapping near 2^64
+          if (__builtin_mul_overflow(elements, format::DTypeBits(*last_dtype), &bits) ||
+              bits / 8 + (bits % 8 != 0 ? 1 : 0) != r.bytes) {
+            return Error("segment tensor `" + std::string(r.name) +
+                         "`: its shape does not match its " + std::to_string(r.bytes) + " bytes");
+          }
+          Tensor t{r.name, r.dtype, r.shape, {}, r.bytes, 0};
+          if (host.empty()) {
+            t.device_address = device_base + r.offset;
+          } else {
+            t.data = host.subspan(static_cast<size_t>(r.offset), static_cast<size_t>(r.bytes));
+          }
+          tensors_.push_back(t);
+          return OkStatus();
+        });
   }
 
   std::string device_ = "host";

@@ -139,47 +139,64 @@ void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment) {
   }
 }
 
-Result<ManifestView> ReadManifest(std::span<const std::byte> segment) {
-  return ReadManifest(segment, segment.size());
-}
+namespace {
 
-Result<ManifestView> ReadManifest(std::span<const std::byte> manifest, uint64_t size) {
-  const std::span<const std::byte> segment = manifest;
-  if (segment.size() < kHeaderBytes) return Corrupt("shorter than its header");
+// A manifest's header, checked against its tables and a segment of `size`
+// bytes, and where its tables are.
+struct CheckedHeader {
   Header h;
-  std::memcpy(&h, segment.data(), sizeof h);
+  uint64_t dims_at = 0;
+  uint64_t strings_at = 0;
+  uint64_t data_end = 0;
+};
+
+Result<CheckedHeader> CheckHeader(std::span<const std::byte> manifest, uint64_t size) {
+  if (manifest.size() < kHeaderBytes) return Corrupt("shorter than its header");
+  CheckedHeader c;
+  Header& h = c.h;
+  std::memcpy(&h, manifest.data(), sizeof h);
   if (std::memcmp(h.magic, kMagic, sizeof kMagic) != 0) return Corrupt("wrong magic");
   if (h.zero != 0) return Corrupt("a reserved field is set");
   uint64_t records_bytes, dims_bytes, end;
   if (!Mul(h.tensor_count, kRecordBytes, &records_bytes) || !Mul(h.dims_count, 8, &dims_bytes) ||
       !Add(kHeaderBytes, records_bytes, &end) || !Add(end, dims_bytes, &end) ||
       !Add(end, h.string_bytes, &end) || end > h.manifest_bytes ||
-      h.manifest_bytes > segment.size() || h.manifest_bytes > size) {
+      h.manifest_bytes > manifest.size() || h.manifest_bytes > size) {
     return Corrupt("its tables do not fit");
   }
-  uint64_t data_end;
-  if (h.data_offset < h.manifest_bytes || !Add(h.data_offset, h.data_bytes, &data_end) ||
-      data_end > size) {
+  if (h.data_offset < h.manifest_bytes || !Add(h.data_offset, h.data_bytes, &c.data_end) ||
+      c.data_end > size) {
     return Corrupt("its data region does not fit");
   }
-  const std::byte* base = segment.data();
-  const uint64_t dims_at = kHeaderBytes + records_bytes;
-  const uint64_t strings_at = dims_at + dims_bytes;
-  // The mapping is page aligned and every table starts at a multiple of 8.
-  const auto* all_dims = reinterpret_cast<const uint64_t*>(base + dims_at);
-  const auto* strings = reinterpret_cast<const char*>(base + strings_at);
+  c.dims_at = kHeaderBytes + records_bytes;
+  c.strings_at = c.dims_at + dims_bytes;
+  return c;
+}
 
-  ManifestView view;
-  view.data_offset = h.data_offset;
-  view.data_bytes = h.data_bytes;
+}  // namespace
+
+Result<ManifestSummary> ReadManifestSummary(std::span<const std::byte> manifest, uint64_t size) {
+  WEIGHTD_ASSIGN_OR_RETURN(CheckedHeader c, CheckHeader(manifest, size));
+  return ManifestSummary{c.h.tensor_count, c.h.data_offset, c.h.data_bytes};
+}
+
+Status VisitTensors(std::span<const std::byte> manifest, uint64_t size,
+                    const std::function<Status(const TensorRecord&)>& visit) {
+  WEIGHTD_ASSIGN_OR_RETURN(CheckedHeader c, CheckHeader(manifest, size));
+  const Header& h = c.h;
+  const std::byte* base = manifest.data();
+  // The mapping is page aligned and every table starts at a multiple of 8.
+  const auto* all_dims = reinterpret_cast<const uint64_t*>(base + c.dims_at);
+  const auto* strings = reinterpret_cast<const char*>(base + c.strings_at);
+  std::string_view previous;
   for (uint64_t i = 0; i < h.tensor_count; ++i) {
     Record r;
     std::memcpy(&r, base + kHeaderBytes + i * kRecordBytes, sizeof r);
     uint64_t name_end, dims_end, tensor_end;
     if (!Add(r.name_offset, r.name_length, &name_end) || name_end > h.string_bytes ||
         !Add(r.first_dim, r.rank, &dims_end) || dims_end > h.dims_count ||
-        r.offset < h.data_offset || !Add(r.offset, r.bytes, &tensor_end) || tensor_end > data_end ||
-        r.offset % 8 != 0 || !ValidDTypeField(r.dtype)) {
+        r.offset < h.data_offset || !Add(r.offset, r.bytes, &tensor_end) ||
+        tensor_end > c.data_end || r.offset % 8 != 0 || !ValidDTypeField(r.dtype)) {
       return Corrupt("record " + std::to_string(i) + " points outside the segment");
     }
     TensorRecord t;
@@ -191,11 +208,28 @@ Result<ManifestView> ReadManifest(std::span<const std::byte> manifest, uint64_t 
     t.shape = std::span(all_dims + r.first_dim, r.rank);
     t.offset = r.offset;
     t.bytes = r.bytes;
-    if (i > 0 && !(view.tensors.back().name < t.name)) {
-      return Corrupt("tensor names are not sorted and unique");
-    }
-    view.tensors.push_back(t);
+    if (i > 0 && !(previous < t.name)) return Corrupt("tensor names are not sorted and unique");
+    previous = t.name;
+    WEIGHTD_RETURN_IF_ERROR(visit(t));
   }
+  return OkStatus();
+}
+
+Result<ManifestView> ReadManifest(std::span<const std::byte> segment) {
+  return ReadManifest(segment, segment.size());
+}
+
+Result<ManifestView> ReadManifest(std::span<const std::byte> manifest, uint64_t size) {
+  WEIGHTD_ASSIGN_OR_RETURN(ManifestSummary summary, ReadManifestSummary(manifest, size));
+  ManifestView view;
+  view.data_offset = summary.data_offset;
+  view.data_bytes = summary.data_bytes;
+  // Bounded by the tables' fit: a record per 56 bytes of the manifest.
+  view.tensors.reserve(static_cast<size_t>(summary.tensor_count));
+  WEIGHTD_RETURN_IF_ERROR(VisitTensors(manifest, size, [&](const TensorRecord& t) {
+    view.tensors.push_back(t);
+    return OkStatus();
+  }));
   return view;
 }
 

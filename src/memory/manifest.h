@@ -21,6 +21,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -69,6 +70,24 @@ struct ManifestView {
   uint64_t data_offset = 0;
   uint64_t data_bytes = 0;
 };
+
+// What a manifest says of itself, checked: for callers that visit its
+// tensors (VisitTensors) instead of collecting them.
+struct ManifestSummary {
+  uint64_t tensor_count = 0;
+  uint64_t data_offset = 0;
+  uint64_t data_bytes = 0;
+};
+// Checks a manifest's header and that its tables fit, for a segment of
+// `segment_size` bytes (see ReadManifest for `manifest`).
+Result<ManifestSummary> ReadManifestSummary(std::span<const std::byte> manifest,
+                                            uint64_t segment_size);
+// Hands every tensor to `visit`, by name, each record checked first: what
+// ReadManifest collects, without a copy of the list (70,000 records are
+// megabytes to fault in). The first error, a corrupt record's or one
+// `visit` returns, ends it. The views point into `manifest`.
+Status VisitTensors(std::span<const std::byte> manifest, uint64_t segment_size,
+                    const std::function<Status(const TensorRecord&)>& visit);
 
 // Reads and checks the manifest of a mapped segment. The views point into
 // `segment`.
