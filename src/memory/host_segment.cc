@@ -11,14 +11,23 @@
 #include <cstdio>
 #include <cstring>
 #include <optional>
+#include <system_error>
+#include <thread>
 #include <vector>
 
 #include "memory/segment.h"
+
+// Linux 5.14; headers older than the kernel may lack it.
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23
+#endif
 
 namespace weightd::memory {
 namespace {
 
 constexpr uint64_t kHugePageBytes = 2ull << 20;
+// Threads that take a new huge-page segment's pages (and zero them) at once.
+constexpr uint64_t kMaxPopulateThreads = 16;
 constexpr int kRequiredSeals = F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK;
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
@@ -72,9 +81,6 @@ class HostSegment final : public Segment {
       return Error(Errno("cannot unmap the segment"));
     }
     map_ = nullptr;
-    // Huge-page memfds do not take F_SEAL_WRITE on older kernels; they are
-    // still sealed against resizing, and importers refuse them (below), so
-    // such a segment never leaves this process unsealed.
     if (::fcntl(fd_.get(), F_ADD_SEALS, kRequiredSeals | F_SEAL_SEAL) != 0) {
       return Error(Errno("cannot seal the segment"));
     }
@@ -143,20 +149,62 @@ Result<UniqueFd> MakeMemfd(const std::string& name, uint64_t bytes, bool huge) {
   return fd;
 }
 
+// Takes every page of a new huge-page mapping now, several threads each
+// over its own stretch, so that each zeroes its share. Taken here, a page
+// the system will not give is an error (EFAULT, ENOMEM) to fall back on;
+// taken by a write during the fill, it would be a SIGBUS that kills the
+// daemon (a cgroup's hugetlb limit is charged when a page is first
+// touched, not when the mapping reserves it). EINVAL: the kernel is older
+// than MADV_POPULATE_WRITE (5.14), and fallocate takes them in one pass.
+Status TakeHugePages(int fd, std::byte* map, uint64_t bytes) {
+  const uint64_t pages = bytes / kHugePageBytes;
+  const uint64_t threads =
+      std::clamp<uint64_t>(std::thread::hardware_concurrency(), 1, kMaxPopulateThreads);
+  const uint64_t per_thread = (pages + threads - 1) / threads * kHugePageBytes;
+  std::vector<int> errors(static_cast<size_t>(threads), 0);
+  {
+    std::vector<std::jthread> team;
+    for (uint64_t t = 0; t < threads && t * per_thread < bytes; ++t) {
+      const uint64_t from = t * per_thread;
+      const uint64_t length = std::min(per_thread, bytes - from);
+      auto populate = [=, &errors] {
+        if (::madvise(map + from, length, MADV_POPULATE_WRITE) != 0) {
+          errors[static_cast<size_t>(t)] = errno;
+        }
+      };
+      try {
+        team.emplace_back(populate);
+      } catch (const std::system_error&) {
+        populate();  // no thread to spare: this one does it
+      }
+    }
+  }
+  const auto failed = std::find_if(errors.begin(), errors.end(), [](int e) { return e != 0; });
+  if (failed == errors.end()) return OkStatus();
+  if (*failed == EINVAL && ::fallocate(fd, 0, 0, static_cast<off_t>(bytes)) == 0) {
+    return OkStatus();
+  }
+  errno = *failed;
+  return Error(Errno("cannot take " + std::to_string(bytes) + " bytes of huge pages"));
+}
+
 // A huge-page memfd of `bytes` (a multiple of the huge page size) and its
-// writable mapping. Huge pages are a fixed pool: making a shared mapping
-// reserves every page it covers from the pool, so a pool too small fails
-// here, before any byte is written, and the caller falls back to normal
-// pages instead of failing halfway through the fill. The pages themselves
-// are taken and zeroed as the fill first touches them, by every writing
-// thread at once (fallocate would do it in one pass, under the file's lock).
+// writable mapping, every page taken from the pool: a pool too small, or a
+// limit on what this process may take, fails here, before any byte is
+// read, and the caller falls back to normal pages instead of failing (or
+// dying) halfway through the fill.
 Result<std::pair<UniqueFd, std::byte*>> MakeHugeSegment(const std::string& name, uint64_t bytes) {
   WEIGHTD_ASSIGN_OR_RETURN(UniqueFd fd, MakeMemfd(name, bytes, true));
   void* p = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd.get(), 0);
   if (p == MAP_FAILED) {
     return Error(Errno("cannot reserve " + std::to_string(bytes) + " bytes of huge pages"));
   }
-  return std::pair(std::move(fd), static_cast<std::byte*>(p));
+  auto* map = static_cast<std::byte*>(p);
+  if (Status taken = TakeHugePages(fd.get(), map, bytes); !taken.ok()) {
+    ::munmap(map, bytes);
+    return taken.error();
+  }
+  return std::pair(std::move(fd), map);
 }
 
 // MemAvailable from /proc/meminfo, in bytes; nullopt where it cannot be read.
