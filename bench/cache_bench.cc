@@ -90,8 +90,8 @@ PreloadTimes Preload(const std::string& model, const std::vector<std::string>& f
   std::vector<std::string> args = {"preload", model, "--json", "--socket-dir", socket_dir};
   args.insert(args.end(), flags.begin(), flags.end());
   const json reply = Weightd(args);
-  const json& phases = reply["phases"];
-  return {reply["seconds"], phases["plan"], phases["read"], phases["finish"]};
+  const json& phases = reply.at("phases");
+  return {reply.at("seconds"), phases.at("plan"), phases.at("read"), phases.at("finish")};
 }
 
 double PreloadSeconds(const std::string& model, const std::vector<std::string>& flags = {}) {

@@ -361,6 +361,26 @@ TEST(Manifest, VisitingHandsOverEveryTensorAndStopsAtTheVisitorsError) {
   EXPECT_FALSE(memory::ReadManifestSummary(seg.first(10), seg.size()).ok());
 }
 
+TEST(Manifest, ATerabyteOfClaimedRecordsIsAnErrorNotAnAbort) {
+  // Whoever sends a segment can make it a sparse memfd of any size, which
+  // costs nothing, and claim a table that fills it.
+  constexpr uint64_t kClaimed = 1ull << 40;
+  memory::UniqueFd fd(::memfd_create("sparse", MFD_CLOEXEC));
+  ASSERT_TRUE(fd.valid());
+  ASSERT_EQ(::ftruncate(fd.get(), static_cast<off_t>(kClaimed)), 0);
+  void* p =
+      ::mmap(nullptr, kClaimed, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_NORESERVE, fd.get(), 0);
+  ASSERT_NE(p, MAP_FAILED);
+  // magic, manifest bytes, tensor count, dimensions, string bytes, data
+  // offset, data bytes, zero: every record of zeros, the first one wrong.
+  const uint64_t header[8] = {0, kClaimed, (kClaimed - 64) / 56, 0, 0, kClaimed, 0, 0};
+  std::memcpy(p, header, sizeof header);
+  std::memcpy(p, "WDSEG01", 8);
+  auto m = memory::ReadManifest(std::span(static_cast<const std::byte*>(p), kClaimed));
+  EXPECT_FALSE(m.ok());
+  ::munmap(p, kClaimed);
+}
+
 TEST(CacheKey, DifferencesAreNamedAndTrustSkipsOnlyTheContent) {
   protocol::CacheKey held = protocol::MakeKey("xxh3-128:aa", {}, "replicate", "xxh3-64:0");
   protocol::CacheKey wanted = held;

@@ -134,8 +134,10 @@ class WeightsImpl final : public Weights {
                              memory::ReadManifestSummary(manifest, segment_bytes));
     manifest_bytes_ = summary.data_offset;
     tensors_.clear();
-    // Bounded by the manifest's size, which ReadManifestSummary checked.
-    tensors_.reserve(static_cast<size_t>(summary.tensor_count));
+    // The count is the daemon's word, and a sparse memfd makes any size
+    // look backed: room for at most a million up front, more as records
+    // pass their checks.
+    tensors_.reserve(static_cast<size_t>(std::min(summary.tensor_count, memory::kReserveRecords)));
     // Neighbours mostly share a dtype: its name is looked up once a run.
     std::string_view last_name;
     std::optional<format::DType> last_dtype;

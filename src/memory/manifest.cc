@@ -224,8 +224,8 @@ Result<ManifestView> ReadManifest(std::span<const std::byte> manifest, uint64_t 
   ManifestView view;
   view.data_offset = summary.data_offset;
   view.data_bytes = summary.data_bytes;
-  // Bounded by the tables' fit: a record per 56 bytes of the manifest.
-  view.tensors.reserve(static_cast<size_t>(summary.tensor_count));
+  // The count is untrusted, and a sparse memfd makes any size look backed.
+  view.tensors.reserve(static_cast<size_t>(std::min(summary.tensor_count, kReserveRecords)));
   WEIGHTD_RETURN_IF_ERROR(VisitTensors(manifest, size, [&](const TensorRecord& t) {
     view.tensors.push_back(t);
     return OkStatus();

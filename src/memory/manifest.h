@@ -71,6 +71,11 @@ struct ManifestView {
   uint64_t data_bytes = 0;
 };
 
+// Records a reader may make room for before it has checked them: a
+// manifest's tensor count is only checked against its size, and a sparse
+// memfd costs nothing for any size it claims.
+inline constexpr uint64_t kReserveRecords = 1 << 20;
+
 // What a manifest says of itself, checked: for callers that visit its
 // tensors (VisitTensors) instead of collecting them.
 struct ManifestSummary {
