@@ -1,6 +1,7 @@
 // Segments, manifests, the cache key, the wire, and the loader, in process.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
@@ -168,50 +169,57 @@ TEST(HostSegment, GatheredWritesLandInOrder) {
   EXPECT_EQ(bytes[99], std::byte{0});
 }
 
-// Free 2 MiB pages in the system's huge-page pool (HugePages_Free).
-long FreeHugePages() {
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  long value = 0;
-  while (meminfo >> key) {
-    if (key == "HugePages_Free:" && meminfo >> value) return value;
-    meminfo.ignore(std::numeric_limits<std::streamsize>::max(), '\n');
-  }
-  return 0;
-}
-
-// Raises the huge-page pool by `pages` for one test and puts it back
-// after. Needs root, and room the kernel can find for the pages: where
-// either is missing, `raised` stays false.
+// The system's pool of 2 MiB pages (what MFD_HUGE_2MB takes from), raised
+// for one test and put back after. Needs root and room the kernel can find
+// for the pages; with overcommitted (surplus) pages, a short pool is not
+// short, and the test's fallback case cannot be made. The change is made
+// under a lock file (two test runs at once would each restore the other's
+// value) and undone by this, the parent process: the checks run in a child,
+// which a crash cannot stop from being cleaned up after. The test runs
+// alone in ctest (RUN_SERIAL): other tests' segments would take the pages.
 class HugePagePool {
  public:
-  explicit HugePagePool(long pages) {
-    std::ifstream in(kKnob);
-    if (!(in >> old_)) return;
-    std::ofstream(kKnob) << old_ + pages << "\n";
-    raised_ = FreeHugePages() >= pages;
+  static constexpr const char* kDir = "/sys/kernel/mm/hugepages/hugepages-2048kB/";
+
+  static long Read(const char* knob) {
+    std::ifstream in(std::string(kDir) + knob);
+    long value = -1;
+    return in >> value ? value : -1;
+  }
+  // Pages free and not promised to a mapping already.
+  static long Available() { return Read("free_hugepages") - Read("resv_hugepages"); }
+
+  // Raises the pool by `pages`; why not, when it cannot (empty when it did).
+  std::string Raise(long pages) {
+    if (Read("nr_overcommit_hugepages") != 0) return "the pool is overcommitted or missing";
+    lock_fd_ = ::open("/tmp/weightd-huge-page-test.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (lock_fd_ < 0 || ::flock(lock_fd_, LOCK_EX) != 0) return "no lock file";
+    old_ = Read("nr_hugepages");
+    if (old_ < 0 || !(std::ofstream(std::string(kDir) + "nr_hugepages") << old_ + pages)) {
+      old_ = -1;
+      return "the pool cannot be raised here (needs root)";
+    }
+    if (Available() < pages) return "the kernel found no room for the pages";
+    return "";
   }
   ~HugePagePool() {
-    if (old_ >= 0) std::ofstream(kKnob) << old_ << "\n";
+    if (old_ >= 0) std::ofstream(std::string(kDir) + "nr_hugepages") << old_;
+    if (lock_fd_ >= 0) ::close(lock_fd_);
   }
-  bool raised() const { return raised_; }
 
  private:
-  static constexpr const char* kKnob = "/proc/sys/vm/nr_hugepages";
+  int lock_fd_ = -1;
   long old_ = -1;
-  bool raised_ = false;
 };
 
-TEST(HostSegment, HugePagesFromThePoolAndNormalPagesWhenItIsShort) {
-  constexpr long kPool = 64;  // 128 MiB: room for other tests' segments too
-  HugePagePool pool(kPool);
-  if (!pool.raised()) GTEST_SKIP() << "no huge-page pool can be set up here (needs root)";
+// In the child: a segment from the pool, filled from two threads, holes
+// read back as zeros, and normal pages when the pool is short.
+void CheckHugePageSegments() {
   constexpr uint64_t kSize = (6ull << 20) + 1;
   auto seg = memory::CreateHostSegment(kSize, "huge-test");
   ASSERT_TRUE(seg.ok()) << seg.error().message();
   ASSERT_TRUE((*seg)->huge_pages());
   EXPECT_EQ((*seg)->reserved_bytes(), 8ull << 20);
-  // Filled by two threads at once, each page first touched by a write.
   std::vector<std::byte> pattern(kSize);
   for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<std::byte>(i * 13 + 5);
   auto fill = [&](uint64_t from, uint64_t to) {
@@ -228,8 +236,7 @@ TEST(HostSegment, HugePagesFromThePoolAndNormalPagesWhenItIsShort) {
   ASSERT_TRUE(map.ok()) << map.error().message();
   EXPECT_TRUE(std::equal(pattern.begin(), pattern.end(), (*map)->bytes().begin()));
 
-  // Pages the fill never touched read as zeros (they come from the
-  // reservation when an engine first reads them), not a SIGBUS.
+  // Pages the fill never wrote read as zeros, not a SIGBUS.
   auto sparse = memory::CreateHostSegment(kSize, "huge-test-sparse");
   ASSERT_TRUE(sparse.ok()) << sparse.error().message();
   ASSERT_TRUE((*sparse)->huge_pages());
@@ -242,14 +249,27 @@ TEST(HostSegment, HugePagesFromThePoolAndNormalPagesWhenItIsShort) {
   const std::span<const std::byte> rest = (*sparse_map)->bytes().subspan(100);
   EXPECT_TRUE(std::all_of(rest.begin(), rest.end(), [](std::byte b) { return b == std::byte{0}; }));
 
-  // More than the pool holds: normal pages, not a failure, and nothing
-  // taken from the pool.
-  const long free_before = FreeHugePages();
-  const uint64_t too_big = static_cast<uint64_t>(free_before + 1) * (2ull << 20);
+  // More than the pool has left: normal pages, not a failure.
+  const uint64_t too_big = static_cast<uint64_t>(HugePagePool::Available() + 1) * (2ull << 20);
   auto fallback = memory::CreateHostSegment(too_big, "huge-test-short");
   ASSERT_TRUE(fallback.ok()) << fallback.error().message();
   EXPECT_FALSE((*fallback)->huge_pages());
   EXPECT_EQ((*fallback)->size(), too_big);
+}
+
+TEST(HugePagePool, SegmentsTakeItsPagesAndNormalPagesWhenItIsShort) {
+  HugePagePool pool;
+  if (std::string why = pool.Raise(8); !why.empty()) GTEST_SKIP() << why;
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    CheckHugePageSegments();
+    ::_exit(::testing::Test::HasFailure() ? 1 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "the checks failed (above) or the child died (status " << status << ")";
 }
 
 TEST(HostSegment, UnsealedDescriptorsAreRefused) {
