@@ -73,8 +73,9 @@ struct LoadedModel {
   uint64_t reads = 0;
   double seconds = 0;
   // Where `seconds` went: the headers read and checked, the processing
-  // planned and the segments made (before any weight byte is read); the
-  // weights read into place; the files checked unchanged, the segments
+  // planned and the segments made, by `allocate` (before any weight byte
+  // is read); the weights read into place; the vocabulary padding and the
+  // samples no read passed by, the files checked unchanged, the segments
   // sealed and the fingerprint of what was read computed.
   struct Phases {
     double plan = 0;
