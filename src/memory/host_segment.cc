@@ -164,6 +164,7 @@ Status TakeHugePages(int fd, std::byte* map, uint64_t bytes) {
   std::vector<int> errors(static_cast<size_t>(threads), 0);
   {
     std::vector<std::jthread> team;
+    team.reserve(static_cast<size_t>(threads));
     for (uint64_t t = 0; t < threads && t * per_thread < bytes; ++t) {
       const uint64_t from = t * per_thread;
       const uint64_t length = std::min(per_thread, bytes - from);
@@ -181,10 +182,10 @@ Status TakeHugePages(int fd, std::byte* map, uint64_t bytes) {
   }
   const auto failed = std::find_if(errors.begin(), errors.end(), [](int e) { return e != 0; });
   if (failed == errors.end()) return OkStatus();
+  errno = *failed;
   if (*failed == EINVAL && ::fallocate(fd, 0, 0, static_cast<off_t>(bytes)) == 0) {
     return OkStatus();
   }
-  errno = *failed;
   return Error(Errno("cannot take " + std::to_string(bytes) + " bytes of huge pages"));
 }
 
@@ -261,6 +262,16 @@ Result<UniqueFd> UniqueFd::Duplicate() const {
 Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::string& name,
                                                    const HostSegmentOptions& options) {
   if (size == 0) size = 1;  // an empty model still gets a mappable segment
+  const std::string label = "weightd:" + name;
+  // Huge pages come from their own pool, which MemAvailable does not count:
+  // a machine set up for them may have more in the pool than free.
+  if (options.try_huge_pages && size >= kHugePageBytes) {
+    const uint64_t reserved = RoundUp(size, kHugePageBytes);
+    if (auto made = MakeHugeSegment(label, reserved); made.ok()) {
+      auto& [fd, map] = *made;
+      return std::unique_ptr<Segment>(new HostSegment(std::move(fd), size, reserved, true, map));
+    }
+  }
   // Normal pages are allocated as the fill touches them, by every reading
   // thread at once (allocating them up front costs a single-threaded pass
   // over the whole size). What would not fit in the memory the kernel says
@@ -269,14 +280,6 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
   if (auto available = AvailableMemory(); available && size > *available) {
     return Error("cannot create a host segment of " + std::to_string(size) + " bytes: only " +
                  std::to_string(*available) + " bytes of memory are available (MemAvailable)");
-  }
-  const std::string label = "weightd:" + name;
-  if (options.try_huge_pages && size >= kHugePageBytes) {
-    const uint64_t reserved = RoundUp(size, kHugePageBytes);
-    if (auto made = MakeHugeSegment(label, reserved); made.ok()) {
-      auto& [fd, map] = *made;
-      return std::unique_ptr<Segment>(new HostSegment(std::move(fd), size, reserved, true, map));
-    }
   }
   const uint64_t reserved = RoundUp(size, static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
   auto fd = MakeMemfd(label, reserved, false);

@@ -100,9 +100,10 @@ struct HostSegmentOptions {
   bool try_huge_pages = true;
 };
 
-// A memfd of `size` bytes. A size beyond the memory the kernel reports
-// available is refused here with a message; pages are allocated as the fill
-// touches them. `name` shows in /proc/PID/maps, for whoever debugs.
+// A memfd of `size` bytes: of huge pages when the pool has them all (taken
+// now), else of normal pages, allocated as the fill touches them; a size
+// beyond the memory the kernel reports available is then refused here with
+// a message. `name` shows in /proc/PID/maps, for whoever debugs.
 Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::string& name,
                                                    const HostSegmentOptions& options = {});
 
