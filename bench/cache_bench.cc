@@ -390,10 +390,11 @@ int main(int argc, char** argv) {
 
   std::printf(
       "\nWhere a preload's time goes, page cache warm (the daemon's own timers, medians):\n"
-      "headers read and checked, processing planned and the segment made; the weights read\n"
-      "into the segment; the files checked unchanged, the segment sealed and the fingerprint\n"
-      "of what was read computed. The reads alone against cp tell what any layout of the\n"
-      "metadata work could reach at best.\n\n");
+      "headers read and checked, processing planned, room made in the budget and the segment\n"
+      "made; the weights read into the segment; padding and samples no read passed by, the\n"
+      "files checked unchanged, the segment sealed and the fingerprint of what was read\n"
+      "computed. The key before the load and the reply are in none. The reads alone against\n"
+      "cp tell what any layout of the metadata work could reach at best.\n\n");
   std::printf(
       "| model | headers and plan | reads | seal and digest | reads alone vs cp (warm) |\n");
   std::printf("| --- | ---: | ---: | ---: | ---: |\n");
