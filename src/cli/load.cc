@@ -13,6 +13,7 @@
 #include "format/writer.h"
 #include "io/file.h"
 #include "protocol/cache_key.h"
+#include "protocol/channel.h"
 #include "transform/plan.h"
 #include "weightd/client.h"
 
@@ -186,7 +187,7 @@ Command AddLoadCommand(CLI::App& root) {
   AddSecondsOption(*app, "--wait-for-daemon", o->wait,
                    "seconds to wait for a daemon that is starting, or for its load of this very "
                    "model in flight",
-                   3600);
+                   protocol::kMaxAcquireWaitSeconds);
   app->add_flag("--populate", o->populate, "after a miss, ask the daemon to preload for next time");
   app->add_option("--trust", o->trust,
                   "accept the model pinned under NAME without checking its content (loud)")

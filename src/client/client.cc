@@ -30,8 +30,6 @@ namespace {
 using nlohmann::json;
 
 constexpr int kReplyTimeoutMs = 30'000;
-// The longest an acquire asks the daemon to wait for a load in flight.
-constexpr double kMaxWaitSeconds = 3600;
 constexpr auto kConnectRetry = std::chrono::milliseconds(50);
 
 // Private, page-aligned memory for `copy` mode.
@@ -215,9 +213,10 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
                                        Miss& miss) {
   // Waiting for the daemon, to start or to finish loading this model: an
   // hour at most (inf means that), nan not at all.
-  const double wait = std::isnan(o.wait_for_daemon_seconds)
-                          ? 0
-                          : std::clamp(o.wait_for_daemon_seconds, 0.0, kMaxWaitSeconds);
+  const double wait =
+      std::isnan(o.wait_for_daemon_seconds)
+          ? 0
+          : std::clamp(o.wait_for_daemon_seconds, 0.0, protocol::kMaxAcquireWaitSeconds);
   auto ch = ConnectWaiting(protocol::SocketDirectory(o.socket_dir), wait);
   if (!ch.ok()) {
     miss.reason = "no daemon: " + ch.error().message();

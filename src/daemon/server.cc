@@ -38,8 +38,6 @@ using nlohmann::json;
 
 constexpr uint64_t kReserveRounding = 2ull << 20;  // a segment may round up to huge pages
 constexpr auto kProgressEvery = std::chrono::milliseconds(100);
-// The longest an acquire waits for a load of its model in flight.
-constexpr double kMaxAcquireWaitSeconds = 3600;
 // A preload's asker hears from the daemon at least this often.
 constexpr auto kHeartbeat = std::chrono::seconds(5);
 // Serving threads kept ready (each mostly an idle stack), and how long one
@@ -504,7 +502,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       if (!it->is_number() || !(it->get<double>() >= 0)) {
         return Error("`wait_seconds` is not a number of seconds");
       }
-      wait_seconds = std::min(it->get<double>(), kMaxAcquireWaitSeconds);
+      wait_seconds = std::min(it->get<double>(), protocol::kMaxAcquireWaitSeconds);
     }
     Registry::Lookup found =
         registry.Acquire(key, trust,

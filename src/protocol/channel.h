@@ -29,6 +29,9 @@ inline constexpr uint32_t kProtocolVersion = 1;
 inline constexpr uint32_t kMaxBodyBytes = 1u << 20;
 inline constexpr uint32_t kMaxDescriptors = 2;
 inline constexpr size_t kFrameHeaderBytes = 16;
+// The longest an acquire may ask the daemon to wait for a load of its
+// model in flight (`wait_seconds`); more is taken as this.
+inline constexpr double kMaxAcquireWaitSeconds = 3600;
 
 struct Message {
   nlohmann::json body;  // an object with a string "type"
