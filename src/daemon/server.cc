@@ -822,6 +822,13 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   if (cache) (void)cache->Save();
   const double fingerprint_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  // Where a reply's `seconds` went (docs/daemon.md); 0 for what did not run.
+  auto phases_json = [&](const loader::LoadedModel::Phases& p) {
+    return json{{"fingerprint", fingerprint_seconds},
+                {"plan", p.plan},
+                {"read", p.read},
+                {"finish", p.finish}};
+  };
   // Every rank's key; a preload makes them all.
   auto key_of = [&](const std::string& digest, int rank) {
     protocol::Processing p = processing;
@@ -885,18 +892,16 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     if (!pin.empty()) pin_all(fp->digest);
     // The same keys as a load's reply, for scripts that read them either
     // way: nothing loaded, no bytes.
-    return json{
-        {"already_resident", true},
-        {"key", protocol::ToJson(expected)},
-        {"ranks", ranks},
-        {"loaded_ranks", json::array()},
-        {"bytes", 0},
-        {"tensors", held.empty() ? 0 : held.front()->tensors},
-        {"seconds",
-         std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
-        {"phases",
-         {{"fingerprint", fingerprint_seconds}, {"plan", 0.0}, {"read", 0.0}, {"finish", 0.0}}},
-        {"evicted", json::array()}};
+    return json{{"already_resident", true},
+                {"key", protocol::ToJson(expected)},
+                {"ranks", ranks},
+                {"loaded_ranks", json::array()},
+                {"bytes", 0},
+                {"tensors", held.empty() ? 0 : held.front()->tensors},
+                {"seconds",
+                 std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
+                {"phases", phases_json({})},
+                {"evicted", json::array()}};
   }
 
   std::vector<uint64_t> reserved;  // per rank, in load order
@@ -965,10 +970,6 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  const json phases = {{"fingerprint", fingerprint_seconds},
-                       {"plan", loaded->phases.plan},
-                       {"read", loaded->phases.read},
-                       {"finish", loaded->phases.finish}};
   uint64_t bytes = 0;
   const std::vector<protocol::CacheKey> group = group_of(loaded->checkpoint_digest);
   for (size_t i = 0; i < loaded->ranks.size(); ++i) {
@@ -1005,7 +1006,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
               {"bytes", bytes},
               {"tensors", loaded->tensors},
               {"seconds", seconds},
-              {"phases", phases},
+              {"phases", phases_json(loaded->phases)},
               {"evicted", evicted_json}};
 }
 
