@@ -624,10 +624,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
         std::unique_lock lock(send_mu);
         // Woken kHeartbeat after the last frame, whatever sent it.
         while (!beat_cv.wait_until(lock, last + kHeartbeat, [&] { return finished; })) {
-          if (peer_gone) {
-            beat_cv.wait(lock, [&] { return finished; });
-            break;
-          }
+          if (peer_gone) return;  // nobody to hear it
           if (std::chrono::steady_clock::now() - last >= kHeartbeat) send_progress(true);
         }
       });
