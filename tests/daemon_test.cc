@@ -788,16 +788,26 @@ TEST_F(DaemonTest, PinNamesAndPathsAreChecked) {
     EXPECT_EQ(r.exit_code, 2) << bad;
     EXPECT_NE(r.err.find("pinned name"), std::string::npos) << r.err;
   }
-  auto ch = protocol::ConnectToDaemon(sock_);
-  ASSERT_TRUE(ch.ok());
-  ASSERT_TRUE(ch->Send({{"type", "preload"},
-                        {"path", "a"},
-                        {"processing", protocol::ToJson(protocol::Processing{})}})
-                  .ok());
-  auto reply = ch->Receive(30'000);
-  ASSERT_TRUE(reply.ok());
-  EXPECT_EQ(reply->type(), "error");
-  EXPECT_NE(reply->body.dump().find("must be absolute"), std::string::npos) << reply->body.dump();
+  // The daemon checks for itself what the commands check first: a request
+  // sent straight to its socket.
+  auto refused = [&](json request, const std::string& why) {
+    auto ch = protocol::ConnectToDaemon(sock_);
+    ASSERT_TRUE(ch.ok());
+    request["type"] = "preload";
+    ASSERT_TRUE(ch->Send(request).ok());
+    auto reply = ch->Receive(30'000);
+    ASSERT_TRUE(reply.ok());
+    EXPECT_EQ(reply->type(), "error");
+    EXPECT_NE(reply->body.dump().find(why), std::string::npos) << reply->body.dump();
+  };
+  const json plain = protocol::ToJson(protocol::Processing{});
+  refused({{"path", "a"}, {"processing", plain}}, "must be absolute");
+  refused({{"path", a}, {"processing", plain}, {"pin", "all"}}, "`all` cannot be a pinned name");
+  protocol::Processing relative_plan;
+  relative_plan.tp_size = 2;
+  relative_plan.shard_plan = "plans/llama.toml";
+  refused({{"path", a}, {"processing", protocol::ToJson(relative_plan)}},
+          "shard plan file must be an absolute path");
   EXPECT_EQ(Status()["models"].size(), 0u);
 }
 
