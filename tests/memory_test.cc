@@ -218,10 +218,14 @@ class HugePagePool {
 // read back as zeros, and normal pages when the pool is short.
 void CheckHugePageSegments() {
   constexpr uint64_t kSize = (6ull << 20) + 1;
+  const long free_before = HugePagePool::Read("free_hugepages");
   auto seg = memory::CreateHostSegment(kSize, "huge-test");
   ASSERT_TRUE(seg.ok()) << seg.error().message();
   ASSERT_TRUE((*seg)->huge_pages());
   EXPECT_EQ((*seg)->reserved_bytes(), 8ull << 20);
+  // Its pages are taken as it is made, before any write: a page the system
+  // would refuse is refused here, not by a SIGBUS during the fill.
+  EXPECT_EQ(free_before - HugePagePool::Read("free_hugepages"), 4);
   std::vector<std::byte> pattern(kSize);
   for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<std::byte>(i * 13 + 5);
   auto fill = [&](uint64_t from, uint64_t to) {
