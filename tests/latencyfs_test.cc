@@ -291,5 +291,33 @@ TEST(Latencyfs, SigtermDoesNotWaitForAPreloadStuckOnTheFileSystem) {
   EXPECT_EQ(next.Wait(), 0) << next.err();
 }
 
+// The same for a preload the config file asked for: the stop's one
+// --stop-timeout covers it with the connections, not a second wait after.
+TEST(Latencyfs, SigtermCountsAConfigPreloadStuckOnTheFileSystemWithTheConnections) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  SlowCheckpoint slow("2s");
+  ASSERT_TRUE(slow.ready());
+  const std::string config = slow.sock() + ".toml";
+  testing::WriteFileText(config, "[[model]]\npath = \"" + slow.mnt() + "/m\"\n");
+
+  testing::Process daemon(
+      {"serve", "--socket-dir", slow.sock(), "--config", config, "--stop-timeout", "0.2"});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  ASSERT_TRUE(testing::Eventually([&] {
+    return daemon.err().find("preloading " + slow.mnt() + "/m from the config") !=
+           std::string::npos;
+  })) << daemon.err();
+  daemon.Signal(SIGTERM);
+  ASSERT_TRUE(testing::Eventually([&] {
+    return daemon.err().find("0 connection(s) and 1 preload(s) from the config still busy") !=
+           std::string::npos;
+  })) << daemon.err();
+  testing::Process next({"serve", "--socket-dir", slow.sock()});
+  EXPECT_TRUE(next.WaitForOutput("ready")) << next.err();
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+  next.Signal(SIGTERM);
+  EXPECT_EQ(next.Wait(), 0) << next.err();
+}
+
 }  // namespace
 }  // namespace weightd

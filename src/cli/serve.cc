@@ -9,7 +9,6 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
-#include <future>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -237,25 +236,20 @@ int RunServe(ServeOptions o) {
   std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
             << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
   // Models from the config load in the background: engines may ask (and
-  // fall back) meanwhile.
-  std::promise<void> preloads_done;
-  std::future<void> preloads_ended = preloads_done.get_future();
-  std::thread preloader([&server, &so, preloads, done = std::move(preloads_done)]() mutable {
+  // fall back) meanwhile. A stop cancels them, and Run waits for them with
+  // the connections.
+  std::thread preloader([&server, &so, preloads] {
     for (const ConfigModel& m : preloads) {
       if (server.stopping()) break;
+      so.log("preloading " + m.path + " from the config");
       auto r = server.Preload({m.path, m.pin, m.device}, {});
       if (!r.ok())
         so.log("preload of " + m.path + " from the config failed: " + r.error().message());
     }
-    done.set_value();
   });
-  const bool ended = server.Run();
-  // A preload stuck in a read that never returns is not waited for either:
-  // the socket is gone already, and the lock goes with the process.
-  if (!ended || preloads_ended.wait_for(std::chrono::duration<double>(o.stop_timeout)) !=
-                    std::future_status::ready) {
-    if (ended) so.log("a preload from the config is still busy: not waiting for it");
-    server.ReleaseLock();
+  if (!server.Run()) {
+    // Some work is stuck in a file system call that does not return: Run
+    // logged it and let the directory go; the process goes without it.
     std::cout.flush();
     std::cerr.flush();
     std::_Exit(kExitOk);

@@ -122,6 +122,9 @@ struct Server::State {
   std::condition_variable conn_done;
   std::set<int> open_sockets;  // raw fds of live connections, to shut down on stop
   int live_connections = 0;
+  // Preloads asked for by the daemon's owner (Server::Preload: the config's
+  // models), which a stop waits for like connections.
+  int live_preloads = 0;
   // Run gave up waiting for some connection: its thread may still use the
   // state, which is then never freed.
   bool abandoned = false;
@@ -188,8 +191,6 @@ void Server::RequestStop() {
 }
 
 bool Server::stopping() const { return state_->stopping.load(); }
-
-void Server::ReleaseLock() { state_->lock_fd.Reset(); }
 
 Status Server::Start() {
   State& s = *state_;
@@ -307,16 +308,16 @@ bool Server::Run() {
   ::unlink(s.socket_path.c_str());
   std::unique_lock lock(s.conn_mu);
   for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
-  const bool ended =
-      s.conn_done.wait_for(lock, std::chrono::duration<double>(s.options.stop_grace_seconds),
-                           [&] { return s.live_connections == 0 && s.workers == 0; });
+  const bool ended = s.conn_done.wait_for(
+      lock, std::chrono::duration<double>(s.options.stop_grace_seconds),
+      [&] { return s.live_connections == 0 && s.live_preloads == 0 && s.workers == 0; });
   if (!ended) {
     s.abandoned = true;
     char grace[32];
     std::snprintf(grace, sizeof grace, "%g", s.options.stop_grace_seconds);
-    s.Log("stopping with " + std::to_string(s.live_connections) +
-          " connection(s) still busy after " + grace +
-          " s (a file system call that does not return?): not waiting for them");
+    s.Log("stopping with " + std::to_string(s.live_connections) + " connection(s) and " +
+          std::to_string(s.live_preloads) + " preload(s) from the config still busy after " +
+          grace + " s (a file system call that does not return?): not waiting for them");
     // A thread stuck in a FUSE request may outlive even SIGKILL, and with
     // it this process's descriptors: the directory is free for the next
     // daemon now, not when that thread ends.
@@ -1009,9 +1010,22 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
 
 Result<std::string> Server::Preload(const PreloadRequest& request,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
+  State& s = *state_;
+  {
+    // Checked under the lock Run's stop waits with: a preload either is
+    // counted before Run looks, or sees the stop and does not start.
+    std::lock_guard lock(s.conn_mu);
+    if (s.stopping.load()) return Error("the daemon is stopping");
+    ++s.live_preloads;
+  }
   protocol::Processing processing;
   processing.device = request.device;
-  auto r = state_->Preload(request.path, processing, request.pin, {}, progress);
+  auto r = s.Preload(request.path, processing, request.pin, {}, progress);
+  {
+    std::lock_guard lock(s.conn_mu);
+    --s.live_preloads;
+    s.conn_done.notify_all();
+  }
   if (!r.ok()) return r.error();
   return r->dump();
 }

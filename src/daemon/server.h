@@ -60,20 +60,19 @@ class Server {
   Status Start();
 
   // Serves until RequestStop; then stops accepting, removes the socket and
-  // closes every connection. Connections still busy after
+  // closes every connection. Connections and Preload calls still busy after
   // stop_grace_seconds are left behind (logged, with what the Server holds
-  // left allocated for them): returns false then, and the caller should
-  // exit the process.
+  // left allocated for them, and the lock file let go): returns false then,
+  // and the caller should exit the process.
   bool Run();
 
   // Async-signal-safe.
   void RequestStop();
-  // Lets the socket directory go (the lock file), for a caller about to
-  // exit while some thread of the Server's is stuck.
-  void ReleaseLock();
   bool stopping() const;
 
   // Preloads a model as a `preload` request would (for --config at start).
+  // A stop cancels it and waits for it as for a connection (Run); once
+  // stopping, it refuses.
   struct PreloadRequest {
     std::string path;
     std::string pin;
