@@ -2,7 +2,6 @@
 
 #include <stdlib.h>
 #include <sys/mman.h>
-#include <xxhash.h>
 
 #include <chrono>
 #include <cmath>
@@ -417,34 +416,23 @@ uint64_t Weights::bytes() const {
 
 Result<std::string> Weights::Checksum() const {
   constexpr uint64_t kPiece = 64 << 20;  // copied off a GPU at a time
-  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
-                                                                 XXH3_freeState);
-  XXH3_128bits_reset(state.get());
+  fingerprint::Xxh3 sum;
   std::vector<std::byte> piece;
   for (const Tensor& t : tensors()) {
-    const uint64_t name_size = t.name.size(), data_size = t.bytes;
-    XXH3_128bits_update(state.get(), &name_size, sizeof name_size);
-    XXH3_128bits_update(state.get(), t.name.data(), t.name.size());
-    XXH3_128bits_update(state.get(), &data_size, sizeof data_size);
+    sum.U64(t.name.size());
+    sum.Update(t.name.data(), t.name.size());
+    sum.U64(t.bytes);
     if (t.device_address == 0) {
-      XXH3_128bits_update(state.get(), t.data.data(), t.data.size());
+      sum.Update(t.data.data(), t.data.size());
       continue;
     }
     for (uint64_t at = 0; at < t.bytes; at += kPiece) {
       piece.resize(static_cast<size_t>(std::min(kPiece, t.bytes - at)));
       WEIGHTD_RETURN_IF_ERROR(CopyToHost(t, at, piece));
-      XXH3_128bits_update(state.get(), piece.data(), piece.size());
+      sum.Update(piece.data(), piece.size());
     }
   }
-  XXH128_canonical_t c;
-  XXH128_canonicalFromHash(&c, XXH3_128bits_digest(state.get()));
-  static const char* kHex = "0123456789abcdef";
-  std::string out = "xxh3-128:";
-  for (unsigned char b : c.digest) {
-    out += kHex[b >> 4];
-    out += kHex[b & 0xf];
-  }
-  return out;
+  return sum.Tagged();
 }
 
 Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOptions& options) {

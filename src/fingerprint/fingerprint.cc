@@ -42,20 +42,6 @@ std::string TagXxh3(const XXH128_hash_t& h) {
   return "xxh3-128:" + Hex(canonical.digest, sizeof canonical.digest);
 }
 
-class Xxh3 {
- public:
-  Xxh3() : state_(XXH3_createState()) { XXH3_128bits_reset(state_); }
-  Xxh3(const Xxh3&) = delete;
-  Xxh3& operator=(const Xxh3&) = delete;
-  ~Xxh3() { XXH3_freeState(state_); }
-  void Update(const void* data, size_t n) { XXH3_128bits_update(state_, data, n); }
-  void U64(uint64_t v) { Update(&v, sizeof v); }  // little-endian host (see dtype.cc)
-  std::string Tagged() const { return TagXxh3(XXH3_128bits_digest(state_)); }
-
- private:
-  XXH3_state_t* state_;
-};
-
 class Sha256 {
  public:
   Sha256() : ctx_(EVP_MD_CTX_new()) { EVP_DigestInit_ex(ctx_, EVP_sha256(), nullptr); }
@@ -566,6 +552,11 @@ format::ListOptions ListingOptions(const Options& options) {
 }
 
 }  // namespace
+
+Xxh3::Xxh3() : state_(XXH3_createState()) { XXH3_128bits_reset(state_); }
+Xxh3::~Xxh3() { XXH3_freeState(state_); }
+void Xxh3::Update(const void* data, size_t n) { XXH3_128bits_update(state_, data, n); }
+std::string Xxh3::Tagged() const { return TagXxh3(XXH3_128bits_digest(state_)); }
 
 std::string SampledShardDigest(uint64_t file_size, std::span<const std::byte> raw_header,
                                const std::vector<std::span<const std::byte>>& samples) {

@@ -32,6 +32,8 @@
 #include "io/file.h"
 #include "weightd/result.h"
 
+struct XXH3_state_s;  // xxhash.h's XXH3_state_t
+
 namespace weightd::fingerprint {
 
 enum class Mode { kSampled, kFull };
@@ -92,6 +94,23 @@ std::string SampledShardDigest(uint64_t file_size, std::span<const std::byte> ra
 
 // The checkpoint digest over shards' sampled digests (by name).
 std::string CombineSampledShards(const std::vector<ShardFingerprint>& shards);
+
+// XXH3-128 over bytes given piece by piece, spelled as the digests are
+// (`xxh3-128:` and 32 hex digits): for other sums over many pieces, such
+// as the client's checksum of every tensor.
+class Xxh3 {
+ public:
+  Xxh3();
+  Xxh3(const Xxh3&) = delete;
+  Xxh3& operator=(const Xxh3&) = delete;
+  ~Xxh3();
+  void Update(const void* data, size_t n);
+  void U64(uint64_t v) { Update(&v, sizeof v); }  // little-endian host (see dtype.cc)
+  std::string Tagged() const;
+
+ private:
+  XXH3_state_s* state_;
+};
 
 // Errors start with "cannot fingerprint" and name the reason; a checkpoint
 // without safetensors shards is one (a cache must treat it as uncacheable,
