@@ -21,11 +21,13 @@
 // of weightd's numbers and included in cp's and dd's (about a millisecond).
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -96,6 +98,37 @@ PreloadTimes Preload(const std::string& model, const std::vector<std::string>& f
 
 double PreloadSeconds(const std::string& model, const std::vector<std::string>& flags = {}) {
   return Preload(model, flags).seconds;
+}
+
+// CPU time (user and system) the process has used so far, every thread
+// of it, ended ones too. /proc counts it in clock ticks (10 ms): callers sum
+// it over several preloads.
+double ProcessCpuSeconds(pid_t pid) {
+  FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (f == nullptr) Die("cannot read the daemon's /proc stat");
+  char buf[1024] = {};
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  // After the command name's closing parenthesis: state is field 3,
+  // utime and stime are fields 14 and 15.
+  const char* at = std::strrchr(buf, ')');
+  unsigned long long utime = 0, stime = 0;
+  if (n == 0 || at == nullptr ||
+      std::sscanf(at + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
+                  &stime) != 2) {
+    Die("cannot parse the daemon's /proc stat");
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+// CPU time of every child waited for so far (cp's, here).
+double ChildrenCpuSeconds() {
+  rusage r{};
+  ::getrusage(RUSAGE_CHILDREN, &r);
+  auto seconds = [](const timeval& t) {
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_usec) / 1e6;
+  };
+  return seconds(r.ru_utime) + seconds(r.ru_stime);
 }
 
 double CopyToShm(const std::string& model) {
@@ -280,7 +313,8 @@ int main(int argc, char** argv) {
     std::string label;
     uint64_t bytes;
     double preload_warm, preload_cold, cp_warm, cp_cold, dd_cold;
-    PreloadTimes phases_warm;  // medians of each phase
+    PreloadTimes phases_warm;    // medians of each phase
+    double preload_cpu, cp_cpu;  // CPU seconds each took, mean of the warm runs
   };
   std::vector<Throughput> throughput;
   // 64 engines at once on the 1 GB model: started first, then released
@@ -330,14 +364,19 @@ int main(int argc, char** argv) {
     const int n = big ? std::max(1, repeats / 2) : repeats;
     const uint64_t bytes = DirBytes(m.path);
     Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
-    Throughput t{m.label, bytes, 0, 0, 0, 0, 0, {}};
+    Throughput t{m.label, bytes, 0, 0, 0, 0, 0, {}, 0, 0};
     // Each round runs every variant once, so that a slow spell of the
     // machine (they come and go on small VMs) falls on all of them alike.
     std::vector<double> cp_warm, cp_cold, dd_cold, disk_warm_v, disk_cold_v, pre_warm, pre_cold;
     std::vector<double> plan_warm, read_warm, finish_warm;
+    double preload_cpu = 0, cp_cpu = 0;
     for (int i = 0; i < n; ++i) {
+      const double children_before = ChildrenCpuSeconds();
       cp_warm.push_back(CopyToShm(m.path));
+      cp_cpu += ChildrenCpuSeconds() - children_before;
+      const double daemon_before = ProcessCpuSeconds(daemon.pid);
       const PreloadTimes warm = Preload(m.path);
+      preload_cpu += ProcessCpuSeconds(daemon.pid) - daemon_before;
       pre_warm.push_back(warm.seconds);
       plan_warm.push_back(warm.plan);
       read_warm.push_back(warm.read);
@@ -359,6 +398,8 @@ int main(int argc, char** argv) {
     t.preload_cold = bench::Median(pre_cold);
     t.phases_warm = {t.preload_warm, bench::Median(plan_warm), bench::Median(read_warm),
                      bench::Median(finish_warm)};
+    t.preload_cpu = preload_cpu / n;
+    t.cp_cpu = cp_cpu / n;
     const double disk_warm = bench::Median(disk_warm_v);
     const double disk_cold = bench::Median(disk_cold_v);
     // The last round left the model evicted from the page cache; it stays
@@ -404,13 +445,30 @@ int main(int argc, char** argv) {
                 t.cp_warm / t.phases_warm.read);
   }
 
+  const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+  std::printf(
+      "\nCPU time each took, page cache warm (user and system, every thread; the daemon's\n"
+      "from /proc in 10 ms ticks, summed over the runs, so its `evict` before each preload\n"
+      "is in it). Spread perfectly over the %ld cores, the preload's CPU time alone is a\n"
+      "floor on its wall time; against cp's wall time, that is the best ratio this machine\n"
+      "allows whatever the order of the work.\n\n",
+      cores);
+  std::printf("| model | preload CPU | cp CPU | preload CPU / %ld cores | best vs cp here |\n",
+              cores);
+  std::printf("| --- | ---: | ---: | ---: | ---: |\n");
+  for (const Throughput& t : throughput) {
+    const double floor = t.preload_cpu / static_cast<double>(cores);
+    std::printf("| %s | %s | %s | %s | %.2fx |\n", t.label.c_str(), Ms(t.preload_cpu).c_str(),
+                Ms(t.cp_cpu).c_str(), Ms(floor).c_str(), t.cp_warm / floor);
+  }
+
   const double single = bench::Median(alone);
   std::printf("\n### 64 engines attaching at once\n\n");
   std::printf(
       "Each engine (bench/attach_probe, the C++ API) is started first and waits; all are then\n"
       "released at once, so the times are attaches, not process start-ups. On %ld cores;\n"
       "%d rounds, each one engine alone and then 64 at once; percentiles over all %zu.\n\n",
-      ::sysconf(_SC_NPROCESSORS_ONLN), repeats, together.size());
+      cores, repeats, together.size());
   std::printf("| | time | vs one alone |\n| --- | ---: | ---: |\n");
   std::printf("| one engine alone (median) | %s | 1.0x |\n", Ms(single).c_str());
   std::printf("| 64 at once, p50 | %s | %.1fx |\n", Ms(bench::Percentile(together, 50)).c_str(),
@@ -420,7 +478,7 @@ int main(int argc, char** argv) {
   std::printf(
       "All 64 were served by the daemon. The 64 engines and the daemon (a thread per\n"
       "connection, each accepting its own) share %ld cores here.\n\n",
-      ::sysconf(_SC_NPROCESSORS_ONLN));
+      cores);
 
   if (processing_gb > 0) {
     Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
