@@ -256,6 +256,8 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
   auto k = nlohmann::json::parse(patient.out);
   EXPECT_EQ(k["source"], "daemon") << k.dump() << daemon.err();
   EXPECT_EQ(k["checksum"], j["checksum"]);
+  // It waited for the load, rather than coming after it.
+  EXPECT_NE(daemon.err().find(", after waiting for its load"), std::string::npos) << daemon.err();
   EXPECT_EQ(preload.Wait(), 0) << preload.err();
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();

@@ -139,7 +139,9 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
     out.loading = true;
     return out;
   }
-  return AcquireLocked(key, trust);
+  Lookup after = AcquireLocked(key, trust);
+  after.waited = after.model != nullptr;
+  return after;
 }
 
 Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const std::string& trust) {

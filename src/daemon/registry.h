@@ -95,6 +95,7 @@ class Registry {
     std::string reason;                               // on a miss
     std::string name;                                 // on a hit: its pinned name, if any
     bool loading = false;  // on a miss: a load of exactly this key is in flight
+    bool waited = false;   // on a hit: found once the load in flight ended
   };
   // Finds the model for `key` and leases it. `trust` (not empty) names a
   // pinned model whose content is not compared (every other field is).

@@ -549,7 +549,8 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
           "`: its content was not compared with the engine's checkpoint");
     }
     Log("acquire hit from " + who + ": " + protocol::ShortDescription(model.key) +
-        (found.name.empty() ? "" : " (" + found.name + ")"));
+        (found.name.empty() ? "" : " (" + found.name + ")") +
+        (found.waited ? ", after waiting for its load" : ""));
     json reply = {
         {"type", "acquired"},       {"lease", model.id},  {"bytes", model.segment->size()},
         {"tensors", model.tensors}, {"name", found.name}, {"key", protocol::ToJson(model.key)}};
