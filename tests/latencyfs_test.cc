@@ -306,7 +306,7 @@ TEST(Latencyfs, SigtermCountsAConfigPreloadStuckOnTheFileSystemWithTheConnection
       {"serve", "--socket-dir", slow.sock(), "--config", config, "--stop-timeout", "0.2"});
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
   ASSERT_TRUE(testing::Eventually([&] {
-    return daemon.err().find("preloading " + slow.mnt() + "/m from the config") !=
+    return daemon.err().find("preload of " + slow.mnt() + "/m requested by the config") !=
            std::string::npos;
   })) << daemon.err();
   daemon.Signal(SIGTERM);

@@ -240,9 +240,8 @@ int RunServe(ServeOptions o) {
   // the connections.
   std::thread preloader([&server, &so, preloads] {
     for (const ConfigModel& m : preloads) {
-      if (server.stopping()) break;
-      so.log("preloading " + m.path + " from the config");
       auto r = server.Preload({m.path, m.pin, m.device}, {});
+      if (server.stopping()) break;  // cancelled, or refused: nothing to report
       if (!r.ok())
         so.log("preload of " + m.path + " from the config failed: " + r.error().message());
     }

@@ -1019,6 +1019,7 @@ Result<std::string> Server::Preload(const PreloadRequest& request,
     if (s.stopping.load()) return Error("the daemon is stopping");
     ++s.live_preloads;
   }
+  s.Log("preload of " + request.path + " requested by the config");
   protocol::Processing processing;
   processing.device = request.device;
   auto r = s.Preload(request.path, processing, request.pin, {}, progress);

@@ -72,7 +72,8 @@ class Server {
 
   // Preloads a model as a `preload` request would (for --config at start).
   // A stop cancels it and waits for it as for a connection (Run); once
-  // stopping, it refuses.
+  // stopping, it refuses. Logs `preload of PATH requested by the config`
+  // once counted.
   struct PreloadRequest {
     std::string path;
     std::string pin;
