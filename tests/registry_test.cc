@@ -173,7 +173,7 @@ TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
   EXPECT_FALSE(now.model);
   EXPECT_TRUE(now.loading);
   std::thread loader([&] {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
     Publish(r, "host", 1, "xxh3-128:loading");
     r.EndLoad({key});
   });
@@ -182,7 +182,13 @@ TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
   loader.join();
   ASSERT_TRUE(waited.model) << waited.reason;
   EXPECT_FALSE(waited.loading);
+  EXPECT_TRUE(waited.waited);
   r.Release(waited.model);
+  // Resident now: found at once.
+  Registry::Lookup hit = r.Acquire(key, "");
+  ASSERT_TRUE(hit.model);
+  EXPECT_FALSE(hit.waited);
+  r.Release(hit.model);
   // Nothing in flight: a miss is a plain miss, at once.
   protocol::CacheKey other = key;
   other.checkpoint = "xxh3-128:other";

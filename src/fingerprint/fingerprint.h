@@ -19,7 +19,8 @@
 // that schedule. With a StatCache, a shard whose stat signature is known
 // costs one stat and no read.
 //
-// Thread safety: FingerprintCheckpoint may run concurrently with itself.
+// Thread safety: FingerprintCheckpoint may run concurrently with itself; an
+// Xxh3 is one thread's at a time.
 #pragma once
 
 #include <cstddef>
