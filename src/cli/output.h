@@ -11,6 +11,7 @@
 #include <string_view>
 
 #include "protocol/cache_key.h"
+#include "protocol/text.h"
 
 namespace CLI {
 class App;
@@ -33,8 +34,7 @@ std::optional<uint64_t> ParseSize(std::string_view text);
 // Count(1, "shard") -> "1 shard", Count(3, "shard") -> "3 shards".
 std::string Count(uint64_t n, std::string_view noun);
 
-// 1288490188 -> "1.20 GiB".
-std::string FormatBytes(uint64_t bytes);
+using protocol::FormatBytes;
 
 // JSON text; names from files need not be UTF-8, so invalid bytes become
 // U+FFFD instead of an exception.

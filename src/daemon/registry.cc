@@ -3,16 +3,9 @@
 #include <algorithm>
 #include <cctype>
 
+#include "protocol/text.h"
+
 namespace weightd::daemon {
-namespace {
-
-std::string Gib(uint64_t bytes) {
-  char buf[32];
-  std::snprintf(buf, sizeof buf, "%.2f GiB", static_cast<double>(bytes) / (1ull << 30));
-  return buf;
-}
-
-}  // namespace
 
 Eviction Registry::EvictLocked(size_t index, Dropped& dropped) {
   std::shared_ptr<ResidentModel> m = models_[index];
@@ -72,8 +65,9 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
     }
     const uint64_t kept = a.used + a.reserved - std::min(idle, a.used);
     if (bytes > a.budget || kept > a.budget - bytes) {
-      return Error("out of budget on " + device + ": the model needs " + Gib(bytes) +
-                   ", the budget is " + Gib(a.budget) + ", and " + Gib(kept) +
+      return Error("out of budget on " + device + ": the model needs " +
+                   protocol::FormatBytes(bytes) + ", the budget is " +
+                   protocol::FormatBytes(a.budget) + ", and " + protocol::FormatBytes(kept) +
                    " are held by models in use, pinned or being loaded; evict one or raise "
                    "--budget");
     }
