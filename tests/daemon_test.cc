@@ -740,6 +740,36 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
   }
 }
 
+// Without a huge-page pool to take them from, segments are made of normal
+// pages, and a preload reserves those: two small models share a budget of
+// less than one huge page. A refusal says the sizes in units that show them.
+TEST_F(DaemonTest, SmallModelsReserveTheirPagesNotAHugePage) {
+  if (std::ifstream pool("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages");
+      pool.is_open()) {
+    uint64_t free_pages = 0;
+    pool >> free_pages;
+    if (free_pages > 0) GTEST_SKIP() << "this machine has huge pages free";
+  }
+  const std::string a = dir_.Join("a"), b = dir_.Join("b");
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(a, {.preset = "tiny"}).ok());
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(b, {.preset = "tiny", .finetune = true}).ok());
+  auto daemon = StartDaemon({"--budget", "host=1M"});
+  Preload(a);
+  CommandResult second = Run({"preload", b, "--json"});
+  ASSERT_EQ(second.exit_code, 0) << second.err;
+  EXPECT_TRUE(json::parse(second.out)["evicted"].empty()) << second.out;
+  EXPECT_EQ(Status()["models"].size(), 2u);
+
+  ASSERT_EQ(Run({"evict", "all"}).exit_code, 0);
+  daemon->Signal(SIGTERM);
+  daemon->Wait();
+  auto small = StartDaemon({"--budget", "host=4K"});
+  CommandResult refused = Run({"preload", a});
+  EXPECT_EQ(refused.exit_code, 1);
+  EXPECT_NE(refused.err.find("the model needs 8.00 KiB, the budget is 4.00 KiB"), std::string::npos)
+      << refused.err;
+}
+
 TEST_F(DaemonTest, ConcurrentPreloadsOfOneModelLoadItOnce) {
   // Big enough that the four loads would overlap if they were not merged.
   const std::string a = MakeModel("a", false, 64 << 20);

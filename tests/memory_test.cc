@@ -218,6 +218,10 @@ class HugePagePool {
 // read back as zeros, and normal pages when the pool is short.
 void CheckHugePageSegments() {
   constexpr uint64_t kSize = (6ull << 20) + 1;
+  // What a caller reserving ahead is told: huge pages, as the segment is.
+  const memory::HostPlacement planned = memory::PlanHostSegments(kSize);
+  EXPECT_TRUE(planned.options.try_huge_pages);
+  EXPECT_EQ(planned.bytes, 8ull << 20);
   const long free_before = HugePagePool::Read("free_hugepages");
   auto seg = memory::CreateHostSegment(kSize, "huge-test");
   ASSERT_TRUE(seg.ok()) << seg.error().message();
@@ -260,6 +264,9 @@ void CheckHugePageSegments() {
   // the memory there is.)
   if (const long left = HugePagePool::Available(); left <= 64) {
     const uint64_t too_big = static_cast<uint64_t>(left + 1) * (2ull << 20);
+    EXPECT_FALSE(memory::PlanHostSegments(too_big).options.try_huge_pages);
+    EXPECT_FALSE(
+        memory::PlanHostSegments(kSize, static_cast<uint64_t>(left + 1)).options.try_huge_pages);
     auto fallback = memory::CreateHostSegment(too_big, "huge-test-short");
     ASSERT_TRUE(fallback.ok()) << fallback.error().message();
     EXPECT_FALSE((*fallback)->huge_pages());
@@ -281,6 +288,20 @@ TEST(HugePagePool, SegmentsTakeItsPagesAndNormalPagesWhenItIsShort) {
   ASSERT_EQ(::waitpid(child, &status, 0), child);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
       << "the checks failed (above) or the child died (status " << status << ")";
+}
+
+// Under a huge page, a segment is normal pages whatever the pool holds, and
+// that is what a caller reserving ahead is told.
+TEST(HostSegment, SmallSegmentsArePlannedInNormalPages) {
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  for (uint64_t size : std::vector<uint64_t>{0, 1, page, page + 1, (2ull << 20) - 1}) {
+    const memory::HostPlacement planned = memory::PlanHostSegments(size, 3);
+    EXPECT_FALSE(planned.options.try_huge_pages) << size;
+    EXPECT_EQ(planned.bytes, (std::max<uint64_t>(size, 1) + page - 1) / page * page) << size;
+    auto seg = memory::CreateHostSegment(size, "planned", planned.options);
+    ASSERT_TRUE(seg.ok()) << seg.error().message();
+    EXPECT_EQ((*seg)->reserved_bytes(), planned.bytes) << size;
+  }
 }
 
 TEST(HostSegment, UnsealedDescriptorsAreRefused) {

@@ -36,7 +36,9 @@ namespace {
 
 using nlohmann::json;
 
-constexpr uint64_t kReserveRounding = 2ull << 20;  // a segment may round up to huge pages
+// What a GPU's allocation rounds up to (its granularity, 2 MiB on the GPUs
+// we know), reserved before it is made.
+constexpr uint64_t kGpuReserveRounding = 2ull << 20;
 constexpr auto kProgressEvery = std::chrono::milliseconds(100);
 // A preload's asker hears from the daemon at least this often.
 constexpr auto kHeartbeat = std::chrono::seconds(5);
@@ -911,20 +913,31 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   lo.segment_name = io::BaseName(path);
   lo.processing = resolved;
   lo.ranks = missing;
+  // Every rank is the same size. On the first rank, room for all of them is
+  // reserved, on each device, or for none (no idle model evicted for a load
+  // that cannot finish): on a GPU in whole allocation steps, in host memory
+  // in the pages the segments will be made of.
+  memory::HostPlacement host;
   lo.allocate = [&](uint64_t bytes, int rank) -> Result<std::unique_ptr<memory::Segment>> {
-    const uint64_t want = (bytes + kReserveRounding - 1) / kReserveRounding * kReserveRounding;
     if (reserved.empty()) {
-      // Every rank is the same size: room for all of them, on each device,
-      // or for none (no idle model evicted for a load that cannot finish).
+      uint64_t host_ranks = 0;
+      for (int r : missing)
+        host_ranks += devices[static_cast<size_t>(r)].kind != memory::DeviceKind::kCuda;
+      host = memory::PlanHostSegments(bytes, std::max<uint64_t>(host_ranks, 1));
+      const uint64_t on_gpu =
+          (bytes + kGpuReserveRounding - 1) / kGpuReserveRounding * kGpuReserveRounding;
+      std::vector<uint64_t> want;
       std::map<std::string, uint64_t> need;
       for (int r : missing) {
-        uint64_t& n = need[devices[static_cast<size_t>(r)].Name()];
-        if (__builtin_add_overflow(n, want, &n)) {
+        const memory::Device& d = devices[static_cast<size_t>(r)];
+        want.push_back(d.kind == memory::DeviceKind::kCuda ? on_gpu : host.bytes);
+        uint64_t& n = need[d.Name()];
+        if (__builtin_add_overflow(n, want.back(), &n)) {
           return Error("the ranks' segments add up to more than 64 bits");
         }
       }
       WEIGHTD_RETURN_IF_ERROR(registry.Reserve({need.begin(), need.end()}, &evicted));
-      reserved.assign(missing.size(), want);
+      reserved = std::move(want);
       for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
     }
     const memory::Device& device = devices[static_cast<size_t>(rank)];
@@ -932,7 +945,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
       return memory::CreateCudaSegment(bytes, device.uuid);
     }
     return memory::CreateHostSegment(
-        bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""));
+        bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""), host.options);
   };
   auto unreserve = [&] {
     for (size_t i = 0; i < reserved.size(); ++i) {

@@ -208,6 +208,22 @@ Result<std::pair<UniqueFd, std::byte*>> MakeHugeSegment(const std::string& name,
   return std::pair(std::move(fd), map);
 }
 
+// Huge pages of the 2 MiB pool that no mapping holds or has reserved; 0
+// where there is no pool (or sysfs cannot be read).
+uint64_t FreeHugePages() {
+  auto read = [](const char* name) -> uint64_t {
+    const std::string path = std::string("/sys/kernel/mm/hugepages/hugepages-2048kB/") + name;
+    FILE* f = std::fopen(path.c_str(), "r");
+    if (f == nullptr) return 0;
+    unsigned long long n = 0;
+    if (std::fscanf(f, "%llu", &n) != 1) n = 0;
+    std::fclose(f);
+    return n;
+  };
+  const uint64_t free = read("free_hugepages"), reserved = read("resv_hugepages");
+  return free > reserved ? free - reserved : 0;
+}
+
 // MemAvailable from /proc/meminfo, in bytes; nullopt where it cannot be read.
 std::optional<uint64_t> AvailableMemory() {
   FILE* f = std::fopen("/proc/meminfo", "r");
@@ -257,6 +273,23 @@ Result<UniqueFd> UniqueFd::Duplicate() const {
   int fd = ::fcntl(fd_, F_DUPFD_CLOEXEC, 0);
   if (fd < 0) return Error(Errno("cannot duplicate a descriptor"));
   return UniqueFd(fd);
+}
+
+HostPlacement PlanHostSegments(uint64_t size, uint64_t count) {
+  if (size == 0) size = 1;  // as CreateHostSegment
+  HostPlacement out;
+  if (size >= kHugePageBytes) {
+    const uint64_t pages = RoundUp(size, kHugePageBytes) / kHugePageBytes;
+    uint64_t all = 0;
+    if (!__builtin_mul_overflow(pages, count, &all) && all <= FreeHugePages()) {
+      out.bytes = pages * kHugePageBytes;
+      out.options.try_huge_pages = true;
+      return out;
+    }
+  }
+  out.bytes = RoundUp(size, static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
+  out.options.try_huge_pages = false;
+  return out;
 }
 
 Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::string& name,

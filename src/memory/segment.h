@@ -100,6 +100,18 @@ struct HostSegmentOptions {
   bool try_huge_pages = true;
 };
 
+// What `count` host segments of `size` bytes each would take if made now:
+// whole huge pages when the system's 2 MiB pool has that many free for all
+// of them, else whole normal pages. For a caller that reserves memory
+// before making segments: made with `options`, a segment never takes more
+// than `bytes` (the pool may have shrunk meanwhile, and normal pages are
+// then used; it cannot have grown into use).
+struct HostPlacement {
+  uint64_t bytes = 0;  // per segment
+  HostSegmentOptions options;
+};
+HostPlacement PlanHostSegments(uint64_t size, uint64_t count = 1);
+
 // A memfd of `size` bytes: of huge pages when the pool has them all (taken
 // now), else of normal pages, allocated as the fill touches them; a size
 // beyond the memory the kernel reports available is then refused here with
