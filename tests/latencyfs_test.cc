@@ -287,8 +287,11 @@ TEST(Latencyfs, SigtermDoesNotWaitForAPreloadStuckOnTheFileSystem) {
   testing::Process next({"serve", "--socket-dir", sock});
   EXPECT_TRUE(next.WaitForOutput("ready")) << next.err();
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
-  // Its engine is told, not left waiting.
+  // Its engine is told, not left waiting, and told why.
   EXPECT_NE(preload.Wait(), 0) << preload.err();
+  EXPECT_NE(preload.err().find("the daemon closed the connection before it answered"),
+            std::string::npos)
+      << preload.err();
   next.Signal(SIGTERM);
   EXPECT_EQ(next.Wait(), 0) << next.err();
 }

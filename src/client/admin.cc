@@ -32,8 +32,15 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
     // else answers at once. Silence this long is a stopped or hung daemon.
     auto reply = ch->Receive(kSilenceLimitMs);
     if (!reply.ok()) {
-      const bool silent = reply.error().message() == protocol::Channel::kTimedOut;
-      return Error("the daemon did not answer: " + reply.error().message() +
+      const std::string& why = reply.error().message();
+      if (why == protocol::Channel::kClosed) {
+        // A stopping daemon cancels its preloads and closes every connection.
+        return Error(
+            "the daemon closed the connection before it answered: it stopped or died (its log "
+            "says which); a preload it was running was not published");
+      }
+      const bool silent = why == protocol::Channel::kTimedOut;
+      return Error("the daemon did not answer: " + why +
                    (silent ? " (nothing for " + std::to_string(kSilenceLimitMs / 1000) +
                                  " s: is it stopped or hung?)"
                            : ""));
