@@ -459,7 +459,9 @@ Command AddEvictCommand(CLI::App& root) {
             // `all` with nothing resident has nothing to miss. A miss is an
             // error alone: nothing on stdout a script could take for success.
             if (models.empty() && o->what != "all") {
-              return ReportError("evict", "nothing resident matched `" + o->what + "`");
+              return ReportError("evict", "nothing resident matched `" + o->what +
+                                              "` (a pinned name, 8 or more characters of a "
+                                              "digest, #ID, or all; see `weightd status`)");
             }
             if (o->json) {
               std::cout << DumpJson(*reply, 2) << "\n";
