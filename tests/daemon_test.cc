@@ -33,6 +33,14 @@ using testing::Process;
 using testing::RunWeightd;
 using testing::TempDir;
 
+// Whether the 2 MiB huge-page pool has pages free: a preload then reserves
+// whole huge pages, and tests that count normal pages do not hold.
+bool HugePagesFree() {
+  std::ifstream pool("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages");
+  uint64_t free_pages = 0;
+  return pool >> free_pages && free_pages > 0;
+}
+
 class DaemonTest : public ::testing::Test {
  protected:
   void SetUp() override {
@@ -389,6 +397,7 @@ TEST_F(DaemonTest, APreloadLoadsOnlyTheRanksNotResident) {
 // Making room for a missing rank evicts other models, never the ranks that
 // stayed resident; and a reloaded rank keeps its siblings' pin.
 TEST_F(DaemonTest, ReloadingARankKeepsItsSiblingsAndTheirName) {
+  if (HugePagesFree()) GTEST_SKIP() << "this machine has huge pages free";
   const std::string a = MakeModel("a"), b = dir_.Join("b.safetensors");
   const std::vector<std::string> flags = {"--tp-size", "2", "--shard-plan", "llama"};
   uint64_t rank_bytes = 0;
@@ -401,13 +410,13 @@ TEST_F(DaemonTest, ReloadingARankKeepsItsSiblingsAndTheirName) {
     probe->Signal(SIGTERM);
     probe->Wait();
   }
-  // Room for A's two ranks and nothing more (a preload reserves in 2 MiB
-  // steps); B fits where rank 1 was, but not beside both ranks.
-  const uint64_t step = 2 << 20;
-  const uint64_t rounded = (rank_bytes + step - 1) / step * step;
-  const uint64_t budget = 2 * rounded;
-  const uint64_t b_bytes = rounded - rank_bytes + (1 << 20);
-  ASSERT_LE(rank_bytes + (b_bytes + 2 * 4096 + step - 1) / step * step, budget);
+  // Room for A's two ranks and nothing more (a preload reserves the pages
+  // its segments take); B, with its manifest's page, fits where rank 1 was,
+  // but not beside both ranks.
+  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t budget = 2 * rank_bytes;
+  ASSERT_GT(rank_bytes, 4 * page);
+  const uint64_t b_bytes = rank_bytes - 3 * page;
   ASSERT_TRUE(format::WriteSafetensors(
                   b, {{{"blob", format::DType::kU8, {b_bytes}}, std::vector<std::byte>(b_bytes)}})
                   .ok());
@@ -744,12 +753,7 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
 // pages, and a preload reserves those: two small models share a budget of
 // less than one huge page. A refusal says the sizes in units that show them.
 TEST_F(DaemonTest, SmallModelsReserveTheirPagesNotAHugePage) {
-  if (std::ifstream pool("/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages");
-      pool.is_open()) {
-    uint64_t free_pages = 0;
-    pool >> free_pages;
-    if (free_pages > 0) GTEST_SKIP() << "this machine has huge pages free";
-  }
+  if (HugePagesFree()) GTEST_SKIP() << "this machine has huge pages free";
   const std::string a = dir_.Join("a"), b = dir_.Join("b");
   ASSERT_TRUE(format::WriteSyntheticCheckpoint(a, {.preset = "tiny"}).ok());
   ASSERT_TRUE(format::WriteSyntheticCheckpoint(b, {.preset = "tiny", .finetune = true}).ok());
