@@ -198,5 +198,34 @@ TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
   EXPECT_FALSE(miss.loading);
 }
 
+// A miss is explained against the closest model; among as close ones, the
+// same checkpoint on another device first (a GPU engine copies that one
+// from the host), then one loaded from the engine's own directory. Never a
+// hit by path.
+TEST(Registry, AMissIsExplainedAgainstTheEnginesOwnCheckpointAmongEquals) {
+  Registry r(64 * kMiB);
+  Publish(r, "host", 1, "xxh3-128:other")->path = "/models/other";
+  Publish(r, "host", 1, "xxh3-128:before")->path = "/models/mine";
+  protocol::CacheKey changed;
+  changed.checkpoint = "xxh3-128:after";
+  changed.device = "host";
+  auto daemon_has = [](const Registry::Lookup& l) {
+    return l.mismatch.size() == 1 ? l.mismatch[0].daemon : "";
+  };
+  EXPECT_EQ(daemon_has(r.Acquire(changed, "")), "xxh3-128:other");  // the first, with no path
+  const Registry::Lookup mine = r.Acquire(changed, "", {}, "/models/mine");
+  EXPECT_FALSE(mine.model);
+  EXPECT_EQ(daemon_has(mine), "xxh3-128:before");
+
+  // The engine's checkpoint as it is, held for another device only.
+  protocol::CacheKey on_gpu = changed;
+  on_gpu.device = kGpu;
+  Publish(r, "host", 1, "xxh3-128:after")->path = "/elsewhere/copy";
+  const Registry::Lookup reload = r.Acquire(on_gpu, "", {}, "/models/mine");
+  EXPECT_FALSE(reload.model);
+  ASSERT_EQ(reload.mismatch.size(), 1u);
+  EXPECT_EQ(reload.mismatch[0].field, "device");
+}
+
 }  // namespace
 }  // namespace weightd::daemon

@@ -208,8 +208,10 @@ Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
 }
 
 // Asks the daemon; on a hit returns the weights, else fills `miss`.
+// `checkpoint` (its real path, or empty) only picks which resident model a
+// miss is explained against: a hit is by the key alone.
 std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const AcquireOptions& o,
-                                       Miss& miss) {
+                                       const std::string& checkpoint, Miss& miss) {
   // Waiting for the daemon, to start or to finish loading this model: an
   // hour at most (inf means that), nan not at all.
   const double wait =
@@ -231,6 +233,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   json request = {{"type", "acquire"}, {"key", protocol::ToJson(key)}};
   if (!o.trust.empty()) request["trust"] = o.trust;
   if (wait > 0) request["wait_seconds"] = wait;
+  if (!checkpoint.empty()) request["path"] = protocol::PathToJson(checkpoint);
   if (Status s = ch->Send({{"type", "hello"}, {"versions", {protocol::kProtocolVersion}}});
       !s.ok()) {
     return fail("protocol error", s.error());
@@ -342,13 +345,13 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
 // the bus's speed); the lease goes back once copied.
 std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
                                             const memory::Device& device, const AcquireOptions& o,
-                                            Miss& miss) {
+                                            const std::string& checkpoint, Miss& miss) {
   protocol::CacheKey host_key = key;
   host_key.device = "host";
   AcquireOptions mapped = o;
   mapped.mode = AcquireMode::kZeroCopy;
   Miss host_miss;
-  std::unique_ptr<WeightsImpl> w = TryDaemon(host_key, mapped, host_miss);
+  std::unique_ptr<WeightsImpl> w = TryDaemon(host_key, mapped, checkpoint, host_miss);
   if (!w) return nullptr;
   bool registered = false;
   const std::span<const std::byte> host = w->mapping->bytes();
@@ -476,12 +479,14 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   bool reloaded = false;
   // The daemon asked for `key`; a model it holds in host memory only is
   // copied up to this GPU from there (the host-tier reload).
+  auto real = io::PosixFileSystem().RealPath(spec.path);
+  const std::string checkpoint = real.ok() ? *real : "";
   auto ask = [&](const AcquireOptions& o) {
     miss = {};
-    std::unique_ptr<WeightsImpl> w = TryDaemon(key, o, miss);
+    std::unique_ptr<WeightsImpl> w = TryDaemon(key, o, checkpoint, miss);
     if (!w && device.kind == memory::DeviceKind::kCuda &&
         miss.fields == std::vector<std::string>{"device"}) {
-      w = ReloadFromHost(key, device, o, miss);
+      w = ReloadFromHost(key, device, o, checkpoint, miss);
       reloaded = w != nullptr;
     }
     return w;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <tuple>
 
 #include "protocol/text.h"
 
@@ -124,21 +125,23 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
 }
 
 Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::string& trust,
-                                   std::chrono::steady_clock::time_point wait_until) {
+                                   std::chrono::steady_clock::time_point wait_until,
+                                   const std::string& path) {
   std::unique_lock lock(mu_);
-  Lookup out = AcquireLocked(key, trust);
+  Lookup out = AcquireLocked(key, trust, path);
   if (out.model || !trust.empty() || !LoadingLocked(key)) return out;
   // Published when the load ends (before EndLoad wakes us): look again then.
   if (!load_done_.wait_until(lock, wait_until, [&] { return !LoadingLocked(key); })) {
     out.loading = true;
     return out;
   }
-  Lookup after = AcquireLocked(key, trust);
+  Lookup after = AcquireLocked(key, trust, path);
   after.waited = after.model != nullptr;
   return after;
 }
 
-Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const std::string& trust) {
+Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const std::string& trust,
+                                         const std::string& path) {
   Lookup out;
   if (models_.empty()) {
     out.reason = "no model is resident";
@@ -150,7 +153,14 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
     const bool trusted = !trust.empty();
     if (trusted && models_[i]->name != trust) continue;
     auto diff = protocol::Compare(models_[i]->key, key, trusted);
-    if (best == models_.size() || diff.size() < best_diff.size()) {
+    // The fewest differing fields; among as few, the same model on another
+    // device (which a GPU engine copies from the host), then one from the
+    // engine's own checkpoint directory.
+    auto rank = [&](const std::vector<protocol::FieldDifference>& d, const ResidentModel& m) {
+      const bool device_only = d.size() == 1 && d[0].field == "device";
+      return std::tuple(d.size(), !device_only, path.empty() || m.path != path);
+    };
+    if (best == models_.size() || rank(diff, *models_[i]) < rank(best_diff, *models_[best])) {
       best = i;
       best_diff = std::move(diff);
     }

@@ -100,9 +100,13 @@ class Registry {
   // Finds the model for `key` and leases it. `trust` (not empty) names a
   // pinned model whose content is not compared (every other field is).
   // Missing it while a load of exactly `key` is in flight, waits for that
-  // load until `wait_until` (default: no wait) and looks again.
+  // load until `wait_until` (default: no wait) and looks again. A miss is
+  // explained against the model with the fewest differing fields; among
+  // those, one loaded from `path` (the engine's checkpoint), if any: never
+  // a hit by path.
   Lookup Acquire(const protocol::CacheKey& key, const std::string& trust,
-                 std::chrono::steady_clock::time_point wait_until = {});
+                 std::chrono::steady_clock::time_point wait_until = {},
+                 const std::string& path = {});
   void Release(const std::shared_ptr<ResidentModel>& model);
 
   // Names every resident model whose key is in `group` (the ranks of one
@@ -146,7 +150,8 @@ class Registry {
   // Takes `name` from every model whose key is not in `group`: a name pins
   // all the ranks one preload made, whatever device each is on.
   // REQUIRES: mu_ held.
-  Lookup AcquireLocked(const protocol::CacheKey& key, const std::string& trust);
+  Lookup AcquireLocked(const protocol::CacheKey& key, const std::string& trust,
+                       const std::string& path);
   // REQUIRES: mu_ held.
   bool LoadingLocked(const protocol::CacheKey& key) const;
   // REQUIRES: mu_ held.

@@ -507,11 +507,18 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       }
       wait_seconds = std::min(it->get<double>(), protocol::kMaxAcquireWaitSeconds);
     }
+    // The engine's checkpoint, to explain a miss against its own older
+    // load rather than any model as far from it.
+    std::string engine_path;
+    if (auto it = body.find("path"); it != body.end()) {
+      WEIGHTD_ASSIGN_OR_RETURN(engine_path, protocol::PathFromJson(*it));
+    }
     Registry::Lookup found =
         registry.Acquire(key, trust,
                          std::chrono::steady_clock::now() +
                              std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                                 std::chrono::duration<double>(wait_seconds)));
+                                 std::chrono::duration<double>(wait_seconds)),
+                         engine_path);
     if (found.loading) {
       found.reason =
           "the daemon is loading this very model right now (an engine that waits for the daemon, "
