@@ -104,16 +104,6 @@ class Cleanup {
   Child daemon_;
 };
 
-std::string Seconds(double s) {
-  char buf[32];
-  if (s < 0.1) {
-    std::snprintf(buf, sizeof buf, "%.1f ms", s * 1e3);
-  } else {
-    std::snprintf(buf, sizeof buf, "%.2f s", s);
-  }
-  return buf;
-}
-
 // Rewrites the first KiB of one tensor in place: same layout, other values.
 Status FineTuneOneTensor(const std::string& dir, std::string* which) {
   WEIGHTD_ASSIGN_OR_RETURN(format::Checkpoint ckpt,
@@ -184,14 +174,14 @@ int RunDemo(const DemoOptions& o) {
   if (!cold.ok()) return ReportError("demo", cold.error().message());
   const double cold_s = (*cold)["seconds"];
   std::cout << "   source: " << (*cold)["source"].get<std::string>() << " ("
-            << (*cold)["reason"].get<std::string>() << "), " << Seconds(cold_s) << "\n"
+            << (*cold)["reason"].get<std::string>() << "), " << FormatSeconds(cold_s) << "\n"
             << "   checksum " << (*cold)["checksum"].get<std::string>() << "\n";
 
   std::cout << "4. preload: the daemon reads the checkpoint once into a sealed memory segment\n";
   auto preload = RunSelf({"preload", dir, "--json", "--socket-dir", socket_dir});
   if (!preload.ok()) return ReportError("demo", preload.error().message());
   std::cout << "   resident: " << FormatBytes((*preload)["bytes"]) << " in "
-            << Seconds((*preload)["seconds"]) << "\n";
+            << FormatSeconds((*preload)["seconds"]) << "\n";
 
   std::cout
       << "5. warm restart: the engine proves the checkpoint is the one resident, and maps it\n";
@@ -199,9 +189,9 @@ int RunDemo(const DemoOptions& o) {
   if (!warm.ok()) return ReportError("demo", warm.error().message());
   const double warm_s = (*warm)["seconds"];
   const bool same = (*warm)["checksum"] == (*cold)["checksum"];
-  std::cout << "   source: " << (*warm)["source"].get<std::string>() << ", " << Seconds(warm_s)
-            << " instead of " << Seconds(cold_s) << ": " << static_cast<int>(cold_s / warm_s)
-            << "x faster\n"
+  std::cout << "   source: " << (*warm)["source"].get<std::string>() << ", "
+            << FormatSeconds(warm_s) << " instead of " << FormatSeconds(cold_s) << ": "
+            << static_cast<int>(cold_s / warm_s) << "x faster\n"
             << "   checksum " << (*warm)["checksum"].get<std::string>()
             << (same ? " (the same bytes as from disk)" : " (DIFFERENT from disk!)") << "\n";
 
@@ -212,7 +202,7 @@ int RunDemo(const DemoOptions& o) {
   auto changed = RunSelf(engine);
   if (!changed.ok()) return ReportError("demo", changed.error().message());
   std::cout << "   source: " << (*changed)["source"].get<std::string>() << ", "
-            << Seconds((*changed)["seconds"])
+            << FormatSeconds((*changed)["seconds"])
             << "\n   why: " << Printable((*changed)["reason"].get<std::string>())
             << "\n   checksum " << (*changed)["checksum"].get<std::string>()
             << " (the fine-tune's, not the "

@@ -65,7 +65,8 @@ int RunFingerprint(const FingerprintCommandOptions& o) {
     std::cout << fp->digest << "\n";
     std::cerr << Count(fp->shards.size(), "shard") << ", " << Count(fp->tensors, "tensor")
               << " read, " << Count(fp->reads, "read") << ", " << FormatBytes(fp->bytes_read)
-              << ", " << fp->cache_hits << " from the stat cache, " << fp->seconds << " s\n";
+              << ", " << fp->cache_hits << " from the stat cache, " << FormatSeconds(fp->seconds)
+              << "\n";
     if (fp->mode == fingerprint::Mode::kFull) {
       for (const auto& s : fp->shards)
         std::cerr << "  " << s.digest << "  " << Printable(s.name) << "\n";

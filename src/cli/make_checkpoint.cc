@@ -54,7 +54,7 @@ int RunMake(MakeOptions o) {
               << (o.synthetic.finetune ? " (finetune variant)" : "") << ", "
               << Count(plan->tensor_count, "tensor") << ", " << FormatBytes(plan->data_bytes)
               << (plan->sparse ? " (sparse)" : "") << " in " << Count(plan->shards.size(), "shard")
-              << ", " << seconds << " s\n";
+              << ", " << FormatSeconds(seconds) << "\n";
   }
   return kExitOk;
 }

@@ -36,6 +36,9 @@ std::string Count(uint64_t n, std::string_view noun);
 
 using protocol::FormatBytes;
 
+// A duration for people: 0.00056 -> "0.56 ms", 0.0412 -> "41.2 ms", 2.5 -> "2.50 s".
+std::string FormatSeconds(double seconds);
+
 // JSON text; names from files need not be UTF-8, so invalid bytes become
 // U+FFFD instead of an exception.
 std::string DumpJson(const nlohmann::json& value, int indent = -1);

@@ -368,13 +368,9 @@ Command AddPreloadCommand(CLI::App& root) {
                         << (ranks > 1 ? std::to_string(ranks) + " ranks of " : "")
                         << Count(reply->value("tensors", uint64_t{0}), "tensor") << ", "
                         << FormatBytes(reply->value("bytes", uint64_t{0})) << ", "
-                        << reply->value("seconds", 0.0) << " s)\n";
+                        << FormatSeconds(reply->value("seconds", 0.0)) << ")\n";
               if (const json phases = reply->value("phases", json::object()); !phases.empty()) {
-                auto s = [&](const char* phase) {
-                  char text[32];
-                  std::snprintf(text, sizeof text, "%.3f s", phases.value(phase, 0.0));
-                  return std::string(text);
-                };
+                auto s = [&](const char* phase) { return FormatSeconds(phases.value(phase, 0.0)); };
                 std::cout << "  fingerprint " << s("fingerprint") << ", headers and plan "
                           << s("plan") << ", reads " << s("read") << ", seal and digest "
                           << s("finish") << "\n";
