@@ -74,6 +74,8 @@ int RunLoad(LoadCommandOptions& o) {
   ao.trust = o.trust;
   ao.socket_dir = o.socket_dir;
   ao.stat_cache = !o.no_cache;
+  // One line each, as the daemon's: a path's control bytes escaped.
+  ao.log = [](const std::string& line) { std::cerr << "weightd: " << Printable(line) << "\n"; };
   auto weights = Acquire(o.spec, ao);
   if (!weights.ok()) return ReportError("load", weights.error().message());
   const double seconds = SecondsSince(start);
@@ -100,9 +102,10 @@ int RunLoad(LoadCommandOptions& o) {
     if (o.checksum) out["checksum"] = checksum;
     std::cout << DumpJson(out, 2) << std::endl;
   } else {
-    std::cout << "source: " << w.source() << " (" << Printable(w.reason()) << ")\n"
+    std::cout << "source: " << w.source() << ", " << Printable(w.reason()) << "\n"
               << Count(w.tensors().size(), "tensor") << ", " << FormatBytes(w.bytes()) << " in "
-              << seconds << " s" << (w.device() == "host" ? "" : " on " + w.device()) << "\n";
+              << FormatSeconds(seconds) << (w.device() == "host" ? "" : " on " + w.device())
+              << "\n";
     if (o.checksum) std::cout << "checksum: " << checksum << "\n";
     std::cout << std::flush;
   }
