@@ -2,6 +2,8 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <filesystem>
+
 #include "test_util.h"
 
 namespace weightd {
@@ -46,6 +48,27 @@ TEST(Cli, UsageErrorsExitTwo) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("weightd: error: "), std::string::npos);
   EXPECT_EQ(RunWeightd({"inspect", "--help"}).exit_code, 0);
+  // A usage error points at its command's own help.
+  r = RunWeightd({"load"});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("(see weightd load --help)"), std::string::npos) << r.err;
+  // Options that would be ignored are refused: a rank or a device for
+  // inspect (which explains every rank), --limit without --values (or 0),
+  // a preset's option on another preset.
+  const std::string overall =
+      testing::ConformanceDir() + "/safetensors-samples/overall.safetensors";
+  for (std::vector<std::string> ignored :
+       {std::vector<std::string>{"inspect", overall, "--tp-rank", "1"},
+        {"inspect", overall, "--device", "cuda:0"},
+        {"inspect", overall, "--limit", "2"},
+        {"inspect", overall, "--values", "e", "--limit", "0"},
+        {"make-checkpoint", dir.Join("y"), "--preset", "tiny", "--size", "1G"},
+        {"make-checkpoint", dir.Join("y"), "--preset", "llama", "--tensors", "5"},
+        {"make-checkpoint", dir.Join("y"), "--preset", "many-tensors", "--experts", "5"}}) {
+    r = RunWeightd(ignored);
+    EXPECT_EQ(r.exit_code, 2) << ignored[2] << " " << ignored.back() << ": " << r.err;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.Join("y")));
   // Seconds are finite and not negative: nan would wait forever, inf not
   // at all.
   for (const char* bad : {"nan", "inf", "-1", "1e308", "5x"}) {

@@ -233,9 +233,12 @@ Command AddInspectCommand(CLI::App& root) {
   app->add_option("PATH", options->path, "a .safetensors file or a checkpoint directory")
       ->required();
   app->add_flag("--json", options->json, "print JSON (documented in docs/cli.md)");
-  app->add_option("--values", options->values, "print the elements of tensor NAME as numbers");
-  app->add_option("--limit", options->limit, "with --values: print at most N elements");
-  AddProcessingFlags(*app, options->processing);
+  CLI::Option* values =
+      app->add_option("--values", options->values, "print the elements of tensor NAME as numbers");
+  app->add_option("--limit", options->limit, "with --values: print at most N elements")
+      ->needs(values)
+      ->check(CLI::Range(uint64_t{1}, UINT64_MAX));
+  AddProcessingFlags(*app, options->processing, /*placement=*/false);
   return {app, [options, app] {
             // Any processing flag explains the plan instead of listing tensors.
             for (const char* flag : {"--tp-size", "--dtype", "--quant", "--shard-plan"}) {

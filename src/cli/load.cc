@@ -135,12 +135,14 @@ int RunLoad(LoadCommandOptions& o) {
 
 }  // namespace
 
-void AddProcessingFlags(CLI::App& app, protocol::Processing& p) {
+void AddProcessingFlags(CLI::App& app, protocol::Processing& p, bool placement) {
   p.shard_plan.clear();  // told apart from a plan given (FinishProcessingFlags)
   app.add_option("--tp-size", p.tp_size, "tensor-parallel ranks (needs --shard-plan above 1)")
       ->check(CLI::Range(1, 1024));
-  app.add_option("--tp-rank", p.tp_rank, "this engine's rank (preload makes every rank)")
-      ->check(CLI::Range(0, 1023));
+  if (placement) {
+    app.add_option("--tp-rank", p.tp_rank, "this engine's rank (preload makes every rank)")
+        ->check(CLI::Range(0, 1023));
+  }
   app.add_option("--dtype", p.dtype, "keep | bf16 | fp16 | fp32: cast floating-point weights")
       ->check(CLI::IsMember({"keep", "bf16", "fp16", "fp32"}));
   app.add_option("--quant", p.quant,
@@ -148,9 +150,11 @@ void AddProcessingFlags(CLI::App& app, protocol::Processing& p) {
       ->check(CLI::IsMember({"none", "fp8-block"}));
   app.add_option("--shard-plan,--plan", p.shard_plan,
                  "llama | replicate | FILE (TOML rules): how tensors split across ranks");
-  app.add_option("--device", p.device,
-                 "cpu | cuda:N (this process's numbering) | cuda:GPU-<uuid>: where the weights "
-                 "are kept; or one per rank, comma-separated (rank r on the r-th)");
+  if (placement) {
+    app.add_option("--device", p.device,
+                   "cpu | cuda:N (this process's numbering) | cuda:GPU-<uuid>: where the weights "
+                   "are kept; or one per rank, comma-separated (rank r on the r-th)");
+  }
 }
 
 Status FinishProcessingFlags(protocol::Processing& p) {

@@ -40,7 +40,12 @@ int main(int argc, char** argv) {
                            kExitUsage);
       }
     }
-    return ReportError("usage", std::string(e.what()) + " (see weightd --help)", kExitUsage);
+    // The command whose options were wrong, when there is one: its own help.
+    std::string help = "weightd --help";
+    for (const Command& c : commands) {
+      if (c.app->parsed()) help = "weightd " + c.app->get_name() + " --help";
+    }
+    return ReportError("usage", std::string(e.what()) + " (see " + help + ")", kExitUsage);
   }
   for (const Command& command : commands) {
     if (!command.app->parsed()) continue;

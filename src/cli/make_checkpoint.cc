@@ -21,10 +21,28 @@ struct MakeOptions {
 };
 
 int RunMake(MakeOptions o) {
+  // An option the preset does not use would be ignored: said instead.
+  const std::string& preset = o.synthetic.preset;
+  const std::pair<bool, const char*> unused[] = {
+      {!o.size.empty() && preset != "llama", "--size applies to the llama preset only"},
+      {o.synthetic.hidden != 0 && preset != "llama", "--hidden applies to the llama preset only"},
+      {o.synthetic.layers != 0 && preset != "llama" && preset != "k3-layout",
+       "--layers applies to the llama and k3-layout presets only"},
+      {o.synthetic.experts != 0 && preset != "k3-layout",
+       "--experts applies to the k3-layout preset only"},
+      {o.synthetic.tensors != 0 && preset != "many-tensors",
+       "--tensors applies to the many-tensors preset only"},
+  };
+  for (const auto& [given, why] : unused) {
+    if (given) return ReportError("make-checkpoint", why, kExitUsage);
+  }
   if (!o.size.empty()) {
     auto size = ParseSize(o.size);
-    if (!size || *size == 0)
-      return ReportError("make-checkpoint", "--size " + o.size + ": not a size", kExitUsage);
+    if (!size) {
+      return ReportError("make-checkpoint", "--size " + o.size + ": not a size (e.g. 512M, 2G)",
+                         kExitUsage);
+    }
+    if (*size == 0) return ReportError("make-checkpoint", "--size must be above 0", kExitUsage);
     o.synthetic.size_bytes = *size;
   }
   o.synthetic.finetune = o.variant == "finetune";

@@ -71,8 +71,10 @@ void AddSecondsOption(CLI::App& app, const std::string& name, double& value,
                       const std::string& help, double max);
 
 // The processing flags `preload` and `load` share (--tp-size, --tp-rank,
-// --dtype, --quant, --shard-plan, --device).
-void AddProcessingFlags(CLI::App& app, protocol::Processing& p);
+// --dtype, --quant, --shard-plan, --device). Without `placement` (inspect,
+// which explains every rank from the headers alone), no --tp-rank and no
+// --device.
+void AddProcessingFlags(CLI::App& app, protocol::Processing& p, bool placement = true);
 // After parsing: the checks (a plan named where splitting or quantizing
 // needs one, a plan file that reads), and a plan file's absolute path.
 Status FinishProcessingFlags(protocol::Processing& p);
