@@ -889,6 +889,11 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   const std::string a = MakeModel("a"), b = MakeModel("b", true);
   auto daemon = StartDaemon();
   Preload(a, {"--pin", "prod"});
+  // Pinned again while resident: not loaded again, and said.
+  CommandResult again = Run({"preload", a, "--pin", "prod"});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  EXPECT_NE(again.out.find("already resident: " + a + ", pinned as `prod`"), std::string::npos)
+      << again.out;
   // b differs in content; trusted, it is served a's weights, and says so.
   CommandResult r = Run({"load", b, "--trust", "prod", "--json", "--checksum"});
   ASSERT_EQ(r.exit_code, 0) << r.err;

@@ -9,6 +9,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <ctime>
+#include <filesystem>
 #include <iostream>
 #include <memory>
 #include <mutex>
@@ -149,6 +150,13 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
           auto dir = io::PosixFileSystem().RealPath(io::DirName(file));
           if (!dir.ok()) return fail(dir.error().message());
           m.path = io::JoinPath(*dir, m.path);
+        }
+        // Shown in logs and `status` as `weightd preload` shows its paths:
+        // real, or at least without `..` where it does not exist (yet).
+        if (auto real = io::PosixFileSystem().RealPath(m.path); real.ok()) {
+          m.path = *real;
+        } else {
+          m.path = std::filesystem::path(m.path).lexically_normal().string();
         }
         if (!m.pin.empty()) {
           if (Status s = daemon::CheckPinName(m.pin); !s.ok()) {
@@ -361,7 +369,8 @@ Command AddPreloadCommand(CLI::App& root) {
             if (o->json) {
               std::cout << DumpJson(*reply, 2) << "\n";
             } else if (reply->value("already_resident", false)) {
-              std::cout << "already resident: " << Printable(o->path) << "\n";
+              std::cout << "already resident: " << Printable(o->path)
+                        << (o->pin.empty() ? "" : ", pinned as `" + o->pin + "`") << "\n";
             } else {
               const int ranks = reply->value("ranks", 1);
               std::cout << "resident: " << Printable(o->path) << " ("
