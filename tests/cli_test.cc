@@ -82,6 +82,17 @@ TEST(Cli, UsageErrorsExitTwo) {
   }
 }
 
+// A socket directory whose socket path cannot fit is refused before it is
+// made: nothing left behind.
+TEST(Cli, ServeRefusesASocketPathTooLongWithoutMakingItsDirectory) {
+  TempDir dir;
+  const std::string deep = dir.Join(std::string(120, 'd'));
+  auto r = RunWeightd({"serve", "--socket-dir", deep});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("too long for a Unix socket"), std::string::npos) << r.err;
+  EXPECT_FALSE(std::filesystem::exists(deep));
+}
+
 TEST(Cli, ValuesPrintsTheReferenceSamplesNumbers) {
   const std::string overall =
       testing::ConformanceDir() + "/safetensors-samples/overall.safetensors";

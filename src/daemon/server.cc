@@ -204,6 +204,14 @@ Status Server::Start() {
     ::setrlimit(RLIMIT_NOFILE, &files);
   }
   const std::string& dir = s.options.socket_dir;
+  // Checked before the directory is made, so a refusal leaves nothing behind.
+  s.socket_path = protocol::SocketPath(dir);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (s.socket_path.size() >= sizeof addr.sun_path) {
+    return Error("socket path " + s.socket_path + " is too long for a Unix socket (at most " +
+                 std::to_string(sizeof addr.sun_path - 1) + " bytes)");
+  }
   WEIGHTD_RETURN_IF_ERROR(ClaimDirectory(dir));
 
   const std::string lock_path = dir + "/" + protocol::kLockName;
@@ -224,7 +232,6 @@ Status Server::Start() {
   }
 
   // We hold the lock: a socket already there was left by a daemon that died.
-  s.socket_path = protocol::SocketPath(dir);
   struct stat st;
   if (::lstat(s.socket_path.c_str(), &st) == 0) {
     if (!S_ISSOCK(st.st_mode)) {
@@ -232,11 +239,6 @@ Status Server::Start() {
     }
     s.Log("replacing the stale socket of a daemon that is gone");
     ::unlink(s.socket_path.c_str());
-  }
-  sockaddr_un addr{};
-  addr.sun_family = AF_UNIX;
-  if (s.socket_path.size() >= sizeof addr.sun_path) {
-    return Error("socket path " + s.socket_path + " is too long for a Unix socket");
   }
   std::memcpy(addr.sun_path, s.socket_path.c_str(), s.socket_path.size() + 1);
   s.listen_fd.Reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
