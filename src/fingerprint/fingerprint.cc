@@ -75,7 +75,12 @@ std::string CombineShards(const std::vector<ShardFingerprint>& shards) {
 }
 
 Error CannotFingerprint(const std::string& path, const Error& why) {
-  return Error("cannot fingerprint " + path + ": " + why.message());
+  // Most reasons name the path already (or a shard in it): not twice.
+  const std::string& message = why.message();
+  if (message.starts_with(path + ":") || message.starts_with(path + "/")) {
+    return Error("cannot fingerprint " + message);
+  }
+  return Error("cannot fingerprint " + path + ": " + message);
 }
 
 // Large headers take turns (see OpenAndReadHead).
