@@ -208,8 +208,10 @@ Result<std::pair<UniqueFd, std::byte*>> MakeHugeSegment(const std::string& name,
   return std::pair(std::move(fd), map);
 }
 
-// Huge pages of the 2 MiB pool that no mapping holds or has reserved; 0
-// where there is no pool (or sysfs cannot be read).
+// Huge pages of the 2 MiB pool that a new segment could take: those no
+// mapping holds or has reserved, and those the kernel may still add on
+// demand (nr_overcommit_hugepages beyond the surplus it has added); 0 where
+// there is no pool (or sysfs cannot be read).
 uint64_t FreeHugePages() {
   auto read = [](const char* name) -> uint64_t {
     const std::string path = std::string("/sys/kernel/mm/hugepages/hugepages-2048kB/") + name;
@@ -221,7 +223,9 @@ uint64_t FreeHugePages() {
     return n;
   };
   const uint64_t free = read("free_hugepages"), reserved = read("resv_hugepages");
-  return free > reserved ? free - reserved : 0;
+  const uint64_t overcommit = read("nr_overcommit_hugepages"), surplus = read("surplus_hugepages");
+  return (free > reserved ? free - reserved : 0) +
+         (overcommit > surplus ? overcommit - surplus : 0);
 }
 
 // MemAvailable from /proc/meminfo, in bytes; nullopt where it cannot be read.
