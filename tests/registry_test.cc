@@ -204,6 +204,7 @@ TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
 // hit by path.
 TEST(Registry, AMissIsExplainedAgainstTheEnginesOwnCheckpointAmongEquals) {
   Registry r(64 * kMiB);
+  r.SetBudget(kGpu, 64 * kMiB);
   Publish(r, "host", 1, "xxh3-128:other")->path = "/models/other";
   Publish(r, "host", 1, "xxh3-128:before")->path = "/models/mine";
   protocol::CacheKey changed;
@@ -217,9 +218,12 @@ TEST(Registry, AMissIsExplainedAgainstTheEnginesOwnCheckpointAmongEquals) {
   EXPECT_FALSE(mine.model);
   EXPECT_EQ(daemon_has(mine), "xxh3-128:before");
 
-  // The engine's checkpoint as it is, held for another device only.
+  // On a GPU: its own older checkpoint is resident there (differing in the
+  // checkpoint), the new one in host memory from elsewhere (differing in
+  // the device): as close, and the host copy is the one named.
   protocol::CacheKey on_gpu = changed;
   on_gpu.device = kGpu;
+  Publish(r, kGpu, 1, "xxh3-128:before")->path = "/models/mine";
   Publish(r, "host", 1, "xxh3-128:after")->path = "/elsewhere/copy";
   const Registry::Lookup reload = r.Acquire(on_gpu, "", {}, "/models/mine");
   EXPECT_FALSE(reload.model);
