@@ -35,9 +35,11 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
       const std::string& why = reply.error().message();
       if (why == protocol::Channel::kClosed) {
         // A stopping daemon cancels its preloads and closes every connection.
+        const bool preload = request.value("type", "") == "preload";
         return Error(
             "the daemon closed the connection before it answered: it stopped or died (its log "
-            "says which); a preload it was running was not published");
+            "says which)" +
+            std::string(preload ? "; the preload was not published" : ""));
       }
       const bool silent = why == protocol::Channel::kTimedOut;
       return Error("the daemon did not answer: " + why +

@@ -513,7 +513,9 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     // load rather than any model as far from it.
     std::string engine_path;
     if (auto it = body.find("path"); it != body.end()) {
-      WEIGHTD_ASSIGN_OR_RETURN(engine_path, protocol::PathFromJson(*it));
+      auto given = protocol::PathFromJson(*it);
+      if (!given.ok()) return Error("`path`: " + given.error().message());
+      engine_path = std::move(given).value();
     }
     Registry::Lookup found =
         registry.Acquire(key, trust,
