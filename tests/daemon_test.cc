@@ -142,6 +142,29 @@ TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
   EXPECT_EQ(TotalLeases(), 0);
 }
 
+// With several resident models as far from the engine's key, the miss is
+// explained against the engine's own checkpoint as it was preloaded, not
+// whichever model came first.
+TEST_F(DaemonTest, AChangedCheckpointIsExplainedAgainstItsOwnOlderLoad) {
+  const std::string unrelated = dir_.Join("unrelated"), a = MakeModel("a"),
+                    b = MakeModel("b", /*finetune=*/true);
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(unrelated, {.preset = "tiny"}).ok());
+  auto daemon = StartDaemon();
+  Preload(unrelated);
+  CommandResult before = Run({"preload", a, "--json"});
+  ASSERT_EQ(before.exit_code, 0) << before.err;
+  const std::string old_digest = json::parse(before.out)["key"]["checkpoint"];
+  // a's files rewritten with b's values: the same layout, a fine-tune.
+  for (const auto& f : std::filesystem::directory_iterator(b)) {
+    std::filesystem::copy_file(f.path(), a + "/" + f.path().filename().string(),
+                               std::filesystem::copy_options::overwrite_existing);
+  }
+  CommandResult changed = Run({"load", a, "--no-fallback"});
+  EXPECT_EQ(changed.exit_code, 1);
+  EXPECT_NE(changed.err.find("checkpoint: daemon has " + old_digest), std::string::npos)
+      << changed.err;
+}
+
 TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   const std::string a = MakeModel("a");
   const std::string copy = dir_.Join("elsewhere/copy");

@@ -458,6 +458,10 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   protocol::Processing keyed = processing;
   keyed.device = device.Name();
 
+  // The checkpoint's real path, sent with an acquire only to explain a miss
+  // against the engine's own model: the fingerprint resolves it anyway;
+  // resolved apart only where none ran (trust) or none did (a single file).
+  std::string checkpoint;
   // The key with the checkpoint's content digest (the stat cache answers
   // for unchanged shards).
   auto content_key = [&]() -> Result<protocol::CacheKey> {
@@ -471,6 +475,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
         fingerprint::Fingerprint fp,
         fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), spec.path, fo));
     if (cache) (void)cache->Save();
+    checkpoint = fp.real_path;
     return protocol::MakeKey(fp.digest, keyed, plan_name, plan_digest);
   };
 
@@ -479,10 +484,11 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   bool reloaded = false;
   // The daemon asked for `key`; a model it holds in host memory only is
   // copied up to this GPU from there (the host-tier reload).
-  auto real = io::PosixFileSystem().RealPath(spec.path);
-  const std::string checkpoint = real.ok() ? *real : "";
   auto ask = [&](const AcquireOptions& o) {
     miss = {};
+    if (checkpoint.empty()) {
+      if (auto real = io::PosixFileSystem().RealPath(spec.path); real.ok()) checkpoint = *real;
+    }
     std::unique_ptr<WeightsImpl> w = TryDaemon(key, o, checkpoint, miss);
     if (!w && device.kind == memory::DeviceKind::kCuda &&
         miss.fields == std::vector<std::string>{"device"}) {

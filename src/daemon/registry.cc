@@ -149,17 +149,17 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
   }
   size_t best = models_.size();
   std::vector<protocol::FieldDifference> best_diff;
+  // The fewest differing fields; among as few, the same model on another
+  // device (which a GPU engine copies from the host), then one from the
+  // engine's own checkpoint directory.
+  auto rank = [&](const std::vector<protocol::FieldDifference>& d, const ResidentModel& m) {
+    const bool device_only = d.size() == 1 && d[0].field == "device";
+    return std::tuple(d.size(), !device_only, path.empty() || m.path != path);
+  };
   for (size_t i = 0; i < models_.size(); ++i) {
     const bool trusted = !trust.empty();
     if (trusted && models_[i]->name != trust) continue;
     auto diff = protocol::Compare(models_[i]->key, key, trusted);
-    // The fewest differing fields; among as few, the same model on another
-    // device (which a GPU engine copies from the host), then one from the
-    // engine's own checkpoint directory.
-    auto rank = [&](const std::vector<protocol::FieldDifference>& d, const ResidentModel& m) {
-      const bool device_only = d.size() == 1 && d[0].field == "device";
-      return std::tuple(d.size(), !device_only, path.empty() || m.path != path);
-    };
     if (best == models_.size() || rank(diff, *models_[i]) < rank(best_diff, *models_[best])) {
       best = i;
       best_diff = std::move(diff);

@@ -598,6 +598,7 @@ Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string&
   fp->reads += listing->reads + unused.reads;
   fp->bytes_read += listing->bytes_read + unused.bytes;
   fp->round_trips += listing->round_trips;
+  fp->real_path = listing->real_dir;
   fp->seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return fp;
 }

@@ -84,6 +84,9 @@ struct Fingerprint {
   // header and sample read waves. What a latency-bound file system charges.
   uint64_t round_trips = 0;
   double seconds = 0;
+  // The checkpoint directory with every symlink resolved, as the listing
+  // checked the shards against it; empty for a single file.
+  std::string real_path;
 };
 
 // The sampled digest of one shard from bytes a caller already holds (a
