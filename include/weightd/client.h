@@ -77,7 +77,8 @@ struct AcquireOptions {
   std::string socket_dir;
   // Use the fingerprint's stat cache (false: read the samples every time).
   bool stat_cache = true;
-  // Where the one-line reasons go (fallbacks, trust); default: stderr.
+  // Where the one-line reasons go (fallbacks, trust); default: stderr, with
+  // control characters in paths written as \xNN.
   std::function<void(const std::string&)> log;
 };
 

@@ -74,8 +74,6 @@ int RunLoad(LoadCommandOptions& o) {
   ao.trust = o.trust;
   ao.socket_dir = o.socket_dir;
   ao.stat_cache = !o.no_cache;
-  // One line each, as the daemon's: a path's control bytes escaped.
-  ao.log = [](const std::string& line) { std::cerr << "weightd: " << Printable(line) << "\n"; };
   auto weights = Acquire(o.spec, ao);
   if (!weights.ok()) return ReportError("load", weights.error().message());
   const double seconds = SecondsSince(start);

@@ -43,9 +43,7 @@ std::string FormatSeconds(double seconds);
 // U+FFFD instead of an exception.
 std::string DumpJson(const nlohmann::json& value, int indent = -1);
 
-// Text for a terminal: control characters in names from files (an escape
-// sequence in a tensor name) are shown as \xNN instead of being obeyed.
-std::string Printable(std::string_view text);
+using protocol::Printable;
 
 double SecondsSince(std::chrono::steady_clock::time_point start);
 

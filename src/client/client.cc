@@ -21,6 +21,7 @@
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
 #include "protocol/paths.h"
+#include "protocol/text.h"
 #include "transform/plan.h"
 
 namespace weightd {
@@ -440,7 +441,7 @@ Result<std::string> Weights::Checksum() const {
 
 Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOptions& options) {
   auto log = options.log ? options.log : [](const std::string& line) {
-    std::cerr << "weightd: " << line << "\n";
+    std::cerr << "weightd: " << protocol::Printable(line) << "\n";
   };
   const protocol::Processing processing{spec.tp_size, spec.tp_rank,    spec.dtype,
                                         spec.quant,   spec.shard_plan, spec.device};

@@ -4,10 +4,16 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 
 namespace weightd::protocol {
 
 // 1288490188 -> "1.20 GiB", 8192 -> "8.00 KiB", 882 -> "882 B".
 std::string FormatBytes(uint64_t bytes);
+
+// Control characters in names from files (a newline in a path, an escape
+// sequence in a tensor name) as \xNN: shown, not obeyed, and one log line
+// stays one line.
+std::string Printable(std::string_view text);
 
 }  // namespace weightd::protocol
