@@ -134,6 +134,14 @@ TEST(Cli, NamesFromFilesCannotCorruptTheOutput) {
   auto json_out = RunWeightd({"inspect", path, "--json"});
   EXPECT_EQ(json_out.exit_code, 0) << json_out.err;
   EXPECT_NE(json_out.out.find("\"a\\u001b[31m\""), std::string::npos) << json_out.out;
+  // A newline in a checkpoint's path keeps the engine's fallback line one line.
+  const std::string odd = dir.Join("a\nb");
+  ASSERT_TRUE(std::filesystem::create_directory(odd));
+  std::filesystem::copy_file(path, odd + "/model.safetensors");
+  auto load = RunWeightd({"load", odd, "--socket-dir", dir.Join("none")});
+  ASSERT_EQ(load.exit_code, 0) << load.err;
+  EXPECT_NE(load.err.find("a\\x0ab"), std::string::npos) << load.err;
+  EXPECT_EQ(load.err.find("a\nb"), std::string::npos) << load.err;
 }
 
 TEST(Cli, OutOfRangeGeneratorOptionsAreUsageErrors) {
