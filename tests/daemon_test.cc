@@ -21,6 +21,7 @@
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
+#include "daemon_fixture.h"
 #include "test_util.h"
 
 namespace weightd {
@@ -40,77 +41,6 @@ bool HugePagesFree() {
   uint64_t free_pages = 0;
   return pool >> free_pages && free_pages > 0;
 }
-
-class DaemonTest : public ::testing::Test {
- protected:
-  void SetUp() override {
-    ::setenv("WEIGHTD_CACHE_DIR", dir_.Join("cache").c_str(), 1);
-    sock_ = dir_.Join("sock");
-  }
-
-  std::string MakeModel(const std::string& name, bool finetune = false, uint64_t bytes = 4 << 20) {
-    const std::string path = dir_.Join(name);
-    auto plan = format::WriteSyntheticCheckpoint(
-        path, {.preset = "llama", .finetune = finetune, .size_bytes = bytes});
-    EXPECT_TRUE(plan.ok()) << plan.error().message();
-    return path;
-  }
-
-  std::unique_ptr<Process> StartDaemon(std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"serve", "--socket-dir", sock_};
-    args.insert(args.end(), extra.begin(), extra.end());
-    auto p = std::make_unique<Process>(args);
-    EXPECT_TRUE(p->WaitForOutput("ready")) << p->err();
-    return p;
-  }
-
-  CommandResult Run(std::vector<std::string> args) {
-    args.push_back("--socket-dir");
-    args.push_back(sock_);
-    return RunWeightd(args);
-  }
-
-  json Load(const std::string& path, std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"load", path, "--json", "--checksum"};
-    args.insert(args.end(), extra.begin(), extra.end());
-    CommandResult r = Run(args);
-    EXPECT_EQ(r.exit_code, 0) << r.err;
-    return r.exit_code == 0 ? json::parse(r.out) : json::object();
-  }
-
-  // What an engine gets with no daemon at all.
-  std::string DiskChecksum(const std::string& path) {
-    CommandResult r = RunWeightd(
-        {"load", path, "--json", "--checksum", "--socket-dir", dir_.Join("no-daemon-here")});
-    EXPECT_EQ(r.exit_code, 0) << r.err;
-    auto j = json::parse(r.out);
-    EXPECT_EQ(j["source"], "disk");
-    return j["checksum"];
-  }
-
-  json Status() {
-    CommandResult r = Run({"status", "--json"});
-    EXPECT_EQ(r.exit_code, 0) << r.err;
-    return r.exit_code == 0 ? json::parse(r.out) : json::object();
-  }
-
-  void Preload(const std::string& path, std::vector<std::string> extra = {}) {
-    std::vector<std::string> args = {"preload", path};
-    args.insert(args.end(), extra.begin(), extra.end());
-    CommandResult r = Run(args);
-    ASSERT_EQ(r.exit_code, 0) << r.err;
-  }
-
-  int TotalLeases() {
-    int n = 0;
-    const json status = Status();
-    for (const auto& m : status["models"]) n += m["leases"].get<int>();
-    return n;
-  }
-
-  TempDir dir_;
-  std::string sock_;
-};
 
 TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
   const std::string a = MakeModel("a"), b = MakeModel("b", /*finetune=*/true);

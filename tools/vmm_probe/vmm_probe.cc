@@ -42,6 +42,7 @@ struct Api {
   CUresult (*cuGetErrorString)(CUresult, const char**);
   CUresult (*cuDeviceGet)(CUdevice*, int);
   CUresult (*cuDeviceGetAttribute)(int*, CUdevice_attribute, CUdevice);
+  CUresult (*cuDeviceGetName)(char*, int, CUdevice);
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*cuCtxSetCurrent)(CUcontext);
   CUresult (*cuCtxSynchronize)();
@@ -120,6 +121,7 @@ CUdevice Start() {
   LOAD(cuGetErrorString);
   LOAD(cuDeviceGet);
   LOAD(cuDeviceGetAttribute);
+  LOAD(cuDeviceGetName);
   LOAD(cuDevicePrimaryCtxRetain);
   LOAD(cuCtxSetCurrent);
   LOAD(cuCtxSynchronize);
@@ -227,6 +229,10 @@ int WritingImporter(int fd, size_t size) {
     const CUresult set_sync = api.cuCtxSynchronize();
     std::printf("importer_write_by_kernel%s: %s / sync %s\n", read_only ? "" : " (read-write)",
                 Describe(set).c_str(), Describe(set_sync).c_str());
+  } else {
+    std::printf(
+        "importer_write_by_kernel: not tried (after the copy's error the context may be "
+        "unusable)\n");
   }
   std::fflush(stdout);
   return reads ? 0 : 1;
@@ -336,6 +342,10 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--mib") == 0) mib = std::strtoull(argv[i + 1], nullptr, 10);
   }
   const CUdevice dev = Start();
+  char name[256] = {};
+  if (api.cuDeviceGetName(name, sizeof name - 1, dev) == CUDA_SUCCESS) {
+    std::printf("device_name: %s\n", name);
+  }
   int vmm = 0, fds = 0;
   api.cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
   api.cuDeviceGetAttribute(&fds, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
