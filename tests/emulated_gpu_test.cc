@@ -236,6 +236,23 @@ TEST_F(EmulatedGpuTest, AGpuBudgetEvictsOnThatGpuOnly) {
   EXPECT_EQ(Status()["models"].size(), 2u);
 }
 
+// A GPU whose allocations come in 8 MiB steps: a 22 MiB model takes 24 MiB
+// of it, and the budget is reserved as the allocation will be made. Two
+// would fit a 46 MiB budget in 2 MiB steps; in 8 MiB steps the second
+// preload evicts the first.
+TEST_F(EmulatedGpuTest, AGpuBudgetIsReservedInTheDevicesGranularity) {
+  const std::string a = MakeModel("a"), b = MakeModel("b", /*finetune=*/true);
+  ::setenv("WEIGHTD_EMULATED_CUDA_GRANULARITY", "8M", 1);
+  auto daemon = StartDaemon({"--budget", "cuda:0=46M"});
+  Preload(a, {"--device", "cuda:0"});
+  EXPECT_EQ(DeviceStatus(kGpu0)["used"].get<uint64_t>(), uint64_t{24} << 20);
+  EXPECT_EQ(Status()["models"][0]["reserved_bytes"].get<uint64_t>(), uint64_t{24} << 20);
+  Preload(b, {"--device", "cuda:0"});
+  const json status = Status();
+  ASSERT_EQ(status["models"].size(), 1u) << status.dump(1);
+  EXPECT_EQ(status["models"][0]["path"], b);
+}
+
 TEST_F(EmulatedGpuTest, WithADriverButNoGpuTheDaemonServesTheHostAndSaysWhy) {
   auto daemon =
       WithEnv({{"WEIGHTD_EMULATED_CUDA_DEVICES", "0"}}, [&] { return StartDaemon(); });

@@ -36,9 +36,6 @@ namespace {
 
 using nlohmann::json;
 
-// What a GPU's allocation rounds up to (its granularity, 2 MiB on the GPUs
-// we know), reserved before it is made.
-constexpr uint64_t kGpuReserveRounding = 2ull << 20;
 constexpr auto kProgressEvery = std::chrono::milliseconds(100);
 // A preload's asker hears from the daemon at least this often.
 constexpr auto kHeartbeat = std::chrono::seconds(5);
@@ -107,6 +104,22 @@ json DeviceJson(const Registry::Snapshot& s) {
   return out;
 }
 
+
+// What a segment of `bytes` takes on the GPU `uuid`: its allocation, in the
+// device's granularity (what CreateCudaSegment will ask for), reserved
+// against the budget before it is made.
+Result<uint64_t> GpuAllocationBytes(uint64_t bytes, const std::string& uuid) {
+  WEIGHTD_ASSIGN_OR_RETURN(const std::vector<memory::CudaDevice> gpus, memory::ListCudaDevices());
+  for (const memory::CudaDevice& g : gpus) {
+    if (!memory::SameGpu(g.uuid, uuid)) continue;
+    if (auto rounded = memory::RoundToGranularity(std::max<uint64_t>(bytes, 1), g.granularity)) {
+      return *rounded;
+    }
+    return Error("cuda:" + uuid + ": a segment of " + std::to_string(bytes) +
+                 " bytes cannot be allocated (granularity " + std::to_string(g.granularity) + ")");
+  }
+  return Error("cuda:" + uuid + ": no such GPU in this daemon");
+}
 }  // namespace
 
 struct Server::State {
@@ -926,8 +939,9 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   lo.ranks = missing;
   // Every rank is the same size. On the first rank, room for all of them is
   // reserved, on each device, or for none (no idle model evicted for a load
-  // that cannot finish): on a GPU in whole allocation steps, in host memory
-  // in the pages the segments will be made of.
+  // that cannot finish): on a GPU in its allocation granularity, as the
+  // segment will be made, in host memory in the pages the segments will be
+  // made of.
   memory::HostPlacement host;
   lo.allocate = [&](uint64_t bytes, int rank) -> Result<std::unique_ptr<memory::Segment>> {
     if (reserved.empty()) {
@@ -935,13 +949,16 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
       for (int r : missing)
         host_ranks += devices[static_cast<size_t>(r)].kind != memory::DeviceKind::kCuda;
       host = memory::PlanHostSegments(bytes, std::max<uint64_t>(host_ranks, 1));
-      const uint64_t on_gpu =
-          (bytes + kGpuReserveRounding - 1) / kGpuReserveRounding * kGpuReserveRounding;
       std::vector<uint64_t> want;
       std::map<std::string, uint64_t> need;
       for (int r : missing) {
         const memory::Device& d = devices[static_cast<size_t>(r)];
-        want.push_back(d.kind == memory::DeviceKind::kCuda ? on_gpu : host.bytes);
+        if (d.kind == memory::DeviceKind::kCuda) {
+          WEIGHTD_ASSIGN_OR_RETURN(const uint64_t on_gpu, GpuAllocationBytes(bytes, d.uuid));
+          want.push_back(on_gpu);
+        } else {
+          want.push_back(host.bytes);
+        }
         uint64_t& n = need[d.Name()];
         if (__builtin_add_overflow(n, want.back(), &n)) {
           return Error("the ranks' segments add up to more than 64 bits");
