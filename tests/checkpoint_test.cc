@@ -155,6 +155,17 @@ TEST(Checkpoint, EmptyDirectoryAndMalformedIndexAreErrors) {
   ExpectError(dir.path(), rules::kIndexNotJson);
 }
 
+// Parsing an index takes about ten times its size: one over 64 MiB (real
+// ones are a few MB) is refused before a byte of it is read.
+TEST(Checkpoint, AnIndexOverItsLimitIsRefusedUnread) {
+  TempDir dir;
+  WriteShardWith(dir.Join("a.safetensors"), {"w"});
+  const std::string index = dir.Join(std::string(kIndexFileName));
+  testing::WriteFileText(index, "");
+  ASSERT_EQ(::truncate(index.c_str(), (64 << 20) + 1), 0);  // sparse: nothing written
+  ExpectError(dir.path(), "is over the limit of 67108864");
+}
+
 TEST(Checkpoint, ABadShardIsNamedInTheError) {
   TempDir dir;
   WriteShardWith(dir.Join("a.safetensors"), {"w"});

@@ -15,13 +15,13 @@
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "daemon_fixture.h"
 #include "format/synthetic.h"
 #include "format/writer.h"
 #include "memory/cuda.h"
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
-#include "daemon_fixture.h"
 #include "test_util.h"
 
 namespace weightd {
@@ -589,6 +589,11 @@ class RawPeer {
   bool connected_ = false;
 };
 
+// A frame with `body` as it is.
+std::string Frame(const std::string& body) {
+  return protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) + body;
+}
+
 TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
   const std::string a = MakeModel("a");
   auto daemon = StartDaemon();
@@ -618,6 +623,16 @@ TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
       {"bad key", protocol::FrameHeader(30, 0) + R"({"type":"acquire","key":[1,2]})", 0, false},
       {"no version in common", protocol::FrameHeader(32, 0) + R"({"type":"hello","versions":[99]})",
        0, false},
+      // 100,000 levels in 200 KB: within the frame limit, and deeper than
+      // any recursive walk of it survives on a thread's stack.
+      {"deeply nested versions",
+       Frame(R"({"type":"hello","versions":)" + std::string(100000, '[') +
+             std::string(100000, ']') + "}"),
+       0, false},
+      {"deeply nested status",
+       Frame(R"({"type":"status","x":)" + std::string(100000, '[') + std::string(100000, ']') +
+             "}"),
+       -1, false},
   };
   // Someone else is attached all along and must not notice.
   Process engine({"load", a, "--checksum", "--hold", "5", "--socket-dir", sock_});
@@ -625,16 +640,39 @@ TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
   for (const Case& c : cases) {
     RawPeer peer(path);
     ASSERT_TRUE(peer.connected());
-    peer.Send(c.bytes, c.fds);
-    if (c.half_close) peer.ShutdownWrite();
-    const std::string reply = peer.ReadUntilClosed();  // the daemon closes: we get here at all
-    if (!c.half_close) {
+    peer.Send(c.bytes, std::max(c.fds, 0));
+    if (c.half_close || c.fds < 0) peer.ShutdownWrite();  // -1: a valid request, then EOF
+    const std::string reply = peer.ReadUntilClosed();     // the daemon closes: we get here at all
+    if (c.fds < 0) {
+      EXPECT_NE(reply.find("\"status\""), std::string::npos) << c.what;
+    } else if (!c.half_close) {
       EXPECT_NE(reply.find("error"), std::string::npos) << c.what;
     }
     EXPECT_EQ(Status()["models"].size(), 1u) << c.what;
   }
   EXPECT_EQ(engine.Wait(), 0) << engine.err();
   EXPECT_EQ(TotalLeases(), 0);
+}
+
+// 256 ranks under a 3.5 KB path list to more than one frame holds: the
+// status lists what fits and counts the rest, instead of failing for all.
+TEST_F(DaemonTest, AStatusTooLongForOneReplyListsWhatFitsAndCountsTheRest) {
+  std::string dir = dir_.path();
+  for (int i = 0; i < 14; ++i) {
+    dir += "/" + std::string(250, 'x');
+    ASSERT_EQ(::mkdir(dir.c_str(), 0755), 0);
+  }
+  const std::string model = dir + "/tiny";
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(model, {.preset = "tiny"}).ok());
+  auto daemon = StartDaemon();
+  Preload(model, {"--tp-size", "256", "--shard-plan", "replicate"});
+  const json status = Status();
+  ASSERT_TRUE(status.contains("models_omitted")) << status.dump().size();
+  EXPECT_GT(status["models"].size(), 0u);
+  EXPECT_EQ(status["models"].size() + status["models_omitted"].get<size_t>(), 256u);
+  CommandResult text = Run({"status"});
+  EXPECT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("more models (the list is cut to fit one reply)"), std::string::npos);
 }
 
 TEST_F(DaemonTest, SixtyFourEnginesAtOnceGetTheSameBytes) {

@@ -271,8 +271,16 @@ std::function<void(const json&)> ProgressPrinter() {
   const bool tty = ::isatty(2) != 0;
   auto last_decile = std::make_shared<int>(-1);
   return [tty, last_decile](const json& p) {
-    const auto done = p.value("done", uint64_t{0}), total = p.value("total", uint64_t{0});
-    const int pct = total == 0 ? 100 : static_cast<int>(100 * done / total);
+    if (!p.is_object() || !p.value("done", json()).is_number_unsigned() ||
+        !p.value("total", json()).is_number_unsigned()) {
+      return;  // not a progress report this command understands
+    }
+    const uint64_t total = p["total"].get<uint64_t>();
+    const uint64_t done = std::min(p["done"].get<uint64_t>(), total);
+    const int pct =
+        total == 0
+            ? 100
+            : static_cast<int>(100.0 * static_cast<double>(done) / static_cast<double>(total));
     if (tty) {
       const int filled = pct / 5;
       std::cerr << "\r[" << std::string(static_cast<size_t>(filled), '#')
@@ -438,6 +446,10 @@ Command AddStatusCommand(CLI::App& root) {
                         << Count(m.value("leases", uint64_t{0}), "lease")
                         << (m.value("name", "").empty() ? "" : "  pinned as " + m.value("name", ""))
                         << "\n    " << Printable(m.value("path", "")) << "\n";
+            }
+            if (const uint64_t more = reply->value("models_omitted", uint64_t{0}); more > 0) {
+              std::cout << "  ... and " << Count(more, "more model")
+                        << " (the list is cut to fit one reply)\n";
             }
             return kExitOk;
           }};

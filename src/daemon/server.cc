@@ -1,5 +1,3 @@
-#include "daemon/server.h"
-
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/file.h>
@@ -21,6 +19,7 @@
 #include <thread>
 
 #include "daemon/registry.h"
+#include "daemon/server.h"
 #include "fingerprint/fingerprint.h"
 #include "format/checkpoint.h"
 #include "io/file.h"
@@ -103,7 +102,6 @@ json DeviceJson(const Registry::Snapshot& s) {
   }
   return out;
 }
-
 
 // What a segment of `bytes` takes on the GPU `uuid`: its allocation, in the
 // device's granularity (what CreateCudaSegment will ask for), reserved
@@ -457,7 +455,15 @@ void Server::State::Serve(uint64_t id, memory::UniqueFd fd, ucred peer) {
         }
         break;
       }
-      if (Status st = Handle(ch, *m, id, peer, leases); !st.ok()) {
+      Status st = OkStatus();
+      try {
+        st = Handle(ch, *m, id, peer, leases);
+      } catch (const std::exception& e) {
+        // The last line of defence (an allocation refused, a library
+        // throwing): this connection is closed, the daemon serves on.
+        st = Error("could not handle a `" + m->type() + "` request: " + e.what());
+      }
+      if (!st.ok()) {
         if (st.error().message() == protocol::Channel::kClosed) break;  // the peer went first
         Log("connection " + std::to_string(id) + " (pid " + std::to_string(peer.pid) +
             "): " + st.error().message() + "; closing it");
@@ -492,9 +498,16 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     if (versions == body.end() || !versions->is_array()) return Error("hello without `versions`");
     if (std::find(versions->begin(), versions->end(), protocol::kProtocolVersion) ==
         versions->end()) {
+      // The numbers offered, not the peer's JSON as it came: dumping a
+      // deeply nested value recurses once per level.
+      std::string offered;
+      for (const json& v : *versions) {
+        if (!v.is_number_integer() || offered.size() > 64) continue;
+        offered += (offered.empty() ? "" : ", ") + std::to_string(v.get<int64_t>());
+      }
       return Error("no protocol version in common: this daemon speaks " +
                    std::to_string(protocol::kProtocolVersion) + ", the client offers " +
-                   versions->dump());
+                   (offered.empty() ? "none" : offered));
     }
     // On every attach: the device names only, not a snapshot of every model.
     ApplyGpuBudgets(/*wait=*/false);
@@ -694,24 +707,35 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     Registry::Snapshot snap = registry.Take();
     json reply = {{"type", type}, {"devices", DeviceJson(snap)}, {"cuda", CudaStatus()}};
     if (type == "status") {
+      // The list fits one frame: past about 3/4 of it (a thousand ranks
+      // with long paths), the rest are counted, not listed.
       json models = json::array();
+      size_t listed_bytes = 0, omitted = 0;
       for (size_t i = 0; i < snap.models.size(); ++i) {
         const ResidentModel& model = *snap.models[i];
-        models.push_back({{"id", model.id},
-                          {"key", protocol::ToJson(model.key)},
-                          {"description", protocol::ShortDescription(model.key)},
-                          {"name", snap.names[i]},
-                          {"path", model.path},
-                          {"device", model.key.device},
-                          {"bytes", model.segment->size()},
-                          {"reserved_bytes", model.segment->reserved_bytes()},
-                          {"huge_pages", model.segment->huge_pages()},
-                          {"tensors", model.tensors},
-                          {"leases", snap.leases[i]},
-                          {"idle_seconds", snap.idle_seconds[i]},
-                          {"load_seconds", model.load_seconds}});
+        json entry = {{"id", model.id},
+                      {"key", protocol::ToJson(model.key)},
+                      {"description", protocol::ShortDescription(model.key)},
+                      {"name", snap.names[i]},
+                      {"path", model.path},
+                      {"device", model.key.device},
+                      {"bytes", model.segment->size()},
+                      {"reserved_bytes", model.segment->reserved_bytes()},
+                      {"huge_pages", model.segment->huge_pages()},
+                      {"tensors", model.tensors},
+                      {"leases", snap.leases[i]},
+                      {"idle_seconds", snap.idle_seconds[i]},
+                      {"load_seconds", model.load_seconds}};
+        const size_t bytes = entry.dump(-1, ' ', false, json::error_handler_t::replace).size() + 1;
+        if (listed_bytes + bytes > protocol::kMaxBodyBytes / 4 * 3) {
+          ++omitted;
+          continue;
+        }
+        listed_bytes += bytes;
+        models.push_back(std::move(entry));
       }
       reply["models"] = models;
+      if (omitted > 0) reply["models_omitted"] = omitted;
       reply["pid"] = ::getpid();
       std::lock_guard lock(conn_mu);
       reply["connections"] = live_connections;

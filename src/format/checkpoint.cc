@@ -17,9 +17,10 @@
 namespace weightd::format {
 namespace {
 
-// An index lists every tensor once; even a 100k-tensor model's index is a
-// few MB. Anything far beyond is not an index we should trust with memory.
-constexpr uint64_t kMaxIndexBytes = 256ull << 20;
+// An index lists every tensor once; even a 100k-tensor model's index is
+// about 10 MB. Anything far beyond is not an index we should trust with
+// memory: parsing one takes about ten times its size.
+constexpr uint64_t kMaxIndexBytes = 64ull << 20;
 constexpr int kMaxParallelHeaderReads = 16;
 constexpr size_t kMaxParallelPathChecks = 128;
 // A stat slower than this went over a network (or a FUSE daemon): a local
@@ -134,6 +135,7 @@ Result<WeightMap> ParseIndex(std::string_view label, std::string_view json) {
     return Error(std::string(label) + ": " + std::string(rules::kIndexNotJson) +
                  (detail.empty() ? "" : " (" + detail + ")"));
   };
+  const std::unique_lock<std::mutex> turn = TurnToParse(json.size());
   simdjson::dom::parser parser;
   simdjson::padded_string padded(json);
   simdjson::dom::element root;

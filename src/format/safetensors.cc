@@ -17,12 +17,7 @@ namespace {
 // stack and memory for hostile input.
 constexpr size_t kMaxJsonDepth = 128;
 
-// simdjson's DOM needs about ten times the header's size while it parses.
-// Headers from many shards are parsed at once; large ones (a real 70,000
-// tensor shard's is about 8 MB, a hostile one up to 100 MB) take turns, so a
-// directory of crafted shards cannot multiply that peak by the thread count.
-constexpr size_t kLargeHeaderBytes = 4 << 20;
-std::mutex large_header_turn;
+constexpr size_t kLargeJsonBytes = 4 << 20;
 
 std::string Quote(std::string_view name) { return "tensor `" + std::string(name) + "`"; }
 
@@ -173,8 +168,7 @@ Result<ShardHeader> ParsePadded(std::string_view label, const simdjson::padded_s
   if (!simdjson::validate_utf8(json.data(), json.size())) {
     return FileError(label, rules::kHeaderNotUtf8);
   }
-  std::unique_lock<std::mutex> turn(large_header_turn, std::defer_lock);
-  if (json.size() >= kLargeHeaderBytes) turn.lock();
+  const std::unique_lock<std::mutex> turn = TurnToParse(json.size());
   simdjson::dom::parser parser;
   if (parser.allocate(std::max<size_t>(json.size(), 64), kMaxJsonDepth) != simdjson::SUCCESS) {
     return FileError(label, rules::kHeaderNotJson, "cannot allocate the parser");
@@ -225,6 +219,12 @@ Result<ShardHeader> ParsePadded(std::string_view label, const simdjson::padded_s
 }
 
 }  // namespace
+
+std::unique_lock<std::mutex> TurnToParse(size_t bytes) {
+  static std::mutex large;
+  if (bytes < kLargeJsonBytes) return {};
+  return std::unique_lock(large);
+}
 
 std::string ShapeString(std::span<const uint64_t> shape) {
   std::string s = "[";

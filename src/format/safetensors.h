@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -71,6 +72,13 @@ Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std:
 // `file_size` bytes.
 Result<ShardHeader> ParseHeader(std::string_view label, std::span<const std::byte> json,
                                 uint64_t file_size);
+
+// simdjson's DOM needs about ten times a document's size while it parses,
+// and many headers (and indexes) are parsed at once: large ones, from 4 MiB
+// (a real 70,000-tensor shard's header is about 8 MB, a hostile one up to
+// 100 MB), take turns, so a directory of crafted files cannot multiply that
+// peak by the thread count. Hold what this returns while parsing `bytes`.
+std::unique_lock<std::mutex> TurnToParse(size_t bytes);
 
 // Reads the prefix and the header of an open file and validates them.
 // `raw` (optional) receives the prefix and the JSON exactly as in the file

@@ -32,7 +32,12 @@ constexpr int kRequiredSeals = F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK;
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-uint64_t RoundUp(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
+// Saturates: a size within a step of 2^64 rounds to the most there is (and
+// no budget holds it), never wraps to a small reservation.
+uint64_t RoundUp(uint64_t n, uint64_t to) {
+  if (n > UINT64_MAX - (to - 1)) return UINT64_MAX;
+  return (n + to - 1) / to * to;
+}
 
 class HostSegment final : public Segment {
  public:

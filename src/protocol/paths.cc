@@ -72,6 +72,8 @@ Result<std::string> PathFromJson(const nlohmann::json& j) {
   for (size_t i = 0; i < hex.size(); i += 2) {
     const int hi = nibble(hex[i]), lo = nibble(hex[i + 1]);
     if (hi < 0 || lo < 0) return Error("a path's hex is not lowercase hex digits");
+    // No path on disk holds a NUL: the file opened would be the part before it.
+    if (hi == 0 && lo == 0) return Error("a path's hex holds a NUL byte");
     path += static_cast<char>(hi << 4 | lo);
   }
   return path;
