@@ -49,7 +49,8 @@ class EmulatedGpuTest : public DaemonTest {
       v ? ::setenv(k.c_str(), v->c_str(), 1) : ::unsetenv(k.c_str());
     }
     auto result = body();
-    for (const auto& [k, v] : before) v ? ::setenv(k.c_str(), v->c_str(), 1) : ::unsetenv(k.c_str());
+    for (const auto& [k, v] : before)
+      v ? ::setenv(k.c_str(), v->c_str(), 1) : ::unsetenv(k.c_str());
     return result;
   }
 
@@ -102,8 +103,9 @@ TEST_F(EmulatedGpuTest, ProcessesThatNumberTheGpusDifferentlyAgreeOnTheOne) {
   EXPECT_GT(DeviceStatus(kGpu1)["used"].get<uint64_t>(), 0u);
   EXPECT_EQ(Status()["cuda"]["devices"][0]["name"], kGpu1);  // the daemon's cuda:0
 
-  json only_second = WithEnv({{"CUDA_VISIBLE_DEVICES", "1"}},
-                             [&] { return Load(model, {"--device", "cuda:0", "--no-fallback"}); });
+  json only_second = WithEnv({{"CUDA_VISIBLE_DEVICES", "1"}}, [&] {
+    return Load(model, {"--device", "cuda:0", "--no-fallback"});
+  });
   EXPECT_EQ(only_second["source"], "daemon");
   EXPECT_EQ(only_second["device"], kGpu1);
 
@@ -115,13 +117,14 @@ TEST_F(EmulatedGpuTest, ProcessesThatNumberTheGpusDifferentlyAgreeOnTheOne) {
 
 TEST_F(EmulatedGpuTest, ARefusedReadOnlyMappingIsMadeReadWriteAndSaidSo) {
   const std::string model = MakeModel("m");
-  auto daemon = WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", "refuse"}},
-                        [&] { return StartDaemon(); });
+  auto daemon =
+      WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", "refuse"}}, [&] { return StartDaemon(); });
   Preload(model, {"--device", "cuda:0"});
   EXPECT_NE(Status()["cuda"]["devices"][0]["read_only_mapping"].get<std::string>().find("refused"),
             std::string::npos);
-  json engine = WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", "refuse"}},
-                        [&] { return Load(model, {"--device", "cuda:0", "--no-fallback"}); });
+  json engine = WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", "refuse"}}, [&] {
+    return Load(model, {"--device", "cuda:0", "--no-fallback"});
+  });
   EXPECT_EQ(engine["source"], "daemon");
   EXPECT_NE(engine["reason"].get<std::string>().find("READ-WRITE"), std::string::npos)
       << engine["reason"];
@@ -152,7 +155,9 @@ TEST_F(EmulatedGpuTest, TheWriteProbeReportsWhatTheDriverDidWithTheWrite) {
       return text;
     });
   };
-  auto shared_now = [&] { return Load(model, {"--device", "cuda:0", "--no-fallback"})["checksum"]; };
+  auto shared_now = [&] {
+    return Load(model, {"--device", "cuda:0", "--no-fallback"})["checksum"];
+  };
 
   // Enforced: the write faults, and the fault leaves the writer unable to
   // read back; the weights are as they were.
@@ -180,8 +185,7 @@ TEST_F(EmulatedGpuTest, AnEngineKeepsItsGpuWeightsWhenTheDaemonIsKilled) {
   EXPECT_EQ(daemon->Wait(), 128 + SIGKILL);
   // --hold checksums again before it exits, and fails if the bytes moved.
   EXPECT_EQ(engine.Wait(), 0) << engine.err();
-  EXPECT_NE(engine.out().find(disk.substr(disk.find(':') + 1)), std::string::npos)
-      << engine.out();
+  EXPECT_NE(engine.out().find(disk.substr(disk.find(':') + 1)), std::string::npos) << engine.out();
   auto second = StartDaemon();  // the same directory, cleanly
 }
 
@@ -203,8 +207,7 @@ TEST_F(EmulatedGpuTest, TheHostTierReloadCopiesRegisteredOrStaged) {
   json staged = WithEnv({{"WEIGHTD_EMULATED_CUDA_HOST_REGISTER", "refuse"}}, [&] {
     return Load(model, {"--device", "cuda:0", "--no-fallback", "--mode", "copy"});
   });
-  EXPECT_NE(staged["reason"].get<std::string>().find("through staging buffers"),
-            std::string::npos)
+  EXPECT_NE(staged["reason"].get<std::string>().find("through staging buffers"), std::string::npos)
       << staged["reason"];
   EXPECT_EQ(staged["checksum"], disk);
 }
@@ -226,8 +229,8 @@ TEST_F(EmulatedGpuTest, AGpuBudgetEvictsOnThatGpuOnly) {
   EXPECT_EQ(DeviceStatus(kGpu0)["used"].get<uint64_t>(), uint64_t{22} << 20);
 
   // Leased, b cannot make room for a: a clear error, nothing evicted.
-  testing::Process engine({"load", b, "--device", "cuda:0", "--no-fallback", "--checksum",
-                           "--hold", "30", "--socket-dir", sock_});
+  testing::Process engine({"load", b, "--device", "cuda:0", "--no-fallback", "--checksum", "--hold",
+                           "30", "--socket-dir", sock_});
   ASSERT_TRUE(engine.WaitForOutput("checksum")) << engine.err();
   testing::CommandResult refused = Run({"preload", a, "--device", "cuda:0"});
   EXPECT_NE(refused.exit_code, 0);
@@ -254,8 +257,7 @@ TEST_F(EmulatedGpuTest, AGpuBudgetIsReservedInTheDevicesGranularity) {
 }
 
 TEST_F(EmulatedGpuTest, WithADriverButNoGpuTheDaemonServesTheHostAndSaysWhy) {
-  auto daemon =
-      WithEnv({{"WEIGHTD_EMULATED_CUDA_DEVICES", "0"}}, [&] { return StartDaemon(); });
+  auto daemon = WithEnv({{"WEIGHTD_EMULATED_CUDA_DEVICES", "0"}}, [&] { return StartDaemon(); });
   const json status = Status();
   EXPECT_EQ(status["cuda"]["available"], false);
   EXPECT_NE(status["cuda"]["reason"].get<std::string>().find("no CUDA device"), std::string::npos)

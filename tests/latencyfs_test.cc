@@ -263,6 +263,58 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }
 
+// The config's models load one after another; an engine started with the
+// daemon, willing to wait for it, waits for its model even while it is
+// queued behind another, and an engine whose model is not in the config is
+// not held up by their loads: every config model is keyed at once.
+TEST(Latencyfs, EnginesWaitForQueuedConfigModelsButNotForOthers) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  TempDir dir;
+  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), sock = dir.Join("sock");
+  ::mkdir(src.c_str(), 0700);
+  ::mkdir(mnt.c_str(), 0700);
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(src + "/slow", {.preset = "llama", .size_bytes = 16 << 20})
+          .ok());
+  const std::string queued = dir.Join("queued"), other = dir.Join("other");
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(queued, {.preset = "tiny"}).ok());
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(other, {.preset = "tiny", .seed = 7}).ok());
+  // The first model's 23 MB come through at 4 MB/s: a load of some seconds.
+  Mount mount(src, mnt, dir.Join("stats.json"), "0", "4M");
+  ASSERT_TRUE(mount.mounted());
+  ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
+  const std::string config = dir.Join("c.toml");
+  testing::WriteFileText(
+      config, "[[model]]\npath = \"" + mnt + "/slow\"\n[[model]]\npath = \"" + queued + "\"\n");
+  testing::Process daemon({"serve", "--socket-dir", sock, "--config", config});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+
+  auto slow_resident = [&] {
+    auto r = testing::RunWeightd({"status", "--json", "--socket-dir", sock});
+    if (r.exit_code != 0) return false;
+    for (const auto& m : nlohmann::json::parse(r.out)["models"]) {
+      if (m["path"] == mnt + "/slow") return true;
+    }
+    return false;
+  };
+  auto unrelated = testing::RunWeightd(
+      {"load", other, "--json", "--socket-dir", sock, "--wait-for-daemon", "600"});
+  ASSERT_EQ(unrelated.exit_code, 0) << unrelated.err;
+  EXPECT_EQ(nlohmann::json::parse(unrelated.out)["source"], "disk");
+  EXPECT_FALSE(slow_resident()) << "the unrelated engine waited for the first model's load";
+
+  auto patient = testing::RunWeightd(
+      {"load", queued, "--json", "--socket-dir", sock, "--wait-for-daemon", "600"});
+  ASSERT_EQ(patient.exit_code, 0) << patient.err;
+  EXPECT_EQ(nlohmann::json::parse(patient.out)["source"], "daemon") << patient.out << daemon.err();
+  EXPECT_NE(daemon.err().find(", after waiting for its load"), std::string::npos) << daemon.err();
+  // In the config's order: the first was loaded before the second.
+  const std::string log = daemon.err();
+  EXPECT_LT(log.find("preloaded " + mnt + "/slow"), log.find("preloaded " + queued)) << log;
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+}
+
 // A preload stuck in a file system call (a hung network mount, here every
 // operation delayed 2 s) must not keep a stopping daemon, and its lock,
 // alive: SIGTERM gives busy connections --stop-timeout, then exits.

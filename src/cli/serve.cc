@@ -241,19 +241,22 @@ int RunServe(ServeOptions o) {
     }
   }
   ::signal(SIGPIPE, SIG_IGN);
+  server.ExpectPreloads(preloads.size());
   std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
             << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
   // Models from the config load in the background: engines may ask (and
-  // fall back) meanwhile. A stop cancels them, and Run waits for them with
-  // the connections.
-  std::thread preloader([&server, &so, preloads] {
-    for (const ConfigModel& m : preloads) {
-      auto r = server.Preload({m.path, m.pin, m.device}, {});
-      if (server.stopping()) break;  // cancelled, or refused: nothing to report
+  // fall back, or wait for them) meanwhile. Each is keyed at once, on its
+  // own thread; the loads take turns in the config's order. A stop cancels
+  // them, and Run waits for them with the connections.
+  std::vector<std::thread> preloaders;
+  for (size_t i = 0; i < preloads.size(); ++i) {
+    preloaders.emplace_back([&server, &so, m = preloads[i], i] {
+      auto r = server.Preload({m.path, m.pin, m.device, i}, {});
+      if (server.stopping()) return;  // cancelled, or refused: nothing to report
       if (!r.ok())
         so.log("preload of " + m.path + " from the config failed: " + r.error().message());
-    }
-  });
+    });
+  }
   if (!server.Run()) {
     // Some work is stuck in a file system call that does not return: Run
     // logged it and let the directory go; the process goes without it.
@@ -261,7 +264,7 @@ int RunServe(ServeOptions o) {
     std::cerr.flush();
     std::_Exit(kExitOk);
   }
-  preloader.join();
+  for (std::thread& t : preloaders) t.join();
   running_server = nullptr;
   return kExitOk;
 }

@@ -129,11 +129,23 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
                                    const std::string& path) {
   std::unique_lock lock(mu_);
   Lookup out = AcquireLocked(key, trust, path);
-  if (out.model || !trust.empty() || !LoadingLocked(key)) return out;
+  if (out.model || !trust.empty()) return out;
+  // A load of this key in flight is waited for, and, by an acquire that
+  // may wait, announced loads not keyed yet (one may be this model).
+  const bool may_wait = wait_until > std::chrono::steady_clock::now();
+  if (!LoadingLocked(key) && (expected_ == 0 || !may_wait)) return out;
   // Published when the load ends (before EndLoad wakes us): look again then.
-  if (!load_done_.wait_until(lock, wait_until, [&] { return !LoadingLocked(key); })) {
-    out.loading = true;
-    return out;
+  auto settled = [&] {
+    return !LoadingLocked(key) &&
+           (expected_ == 0 || std::any_of(models_.begin(), models_.end(),
+                                          [&](const auto& m) { return m->key == key; }));
+  };
+  if (!load_done_.wait_until(lock, wait_until, settled)) {
+    if (LoadingLocked(key)) {
+      out.loading = true;
+      return out;
+    }
+    return AcquireLocked(key, trust, path);  // its model was not among them, so far
   }
   Lookup after = AcquireLocked(key, trust, path);
   after.waited = after.model != nullptr;
@@ -216,13 +228,28 @@ bool Registry::LoadingLocked(const protocol::CacheKey& key) const {
   return std::find(loading_.begin(), loading_.end(), key) != loading_.end();
 }
 
-void Registry::BeginLoad(const std::vector<protocol::CacheKey>& keys) {
+void Registry::BeginLoad(const std::vector<protocol::CacheKey>& keys, bool announced) {
   std::unique_lock lock(mu_);
   load_done_.wait(lock, [&] {
     return std::none_of(keys.begin(), keys.end(),
                         [&](const protocol::CacheKey& k) { return LoadingLocked(k); });
   });
   loading_.insert(loading_.end(), keys.begin(), keys.end());
+  if (announced && expected_ > 0) {
+    --expected_;
+    load_done_.notify_all();
+  }
+}
+
+void Registry::ExpectLoads(size_t n) {
+  std::lock_guard lock(mu_);
+  expected_ += n;
+}
+
+void Registry::DropExpected(size_t n) {
+  std::lock_guard lock(mu_);
+  expected_ -= std::min(expected_, n);
+  load_done_.notify_all();
 }
 
 void Registry::EndLoad(const std::vector<protocol::CacheKey>& keys) {

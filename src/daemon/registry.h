@@ -115,9 +115,18 @@ class Registry {
 
   // One load per model at a time: BeginLoad waits while another load of
   // any of `keys` (every rank of one preload) is in flight, then marks
-  // them all in flight; EndLoad clears the marks.
-  void BeginLoad(const std::vector<protocol::CacheKey>& keys);
+  // them all in flight; EndLoad clears the marks. A load `announced` by
+  // ExpectLoads counts as keyed once its keys are marked.
+  void BeginLoad(const std::vector<protocol::CacheKey>& keys, bool announced = false);
   void EndLoad(const std::vector<protocol::CacheKey>& keys);
+
+  // Loads announced before their keys are known (the config's models,
+  // queued at start, one after another): an acquire that may wait also
+  // waits until each is keyed (BeginLoad) or dropped, since any of them may
+  // be its model. DropExpected(n) for announced loads that end or fail
+  // before BeginLoad; DropExpected() for all of them (a stop).
+  void ExpectLoads(size_t n);
+  void DropExpected(size_t n = SIZE_MAX);
 
   // Evicts models matching `what`: "all", a pinned name, a prefix (at
   // least 8 characters) of the checkpoint digest, or "#ID" (one model, as
@@ -160,6 +169,7 @@ class Registry {
   mutable std::mutex mu_;
   std::condition_variable load_done_;
   std::vector<protocol::CacheKey> loading_;
+  size_t expected_ = 0;  // announced loads not keyed yet
   struct Account {
     uint64_t budget = 0;
     uint64_t used = 0;

@@ -1,3 +1,5 @@
+#include "daemon/server.h"
+
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/file.h>
@@ -15,11 +17,11 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <set>
 #include <thread>
 
 #include "daemon/registry.h"
-#include "daemon/server.h"
 #include "fingerprint/fingerprint.h"
 #include "format/checkpoint.h"
 #include "io/file.h"
@@ -133,6 +135,12 @@ struct Server::State {
 
   std::mutex conn_mu;
   std::condition_variable conn_done;
+  // The config's models are keyed all at once (so that engines waiting for
+  // the daemon know at once which are coming) and loaded one after another,
+  // in the config's order: the first is served soonest. `config_turn` is
+  // the order of the one that may load now. Guarded by conn_mu.
+  size_t config_turn = 0;
+  std::condition_variable config_turn_cv;
   std::set<int> open_sockets;  // raw fds of live connections, to shut down on stop
   int live_connections = 0;
   // Preloads asked for by the daemon's owner (Server::Preload: the config's
@@ -183,10 +191,13 @@ struct Server::State {
   }
   Status Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id, const ucred& peer,
                 std::vector<std::shared_ptr<ResidentModel>>& leases);
-  // `only`: the ranks to make (empty: all).
+  // `only`: the ranks to make (empty: all). `config_order`: a config's
+  // model, announced by Registry::ExpectLoads (keyed or dropped here), that
+  // loads in its turn.
   Result<json> Preload(const std::string& path, const protocol::Processing& processing,
                        const std::string& pin, const std::vector<int>& only,
-                       const std::function<void(uint64_t, uint64_t)>& progress);
+                       const std::function<void(uint64_t, uint64_t)>& progress,
+                       std::optional<size_t> config_order = std::nullopt);
 };
 
 Server::Server(ServerOptions options) : state_(std::make_unique<State>(std::move(options))) {}
@@ -317,6 +328,11 @@ bool Server::Run() {
     if (wake.revents != 0) break;
   }
   s.stopping.store(true);
+  s.registry.DropExpected();  // the config's models not begun never will be
+  {
+    std::lock_guard lock(s.conn_mu);
+    s.config_turn_cv.notify_all();
+  }
   // Stop: no new connections (every accept() returns at once), no socket to
   // find, every connection ended.
   ::shutdown(s.listen_fd.get(), SHUT_RDWR);
@@ -835,7 +851,31 @@ void Server::State::LearnReadOnly(const memory::Segment& segment) {
 
 Result<json> Server::State::Preload(const std::string& path, const protocol::Processing& processing,
                                     const std::string& pin, const std::vector<int>& only,
-                                    const std::function<void(uint64_t, uint64_t)>& progress) {
+                                    const std::function<void(uint64_t, uint64_t)>& progress,
+                                    std::optional<size_t> config_order) {
+  // An announced load that fails before its keys are marked is no longer
+  // one that acquires should wait for; a config's model passes the turn
+  // on when it is done (or failed), in order.
+  struct ConfigLoad {
+    State& s;
+    std::optional<size_t> order;
+    bool pending;
+    ~ConfigLoad() {
+      if (pending) s.registry.DropExpected(1);
+      if (!order) return;
+      std::unique_lock lock(s.conn_mu);
+      s.config_turn_cv.wait(lock, [&] { return s.config_turn == *order || s.stopping.load(); });
+      s.config_turn = std::max(s.config_turn, *order + 1);
+      s.config_turn_cv.notify_all();
+    }
+    // Waits for this model's turn to load; false once the daemon stops.
+    bool WaitForTurn() {
+      if (!order) return true;
+      std::unique_lock lock(s.conn_mu);
+      s.config_turn_cv.wait(lock, [&] { return s.config_turn == *order || s.stopping.load(); });
+      return !s.stopping.load();
+    }
+  } config_load{*this, config_order, config_order.has_value()};
   WEIGHTD_ASSIGN_OR_RETURN(transform::Processing resolved,
                            transform::ResolveProcessing(processing.tp_size, processing.dtype,
                                                         processing.quant, processing.shard_plan));
@@ -902,12 +942,13 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   for (int r = 0; r < ranks; ++r) {
     if (wanted(r)) loading.push_back(key_of(fp->digest, r));
   }
-  registry.BeginLoad(loading);
+  registry.BeginLoad(loading, std::exchange(config_load.pending, false));
   struct EndLoad {
     Registry& r;
     const std::vector<protocol::CacheKey>& keys;
     ~EndLoad() { r.EndLoad(keys); }
   } end_load{registry, loading};
+  if (!config_load.WaitForTurn()) return Error("the daemon is stopping");
   // Only the ranks not resident are loaded (one may have been evicted). The
   // resident ones are leased meanwhile, so that making room for the others
   // cannot evict them; their name (a pin) goes to the new ranks too.
@@ -1074,6 +1115,8 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
               {"evicted", evicted_json}};
 }
 
+void Server::ExpectPreloads(size_t n) { state_->registry.ExpectLoads(n); }
+
 Result<std::string> Server::Preload(const PreloadRequest& request,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {
   State& s = *state_;
@@ -1087,7 +1130,7 @@ Result<std::string> Server::Preload(const PreloadRequest& request,
   s.Log("preload of " + request.path + " requested by the config");
   protocol::Processing processing;
   processing.device = request.device;
-  auto r = s.Preload(request.path, processing, request.pin, {}, progress);
+  auto r = s.Preload(request.path, processing, request.pin, {}, progress, request.order);
   {
     std::lock_guard lock(s.conn_mu);
     --s.live_preloads;

@@ -70,14 +70,24 @@ class Server {
   void RequestStop();
   bool stopping() const;
 
-  // Preloads a model as a `preload` request would (for --config at start).
-  // A stop cancels it and waits for it as for a connection (Run); once
-  // stopping, it refuses. Logs `preload of PATH requested by the config`
-  // once counted.
+  // The config's models, before `ready`: engines that may wait for the
+  // daemon (--wait-for-daemon) wait for these to be keyed too, as any may
+  // be theirs, not only for loads already begun. Each Preload call below
+  // settles one; a stop settles the rest.
+  void ExpectPreloads(size_t n);
+
+  // Preloads a model as a `preload` request would (for --config at start),
+  // one that ExpectPreloads announced: call it for every model at once, each
+  // on its own thread. Each is fingerprinted and keyed at once; the loads
+  // then run one after another, by `order` (0, 1, ...; every order must
+  // come). A stop cancels it and waits for it as for a connection (Run);
+  // once stopping, it refuses. Logs `preload of PATH requested by the
+  // config` once counted.
   struct PreloadRequest {
     std::string path;
     std::string pin;
     std::string device = "cpu";  // cpu, cuda:N (this daemon's numbering), cuda:GPU-<uuid>
+    size_t order = 0;            // in the config: models load one after another, in this order
   };
   Result<std::string> Preload(const PreloadRequest& request,
                               const std::function<void(uint64_t, uint64_t)>& progress);
