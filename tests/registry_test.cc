@@ -198,10 +198,9 @@ TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
   EXPECT_FALSE(miss.loading);
 }
 
-// A miss is explained against the closest model; among as close ones, the
-// same checkpoint on another device first (a GPU engine copies that one
-// from the host), then one loaded from the engine's own directory. Never a
-// hit by path.
+// A miss is explained against the same checkpoint on another device first
+// (a GPU engine copies that one from the host), then against a model loaded
+// from the engine's own directory, then the closest. Never a hit by path.
 TEST(Registry, AMissIsExplainedAgainstTheEnginesOwnCheckpointAmongEquals) {
   Registry r(64 * kMiB);
   r.SetBudget(kGpu, 64 * kMiB);
@@ -229,6 +228,30 @@ TEST(Registry, AMissIsExplainedAgainstTheEnginesOwnCheckpointAmongEquals) {
   EXPECT_FALSE(reload.model);
   ASSERT_EQ(reload.mismatch.size(), 1u);
   EXPECT_EQ(reload.mismatch[0].field, "device");
+}
+
+// The engine's own model, resident processed otherwise (two ranks): that is
+// what its miss names, not another model that differs in its checkpoint
+// alone.
+TEST(Registry, AMissNamesTheEnginesOwnModelProcessedOtherwise) {
+  Registry r(64 * kMiB);
+  Publish(r, "host", 1, "xxh3-128:other")->path = "/models/other";
+  protocol::CacheKey rank1;
+  rank1.checkpoint = "xxh3-128:mine";
+  rank1.device = "host";
+  rank1.tp_rank = 1;
+  rank1.tp_size = 2;
+  auto mine = Publish(r, "host", 1, "xxh3-128:mine", 0, "", {protocol::CacheKey{}, rank1});
+  mine->path = "/models/mine";
+  mine->key.dtype = "bf16";  // two fields differ from what the engine wants, not one
+  protocol::CacheKey want;
+  want.checkpoint = "xxh3-128:mine";
+  want.device = "host";
+  const Registry::Lookup miss = r.Acquire(want, "", {}, "/models/mine");
+  EXPECT_FALSE(miss.model);
+  ASSERT_FALSE(miss.mismatch.empty());
+  for (const auto& d : miss.mismatch) EXPECT_NE(d.field, "checkpoint") << d.Describe();
+  EXPECT_EQ(miss.mismatch.size(), 2u);
 }
 
 }  // namespace

@@ -161,12 +161,14 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
   }
   size_t best = models_.size();
   std::vector<protocol::FieldDifference> best_diff;
-  // The fewest differing fields; among as few, the same model on another
-  // device (which a GPU engine copies from the host), then one from the
-  // engine's own checkpoint directory.
+  // The same model on another device first (which a GPU engine copies from
+  // the host); then a model loaded from the engine's own checkpoint
+  // directory, however many fields differ (its own model, processed
+  // otherwise or changed since, says more than some other model with fewer
+  // differences); then the fewest differing fields.
   auto rank = [&](const std::vector<protocol::FieldDifference>& d, const ResidentModel& m) {
     const bool device_only = d.size() == 1 && d[0].field == "device";
-    return std::tuple(d.size(), !device_only, path.empty() || m.path != path);
+    return std::tuple(!device_only, path.empty() || m.path != path, d.size());
   };
   for (size_t i = 0; i < models_.size(); ++i) {
     const bool trusted = !trust.empty();
