@@ -72,11 +72,16 @@ uint64_t ParseBytes(const std::string& text, uint64_t fallback) {
   char* end = nullptr;
   const uint64_t n = std::strtoull(text.c_str(), &end, 10);
   switch (end && *end ? *end : ' ') {
-    case 'K': return n << 10;
-    case 'M': return n << 20;
-    case 'G': return n << 30;
-    case 'T': return n << 40;
-    default: return n;
+    case 'K':
+      return n << 10;
+    case 'M':
+      return n << 20;
+    case 'G':
+      return n << 30;
+    case 'T':
+      return n << 40;
+    default:
+      return n;
   }
 }
 
@@ -205,7 +210,7 @@ CUresult Init(unsigned int flags) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   const std::string ro = Env("WEIGHTD_EMULATED_CUDA_READ_ONLY");
-  s.read_only = ro == "refuse" ? ReadOnly::kRefuse
+  s.read_only = ro == "refuse"   ? ReadOnly::kRefuse
                 : ro == "ignore" ? ReadOnly::kIgnore
                                  : ReadOnly::kEnforce;
   s.refuse_host_register = Env("WEIGHTD_EMULATED_CUDA_HOST_REGISTER") == "refuse";
@@ -242,24 +247,48 @@ CUresult Init(unsigned int flags) {
 CUresult GetErrorString(CUresult r, const char** out) {
   if (out == nullptr) return CUDA_ERROR_INVALID_VALUE;
   switch (r) {
-    case CUDA_SUCCESS: *out = "no error"; break;
-    case CUDA_ERROR_INVALID_VALUE: *out = "invalid argument"; break;
-    case CUDA_ERROR_OUT_OF_MEMORY: *out = "out of memory"; break;
-    case CUDA_ERROR_NOT_INITIALIZED: *out = "initialization error"; break;
-    case CUDA_ERROR_NO_DEVICE: *out = "no CUDA-capable device is detected"; break;
-    case CUDA_ERROR_INVALID_DEVICE: *out = "invalid device ordinal"; break;
-    case CUDA_ERROR_INVALID_CONTEXT: *out = "invalid device context"; break;
-    case CUDA_ERROR_CONTEXT_IS_DESTROYED: *out = "context is destroyed"; break;
-    case CUDA_ERROR_ILLEGAL_ADDRESS: *out = "an illegal memory access was encountered"; break;
+    case CUDA_SUCCESS:
+      *out = "no error";
+      break;
+    case CUDA_ERROR_INVALID_VALUE:
+      *out = "invalid argument";
+      break;
+    case CUDA_ERROR_OUT_OF_MEMORY:
+      *out = "out of memory";
+      break;
+    case CUDA_ERROR_NOT_INITIALIZED:
+      *out = "initialization error";
+      break;
+    case CUDA_ERROR_NO_DEVICE:
+      *out = "no CUDA-capable device is detected";
+      break;
+    case CUDA_ERROR_INVALID_DEVICE:
+      *out = "invalid device ordinal";
+      break;
+    case CUDA_ERROR_INVALID_CONTEXT:
+      *out = "invalid device context";
+      break;
+    case CUDA_ERROR_CONTEXT_IS_DESTROYED:
+      *out = "context is destroyed";
+      break;
+    case CUDA_ERROR_ILLEGAL_ADDRESS:
+      *out = "an illegal memory access was encountered";
+      break;
     case CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED:
       *out = "part or all of the requested memory range is already mapped";
       break;
     case CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED:
       *out = "pointer does not correspond to a registered memory region";
       break;
-    case CUDA_ERROR_NOT_SUPPORTED: *out = "operation not supported"; break;
-    case CUDA_ERROR_NOT_FOUND: *out = "named symbol not found"; break;
-    default: *out = nullptr; return CUDA_ERROR_INVALID_VALUE;
+    case CUDA_ERROR_NOT_SUPPORTED:
+      *out = "operation not supported";
+      break;
+    case CUDA_ERROR_NOT_FOUND:
+      *out = "named symbol not found";
+      break;
+    default:
+      *out = nullptr;
+      return CUDA_ERROR_INVALID_VALUE;
   }
   return CUDA_SUCCESS;
 }
@@ -480,8 +509,8 @@ CUresult MemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alignment, CUde
   (void)addr;  // a hint
   const uint64_t align = std::max<uint64_t>(alignment, S().granularity);
   // Never host-accessible: a device pointer dereferenced on the host faults.
-  void* base = ::mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
-                      -1, 0);
+  void* base =
+      ::mmap(nullptr, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
   if (base == MAP_FAILED) return CUDA_ERROR_OUT_OF_MEMORY;
   const uint64_t start = (reinterpret_cast<uint64_t>(base) + align - 1) / align * align;
   const uint64_t head = start - reinterpret_cast<uint64_t>(base);
@@ -792,7 +821,8 @@ struct Entry {
   void* fn;
 };
 
-#define ENTRY(name, fn) {name, reinterpret_cast<void*>(&fn)}
+#define ENTRY(name, fn) \
+  { name, reinterpret_cast<void*>(&fn) }
 const Entry kEntries[] = {
     ENTRY("cuInit", Init),
     ENTRY("cuGetErrorString", GetErrorString),
