@@ -64,6 +64,14 @@ TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
   CommandResult strict = Run({"load", b, "--no-fallback"});
   EXPECT_EQ(strict.exit_code, 1);
   EXPECT_NE(strict.err.find("checkpoint: daemon has"), std::string::npos) << strict.err;
+  // With --json, a script reads the failure and the fields from stdout.
+  CommandResult strict_json = Run({"load", b, "--no-fallback", "--json"});
+  EXPECT_EQ(strict_json.exit_code, 1);
+  const json failed = json::parse(strict_json.out);
+  EXPECT_TRUE(failed["source"].is_null());
+  EXPECT_EQ(failed["mismatch"], json::array({"checkpoint"}));
+  EXPECT_NE(failed["error"].get<std::string>().find("not served by the daemon"), std::string::npos);
+  EXPECT_TRUE(warm["trusted"].is_null());
 
   // Copy mode gives the same bytes and no lease.
   json copied = Load(a, {"--mode", "copy"});
@@ -889,11 +897,13 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   json j = json::parse(r.out);
   EXPECT_EQ(j["source"], "daemon");
   EXPECT_EQ(j["checksum"], DiskChecksum(a));
+  EXPECT_EQ(j["trusted"], "prod");  // a script sees that no content was compared
   EXPECT_NE(r.err.find("TRUSTING"), std::string::npos) << r.err;
   EXPECT_NE(daemon->err().find("TRUSTED"), std::string::npos);
   // A name nothing is pinned as: the content decides, as without --trust.
   json unknown = Load(a, {"--trust", "staging"});
   EXPECT_EQ(unknown["source"], "daemon");
+  EXPECT_TRUE(unknown["trusted"].is_null());
   EXPECT_EQ(unknown["checksum"], DiskChecksum(a));
   json not_resident = Load(b, {"--trust", "staging"});
   EXPECT_EQ(not_resident["source"], "disk");

@@ -80,6 +80,14 @@ struct AcquireOptions {
   // Where the one-line reasons go (fallbacks, trust); default: stderr, with
   // control characters in paths written as \xNN.
   std::function<void(const std::string&)> log;
+  // When set, receives the daemon's miss (why, and the key fields that
+  // differed), also when Acquire then fails (no fallback) or loads from disk.
+  struct Miss {
+    std::string reason;
+    std::vector<std::string> mismatch;  // "checkpoint: daemon has ..., engine wants ..."
+    std::vector<std::string> fields;    // "checkpoint", "tp_rank", ...
+  };
+  Miss* miss = nullptr;
 };
 
 struct Tensor {
@@ -114,6 +122,10 @@ class Weights {
   virtual const std::string& checkpoint_digest() const = 0;
   // Where the bytes are: "host" or "cuda:GPU-<uuid>".
   virtual const std::string& device() const = 0;
+  // The pinned name the weights were taken on trust under (AcquireOptions::
+  // trust), their content not compared with the checkpoint; empty when it
+  // was.
+  virtual const std::string& trusted() const = 0;
 
   uint64_t bytes() const;
   // XXH3-128 over every tensor's name and bytes, in name order, tagged:

@@ -74,8 +74,23 @@ int RunLoad(LoadCommandOptions& o) {
   ao.trust = o.trust;
   ao.socket_dir = o.socket_dir;
   ao.stat_cache = !o.no_cache;
+  AcquireOptions::Miss miss;
+  ao.miss = &miss;
   auto weights = Acquire(o.spec, ao);
-  if (!weights.ok()) return ReportError("load", weights.error().message());
+  if (!weights.ok()) {
+    if (o.json) {
+      // A script reads why, and what differed, from stdout as on success.
+      std::cout << DumpJson({{"path", o.spec.path},
+                             {"source", nullptr},
+                             {"error", weights.error().message()},
+                             {"reason", miss.reason},
+                             {"mismatch", miss.fields},
+                             {"mismatch_details", miss.mismatch}},
+                            2)
+                << std::endl;
+    }
+    return ReportError("load", weights.error().message());
+  }
   const double seconds = SecondsSince(start);
   const Weights& w = **weights;
   std::string checksum;
@@ -96,7 +111,8 @@ int RunLoad(LoadCommandOptions& o) {
                 {"seconds", seconds},
                 {"checkpoint", w.checkpoint_digest()},
                 {"device", w.device()},
-                {"mode", o.mode}};
+                {"mode", o.mode},
+                {"trusted", w.trusted().empty() ? json(nullptr) : json(w.trusted())}};
     if (o.checksum) out["checksum"] = checksum;
     std::cout << DumpJson(out, 2) << std::endl;
   } else {

@@ -75,6 +75,7 @@ class WeightsImpl final : public Weights {
   const std::vector<std::string>& mismatch_fields() const override { return fields_; }
   const std::string& checkpoint_digest() const override { return digest_; }
   const std::string& device() const override { return device_; }
+  const std::string& trusted() const override { return trusted_; }
 
   // Builds the tensor views over a host segment's bytes (which this object
   // keeps alive).
@@ -105,6 +106,7 @@ class WeightsImpl final : public Weights {
   std::vector<std::string> mismatch_;
   std::vector<std::string> fields_;
   std::string digest_;
+  std::string trusted_;  // the pinned name taken on trust, if any
 
   // The manifest's bytes at the start of the segment last indexed.
   uint64_t manifest_bytes() const { return manifest_bytes_; }
@@ -515,8 +517,12 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     WEIGHTD_ASSIGN_OR_RETURN(key, content_key());
     hit = ask(checked);
   }
+  if (options.miss != nullptr && !miss.reason.empty()) {
+    *options.miss = {miss.reason, miss.mismatch, miss.fields};
+  }
   if (hit) {
     if (!checked.trust.empty()) {
+      hit->trusted_ = checked.trust;
       log("TRUSTING resident model `" + options.trust + "` for " + spec.path +
           " without comparing its content: changes to that checkpoint are not seen until it is "
           "preloaded again");
