@@ -292,7 +292,8 @@ TEST(Latencyfs, EnginesWaitForQueuedConfigModelsButNotForOthers) {
   auto slow_resident = [&] {
     auto r = testing::RunWeightd({"status", "--json", "--socket-dir", sock});
     if (r.exit_code != 0) return false;
-    for (const auto& m : nlohmann::json::parse(r.out)["models"]) {
+    const nlohmann::json status = nlohmann::json::parse(r.out);
+    for (const auto& m : status["models"]) {
       if (m["path"] == mnt + "/slow") return true;
     }
     return false;

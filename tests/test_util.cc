@@ -1,6 +1,7 @@
 #include "test_util.h"
 
 #include <fcntl.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -58,14 +59,24 @@ std::string Slurp(const std::string& path) {
   return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
+// In a child: SIGKILL when the test process dies, however it dies. A test
+// that aborts (a sanitizer's report, a crash) leaves no daemon behind
+// holding the test runner's output pipe open, which would hang the run.
+void DieWithTheTest(pid_t parent) {
+  ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+  if (::getppid() != parent) ::_exit(127);  // it died before the line above
+}
+
 }  // namespace
 
 CommandResult RunWeightd(const std::vector<std::string>& args, const std::string& cwd) {
   TempDir io;
   const std::string out_path = io.Join("stdout"), err_path = io.Join("stderr");
+  const pid_t parent = ::getpid();
   pid_t pid = ::fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
+    DieWithTheTest(parent);
     int out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
     int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
     ::dup2(out, 1);
@@ -91,9 +102,11 @@ CommandResult RunWeightd(const std::vector<std::string>& args, const std::string
 
 Process::Process(const std::vector<std::string>& args, const std::vector<std::string>& prefix) {
   const std::string out_path = io_.Join("stdout"), err_path = io_.Join("stderr");
+  const pid_t parent = ::getpid();
   pid_ = ::fork();
   if (pid_ < 0) throw std::runtime_error("fork failed");
   if (pid_ == 0) {
+    DieWithTheTest(parent);
     int out = ::open(out_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     int err = ::open(err_path.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
     ::dup2(out, 1);
