@@ -265,7 +265,9 @@ TEST_F(DaemonTest, BudgetsAreGivenPerDevice) {
   EXPECT_EQ(status["devices"][0]["budget"], 64u << 20);  // the flag's
   if (!memory::ListCudaDevices().ok()) {
     EXPECT_TRUE(Eventually([&] {
-      return daemon->err().find("--budget cuda:7: no such GPU is served here") != std::string::npos;
+      return daemon->err().find(
+                 "budget for cuda:7 (--budget or the config): no such GPU is served here") !=
+             std::string::npos;
     })) << daemon->err();
   }
 }
@@ -768,7 +770,11 @@ TEST_F(DaemonTest, SmallModelsReserveTheirPagesNotAHugePage) {
   auto small = StartDaemon({"--budget", "host=4K"});
   CommandResult refused = Run({"preload", a});
   EXPECT_EQ(refused.exit_code, 1);
-  EXPECT_NE(refused.err.find("KiB, the budget is 4.00 KiB"), std::string::npos) << refused.err;
+  // Bigger than the whole budget: nothing to evict would help, and it says so.
+  EXPECT_NE(refused.err.find("KiB, more than the whole budget of 4.00 KiB; raise --budget"),
+            std::string::npos)
+      << refused.err;
+  EXPECT_EQ(refused.err.find("preload: preload of"), std::string::npos) << refused.err;
 }
 
 TEST_F(DaemonTest, ConcurrentPreloadsOfOneModelLoadItOnce) {
@@ -891,6 +897,13 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_NE(again.out.find("already resident: " + a + ", pinned as `prod`"), std::string::npos)
       << again.out;
+  // A model has one name: pinned anew, the old name goes, and that is said.
+  CommandResult renamed = Run({"preload", a, "--pin", "canary"});
+  ASSERT_EQ(renamed.exit_code, 0) << renamed.err;
+  EXPECT_NE(renamed.out.find("pinned as `canary` (no longer as `prod`)"), std::string::npos)
+      << renamed.out;
+  EXPECT_NE(daemon->err().find("`prod` no longer names it"), std::string::npos);
+  ASSERT_EQ(Run({"preload", a, "--pin", "prod"}).exit_code, 0);
   // b differs in content; trusted, it is served a's weights, and says so.
   CommandResult r = Run({"load", b, "--trust", "prod", "--json", "--checksum"});
   ASSERT_EQ(r.exit_code, 0) << r.err;
@@ -925,6 +938,18 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   EXPECT_EQ(s["devices"][0]["budget"], 1u << 30);
   EXPECT_EQ(Load(a)["source"], "daemon");
 
+  // A relative socket_dir is the config file's neighbour too.
+  const std::string elsewhere = dir_.Join("elsewhere");
+  ASSERT_EQ(::mkdir(elsewhere.c_str(), 0700), 0);
+  const std::string relative = elsewhere + "/relative.toml";
+  testing::WriteFileText(relative, "socket_dir = \"sock-here\"\n");
+  testing::Process beside({"serve", "--config", relative});
+  ASSERT_TRUE(beside.WaitForOutput("ready")) << beside.err();
+  EXPECT_NE(beside.out().find(elsewhere + "/sock-here/weightd.sock"), std::string::npos)
+      << beside.out();
+  beside.Signal(SIGTERM);
+  EXPECT_EQ(beside.Wait(), 0) << beside.err();
+
   testing::WriteFileText(config, "[[model]]\npath = \"" + a + "\"\ntp_size = 2\n");
   CommandResult bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
   EXPECT_EQ(bad.exit_code, 2);
@@ -941,6 +966,13 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("budget.host: `lots` is not a size"), std::string::npos) << bad.err;
+  // A device that is none is an error at start, not a failed preload after
+  // `ready`.
+  testing::WriteFileText(config, "[[model]]\npath = \"a\"\ndevice = \"gpu\"\n");
+  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_EQ(bad.out.find("ready"), std::string::npos) << bad.out;
+  EXPECT_NE(bad.err.find("device `gpu`"), std::string::npos) << bad.err;
   // Neither a directory nor a FIFO is a config file: an error, not defaults
   // or a wait.
   const std::string fifo = dir_.Join("fifo.toml");

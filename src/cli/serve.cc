@@ -118,7 +118,15 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
     const std::string k(key.str());
     if (k == "socket_dir") {
       if (!value.is_string()) return fail("socket_dir must be a string");
-      if (o.socket_dir.empty()) o.socket_dir = *value.value<std::string>();
+      if (o.socket_dir.empty()) {
+        o.socket_dir = *value.value<std::string>();
+        // Relative to the config file, as its models' paths are.
+        if (!o.socket_dir.empty() && o.socket_dir.front() != '/') {
+          auto dir = io::PosixFileSystem().RealPath(io::DirName(file));
+          if (!dir.ok()) return fail(dir.error().message());
+          o.socket_dir = io::JoinPath(*dir, o.socket_dir);
+        }
+      }
     } else if (k == "budget") {
       if (!value.is_table()) return fail("[budget] must be a table");
       for (const auto& [device, size] : *value.as_table()) {
@@ -145,6 +153,11 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
           (f == "path" ? m.path : f == "pin" ? m.pin : m.device) = *v.value<std::string>();
         }
         if (m.path.empty()) return fail("a [[model]] without a path");
+        // Its form now, not after `ready`: which GPU an ordinal names is
+        // known once the driver answers.
+        if (auto spec = memory::ParseDevice(m.device); !spec.ok()) {
+          return fail("[[model]] " + m.path + ": " + spec.error().message());
+        }
         // Relative to the config file, wherever the daemon was started.
         if (m.path.front() != '/') {
           auto dir = io::PosixFileSystem().RealPath(io::DirName(file));
@@ -380,8 +393,10 @@ Command AddPreloadCommand(CLI::App& root) {
             if (o->json) {
               std::cout << DumpJson(*reply, 2) << "\n";
             } else if (reply->value("already_resident", false)) {
+              const std::string unpinned = reply->value("unpinned", "");
               std::cout << "already resident: " << Printable(o->path)
-                        << (o->pin.empty() ? "" : ", pinned as `" + o->pin + "`") << "\n";
+                        << (o->pin.empty() ? "" : ", pinned as `" + o->pin + "`")
+                        << (unpinned.empty() ? "" : " (no longer as `" + unpinned + "`)") << "\n";
             } else {
               const int ranks = reply->value("ranks", 1);
               std::cout << "resident: " << Printable(o->path) << " ("
@@ -396,7 +411,8 @@ Command AddPreloadCommand(CLI::App& root) {
                           << s("finish") << "\n";
               }
               for (const auto& e : reply->value("evicted", json::array())) {
-                std::cout << "  evicted to make room: " << e.get<std::string>() << "\n";
+                std::cout << "  evicted to make room: " << Printable(e.value("description", ""))
+                          << "\n";
               }
             }
             return kExitOk;

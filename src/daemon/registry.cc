@@ -65,7 +65,12 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
       if (evictable(*m, device)) idle += m->segment->reserved_bytes();
     }
     const uint64_t kept = a.used + a.reserved - std::min(idle, a.used);
-    if (bytes > a.budget || kept > a.budget - bytes) {
+    if (bytes > a.budget) {
+      return Error("out of budget on " + device + ": the model needs " +
+                   protocol::FormatBytes(bytes) + ", more than the whole budget of " +
+                   protocol::FormatBytes(a.budget) + "; raise --budget");
+    }
+    if (kept > a.budget - bytes) {
       return Error("out of budget on " + device + ": the model needs " +
                    protocol::FormatBytes(bytes) + ", the budget is " +
                    protocol::FormatBytes(a.budget) + ", and " + protocol::FormatBytes(kept) +

@@ -708,7 +708,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       reply = *result;
       reply["type"] = "preloaded";
     } else {
-      Log("preload of " + path + " failed: " + result.error().message());
+      Log("preload failed: " + result.error().message());
       reply = {{"type", "error"}, {"message", result.error().message()}};
     }
     // An asker that did not wait for the answer (`load --populate`) is no
@@ -802,7 +802,8 @@ void Server::State::ApplyGpuBudgets(bool wait) {
     }
     for (size_t i = 0; i < used.size(); ++i) {
       if (!used[i])
-        Log("--budget " + options.gpu_budgets[i].first + ": no such GPU is served here");
+        Log("budget for " + options.gpu_budgets[i].first +
+            " (--budget or the config): no such GPU is served here");
     }
     gpu_budgets_done.store(true);
   });
@@ -962,6 +963,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     }
   } release_held{registry, held};
   std::string name = pin;
+  std::string unpinned;  // the name the resident ranks had, replaced by `pin`
   for (int r = 0; r < ranks; ++r) {
     if (!wanted(r)) continue;
     Registry::Lookup found = registry.Acquire(key_of(fp->digest, r), "");
@@ -970,13 +972,16 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
       continue;
     }
     if (name.empty()) name = found.name;
+    // A model has one name: a new pin takes the place of the old one.
+    if (!pin.empty() && !found.name.empty() && found.name != pin) unpinned = found.name;
     held.push_back(std::move(found.model));
   }
   auto pin_all = [&](const std::string& digest) {
     if (name.empty()) return;
     registry.Pin(group_of(digest), name);
     Log("pinned " + protocol::ShortDescription(key_of(digest, 0)) + " (" + std::to_string(ranks) +
-        " rank(s)) as `" + name + "`");
+        " rank(s)) as `" + name + "`" +
+        (unpinned.empty() ? "" : "; `" + unpinned + "` no longer names it"));
   };
   if (missing.empty()) {
     if (!pin.empty()) pin_all(fp->digest);
@@ -991,7 +996,8 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
                 {"seconds",
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
                 {"phases", phases_json({})},
-                {"evicted", json::array()}};
+                {"evicted", json::array()},
+                {"unpinned", unpinned}};
   }
 
   std::vector<uint64_t> reserved;  // per rank, in load order
@@ -1048,8 +1054,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, lo);
   if (!loaded.ok()) {
     unreserve();
-    return Error("preload of " + path + ": " + loaded.error().message() +
-                 "; nothing was published");
+    return Error(path + ": " + loaded.error().message() + "; nothing was published");
   }
   // A GPU's segments cannot be read here: engines get the manifest from
   // host memory, one sealed copy for every rank (the same for all).
@@ -1060,8 +1065,8 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     if (filled.ok()) filled = (*made)->Seal();
     if (!filled.ok()) {
       unreserve();
-      return Error("preload of " + path + ": the manifest's host copy: " +
-                   filled.error().message() + "; nothing was published");
+      return Error(path + ": the manifest's host copy: " + filled.error().message() +
+                   "; nothing was published");
     }
     manifest_copy = std::move(made).value();
   }
@@ -1069,7 +1074,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
     // Rewritten between the fingerprint and the load: the resident ranks
     // are of the old files, the loaded ones of the new.
     unreserve();
-    return Error("preload of " + path +
+    return Error(path +
                  ": the checkpoint changed while it was preloaded; nothing was published (preload "
                  "again)");
   }
@@ -1103,7 +1108,10 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   // Ranks that stayed resident take a new name too.
   if (!pin.empty() && !held.empty()) pin_all(loaded->checkpoint_digest);
   json evicted_json = json::array();
-  for (const Eviction& e : evicted) evicted_json.push_back(e.description);
+  // As `evict` lists what it dropped.
+  for (const Eviction& e : evicted) {
+    evicted_json.push_back({{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}});
+  }
   return json{{"already_resident", false},
               {"key", protocol::ToJson(key_of(loaded->checkpoint_digest, 0))},
               {"ranks", ranks},

@@ -225,13 +225,6 @@ std::vector<TensorSpec> K3Tensors(uint64_t layers, uint64_t experts) {
   return t;
 }
 
-Status MakeDirectory(const std::string& path) {
-  if (::mkdir(path.c_str(), 0755) != 0) {
-    return Error(path + ": cannot create directory: " + std::strerror(errno));
-  }
-  return OkStatus();
-}
-
 Status WriteIndex(const std::string& path, const SyntheticPlan& plan) {
   std::vector<std::pair<std::string_view, std::string_view>> map;
   for (const auto& shard : plan.shards) {
@@ -313,7 +306,11 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
   std::string staging = out_dir;
   while (staging.size() > 1 && staging.back() == '/') staging.pop_back();
   staging += ".partial-" + std::to_string(::getpid());
-  WEIGHTD_RETURN_IF_ERROR(MakeDirectory(staging));
+  // Written beside OUT and renamed when complete; an error names OUT.
+  if (::mkdir(staging.c_str(), 0755) != 0) {
+    return Error(out_dir + ": cannot create it (it is written as " + io::BaseName(staging) +
+                 " beside it first): " + std::strerror(errno));
+  }
 
   std::vector<std::optional<Error>> errors(plan.shards.size());
   std::atomic<size_t> next{0}, done{0};

@@ -33,12 +33,17 @@ Result<DeviceSpec> ParseDevice(std::string_view text) {
   if (rest.substr(0, 4) == "GPU-" || rest.substr(0, 4) == "MIG-") {
     // 8-4-4-4-12 hex digits.
     const std::string_view hex = rest.substr(4);
-    if (hex.size() != 36) return bad();
+    const auto bad_uuid = [&] {
+      return Error("device `" + std::string(text) + "`: a GPU's UUID is " +
+                   std::string(rest.substr(0, 4)) +
+                   " and 8-4-4-4-12 lowercase hex digits, as nvidia-smi -L prints it");
+    };
+    if (hex.size() != 36) return bad_uuid();
     for (size_t i = 0; i < hex.size(); ++i) {
       const bool dash = i == 8 || i == 13 || i == 18 || i == 23;
       const char c = hex[i];
       const bool is_hex = (c >= '0' && c <= '9') || (c >= 'a' && c <= 'f');
-      if (dash ? c != '-' : !is_hex) return bad();
+      if (dash ? c != '-' : !is_hex) return bad_uuid();
     }
     spec.kind = DeviceSpec::Kind::kCudaUuid;
     spec.uuid = std::string(rest);

@@ -26,7 +26,11 @@ Status CheckSocketDirectory(const std::string& dir) {
   if (::lstat(dir.c_str(), &st) != 0) {
     return Error("socket directory " + dir + ": " + std::strerror(errno));
   }
-  if (S_ISLNK(st.st_mode)) return Error("socket directory " + dir + " is a symlink; refusing it");
+  if (S_ISLNK(st.st_mode)) {
+    return Error("socket directory " + dir +
+                 " is a symlink; refusing it (name the real directory with --socket-dir, or "
+                 "remove the link and weightd makes the directory)");
+  }
   if (!S_ISDIR(st.st_mode)) return Error("socket directory " + dir + " is not a directory");
   if (st.st_uid != ::geteuid()) {
     return Error("socket directory " + dir + " is owned by uid " + std::to_string(st.st_uid) +
