@@ -984,6 +984,19 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   }
 }
 
+// The config's models load in turn: one that fails before its turn (its
+// directory is missing) still passes the turn on, and the next loads.
+TEST_F(DaemonTest, AConfigModelThatFailsPassesItsTurnOn) {
+  const std::string a = MakeModel("a");
+  const std::string config = dir_.Join("weightd.toml");
+  testing::WriteFileText(config, "[[model]]\npath = \"missing\"\n[[model]]\npath = \"a\"\n");
+  auto daemon = StartDaemon({"--config", config});
+  ASSERT_TRUE(Eventually([&] { return Status()["models"].size() == 1; })) << daemon->err();
+  EXPECT_NE(daemon->err().find("missing from the config failed"), std::string::npos)
+      << daemon->err();
+  EXPECT_EQ(Load(a, {"--no-fallback"})["source"], "daemon");
+}
+
 TEST_F(DaemonTest, PopulateAsksTheDaemonToPreloadWhatWasMissed) {
   const std::string a = MakeModel("a");
   auto daemon = StartDaemon();

@@ -245,8 +245,9 @@ TEST_F(EmulatedGpuTest, AGpuBudgetEvictsOnThatGpuOnly) {
 // preload evicts the first.
 TEST_F(EmulatedGpuTest, AGpuBudgetIsReservedInTheDevicesGranularity) {
   const std::string a = MakeModel("a"), b = MakeModel("b", /*finetune=*/true);
-  ::setenv("WEIGHTD_EMULATED_CUDA_GRANULARITY", "8M", 1);
-  auto daemon = StartDaemon({"--budget", "cuda:0=46M"});
+  auto daemon = WithEnv({{"WEIGHTD_EMULATED_CUDA_GRANULARITY", "8M"}}, [&] {
+    return StartDaemon({"--budget", "cuda:0=46M"});
+  });
   Preload(a, {"--device", "cuda:0"});
   EXPECT_EQ(DeviceStatus(kGpu0)["used"].get<uint64_t>(), uint64_t{24} << 20);
   EXPECT_EQ(Status()["models"][0]["reserved_bytes"].get<uint64_t>(), uint64_t{24} << 20);

@@ -7,6 +7,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <nlohmann/json.hpp>
@@ -314,6 +315,40 @@ TEST(Latencyfs, EnginesWaitForQueuedConfigModelsButNotForOthers) {
   EXPECT_LT(log.find("preloaded " + mnt + "/slow"), log.find("preloaded " + queued)) << log;
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+}
+
+// The same model twice in the config (here a byte-identical copy, pinned):
+// the second is keyed first (its files are local) and must not hold the
+// load the first is waiting for its turn to start. Both end, once loaded.
+TEST(Latencyfs, AModelNamedTwiceInTheConfigLoadsOnceWithoutDeadlock) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  TempDir dir;
+  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), sock = dir.Join("sock");
+  ::mkdir(src.c_str(), 0700);
+  ::mkdir(mnt.c_str(), 0700);
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(src + "/m", {.preset = "tiny"}).ok());
+  const std::string copy = dir.Join("copy");
+  std::filesystem::copy(src + "/m", copy);
+  Mount mount(src, mnt, dir.Join("stats.json"), "300ms");  // the first's fingerprint: seconds
+  ASSERT_TRUE(mount.mounted());
+  ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
+  const std::string config = dir.Join("c.toml");
+  testing::WriteFileText(config, "[[model]]\npath = \"" + mnt + "/m\"\n[[model]]\npath = \"" +
+                                     copy + "\"\npin = \"copy\"\n");
+  testing::Process daemon({"serve", "--socket-dir", sock, "--config", config});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  // One model, loaded once, named by the second entry.
+  EXPECT_TRUE(
+      testing::Eventually([&] { return daemon.err().find("pinned") != std::string::npos; }, 60))
+      << daemon.err();
+  auto r = testing::RunWeightd({"status", "--json", "--socket-dir", sock});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const nlohmann::json status = nlohmann::json::parse(r.out);
+  ASSERT_EQ(status["models"].size(), 1u) << status.dump(1);
+  EXPECT_EQ(status["models"][0]["name"], "copy");
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+  EXPECT_EQ(daemon.err().find("still busy"), std::string::npos) << daemon.err();
 }
 
 // A preload stuck in a file system call (a hung network mount, here every

@@ -513,7 +513,7 @@ TEST(Channel, PathsArriveAsTheyLeft) {
   EXPECT_TRUE(protocol::PathToJson("/models/llama").is_string());
   // No path on disk holds a NUL: one that does would open what comes before it.
   for (const char* bad : {R"({"hex": "abc"})", R"({"hex": "zz"})", R"({"hex": 1})", "3", "{}",
-                          R"({"hex": "2f6d002f78"})"}) {
+                          R"({"hex": "2f6d002f78"})", R"("/m/\u0000x")"}) {
     EXPECT_FALSE(protocol::PathFromJson(nlohmann::json::parse(bad)).ok()) << bad;
   }
 }

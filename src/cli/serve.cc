@@ -239,6 +239,9 @@ int RunServe(ServeOptions o) {
            " of memory: preloads are refused for memory before the budget is reached");
   }
   daemon::Server server(so);
+  // Before the first connection is accepted: an engine that may wait for
+  // the daemon is told of the config's models from the start.
+  server.ExpectPreloads(preloads.size());
   if (Status s = server.Start(); !s.ok()) return ReportError("serve", s.error().message());
   running_server = &server;
   struct sigaction sa {};
@@ -254,7 +257,6 @@ int RunServe(ServeOptions o) {
     }
   }
   ::signal(SIGPIPE, SIG_IGN);
-  server.ExpectPreloads(preloads.size());
   std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
             << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
   // Models from the config load in the background: engines may ask (and

@@ -135,18 +135,22 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
   std::unique_lock lock(mu_);
   Lookup out = AcquireLocked(key, trust, path);
   if (out.model || !trust.empty()) return out;
-  // A load of this key in flight is waited for, and, by an acquire that
-  // may wait, announced loads not keyed yet (one may be this model).
+  // A load of this key in flight or queued is waited for, and, by an
+  // acquire that may wait, announced loads not keyed yet (one may be this
+  // model).
+  auto coming = [&] {
+    return LoadingLocked(key) || std::find(queued_.begin(), queued_.end(), key) != queued_.end();
+  };
   const bool may_wait = wait_until > std::chrono::steady_clock::now();
-  if (!LoadingLocked(key) && (expected_ == 0 || !may_wait)) return out;
+  if (!coming() && (expected_ == 0 || !may_wait)) return out;
   // Published when the load ends (before EndLoad wakes us): look again then.
   auto settled = [&] {
-    return !LoadingLocked(key) &&
+    return !coming() &&
            (expected_ == 0 || std::any_of(models_.begin(), models_.end(),
                                           [&](const auto& m) { return m->key == key; }));
   };
   if (!load_done_.wait_until(lock, wait_until, settled)) {
-    if (LoadingLocked(key)) {
+    if (coming()) {
       out.loading = true;
       return out;
     }
@@ -235,17 +239,29 @@ bool Registry::LoadingLocked(const protocol::CacheKey& key) const {
   return std::find(loading_.begin(), loading_.end(), key) != loading_.end();
 }
 
-void Registry::BeginLoad(const std::vector<protocol::CacheKey>& keys, bool announced) {
+void Registry::BeginLoad(const std::vector<protocol::CacheKey>& keys) {
   std::unique_lock lock(mu_);
   load_done_.wait(lock, [&] {
     return std::none_of(keys.begin(), keys.end(),
                         [&](const protocol::CacheKey& k) { return LoadingLocked(k); });
   });
   loading_.insert(loading_.end(), keys.begin(), keys.end());
-  if (announced && expected_ > 0) {
-    --expected_;
-    load_done_.notify_all();
+}
+
+void Registry::Queue(const std::vector<protocol::CacheKey>& keys) {
+  std::lock_guard lock(mu_);
+  queued_.insert(queued_.end(), keys.begin(), keys.end());
+  if (expected_ > 0) --expected_;
+  load_done_.notify_all();
+}
+
+void Registry::Unqueue(const std::vector<protocol::CacheKey>& keys) {
+  std::lock_guard lock(mu_);
+  for (const protocol::CacheKey& k : keys) {
+    auto it = std::find(queued_.begin(), queued_.end(), k);
+    if (it != queued_.end()) queued_.erase(it);
   }
+  load_done_.notify_all();
 }
 
 void Registry::ExpectLoads(size_t n) {
@@ -256,6 +272,7 @@ void Registry::ExpectLoads(size_t n) {
 void Registry::DropExpected(size_t n) {
   std::lock_guard lock(mu_);
   expected_ -= std::min(expected_, n);
+  if (n == SIZE_MAX) queued_.clear();  // a stop: none of them will load
   load_done_.notify_all();
 }
 

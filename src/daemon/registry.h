@@ -99,11 +99,12 @@ class Registry {
   };
   // Finds the model for `key` and leases it. `trust` (not empty) names a
   // pinned model whose content is not compared (every other field is).
-  // Missing it while a load of exactly `key` is in flight, waits for that
-  // load until `wait_until` (default: no wait) and looks again. A miss is
-  // explained against the model with the fewest differing fields; among
-  // those, one loaded from `path` (the engine's checkpoint), if any: never
-  // a hit by path.
+  // Missing it while a load of exactly `key` is in flight or queued, waits
+  // for that load until `wait_until` (default: no wait) and looks again;
+  // with a wait, also while announced loads are not keyed yet (ExpectLoads).
+  // A miss is explained against the same model on another device first,
+  // then one loaded from `path` (the engine's checkpoint), then the model
+  // with the fewest differing fields: never a hit by path.
   Lookup Acquire(const protocol::CacheKey& key, const std::string& trust,
                  std::chrono::steady_clock::time_point wait_until = {},
                  const std::string& path = {});
@@ -115,17 +116,21 @@ class Registry {
 
   // One load per model at a time: BeginLoad waits while another load of
   // any of `keys` (every rank of one preload) is in flight, then marks
-  // them all in flight; EndLoad clears the marks. A load `announced` by
-  // ExpectLoads counts as keyed once its keys are marked.
-  void BeginLoad(const std::vector<protocol::CacheKey>& keys, bool announced = false);
+  // them all in flight; EndLoad clears the marks.
+  void BeginLoad(const std::vector<protocol::CacheKey>& keys);
   void EndLoad(const std::vector<protocol::CacheKey>& keys);
 
   // Loads announced before their keys are known (the config's models,
-  // queued at start, one after another): an acquire that may wait also
-  // waits until each is keyed (BeginLoad) or dropped, since any of them may
-  // be its model. DropExpected(n) for announced loads that end or fail
-  // before BeginLoad; DropExpected() for all of them (a stop).
+  // loaded one after another): an acquire that may wait also waits until
+  // each is keyed, since any may be its model. Queue marks a load's keys
+  // as coming (acquires wait for them as for a load in flight, and it
+  // counts as keyed) while it waits for its turn; Unqueue takes the marks
+  // off when it begins (before BeginLoad) or gives up. DropExpected(n) for
+  // announced loads that fail before Queue; DropExpected() for all of them
+  // and every queued mark (a stop).
   void ExpectLoads(size_t n);
+  void Queue(const std::vector<protocol::CacheKey>& keys);
+  void Unqueue(const std::vector<protocol::CacheKey>& keys);
   void DropExpected(size_t n = SIZE_MAX);
 
   // Evicts models matching `what`: "all", a pinned name, a prefix (at
@@ -169,7 +174,8 @@ class Registry {
   mutable std::mutex mu_;
   std::condition_variable load_done_;
   std::vector<protocol::CacheKey> loading_;
-  size_t expected_ = 0;  // announced loads not keyed yet
+  size_t expected_ = 0;                     // announced loads not keyed yet
+  std::vector<protocol::CacheKey> queued_;  // keys of announced loads waiting for their turn
   struct Account {
     uint64_t budget = 0;
     uint64_t used = 0;

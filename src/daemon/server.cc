@@ -567,8 +567,8 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
                          engine_path);
     if (found.loading) {
       found.reason =
-          "the daemon is loading this very model right now (an engine that waits for the daemon, "
-          "--wait-for-daemon, waits for the load)";
+          "the daemon is loading this very model right now, or is about to (an engine that waits "
+          "for the daemon, --wait-for-daemon, waits for the load)";
       found.mismatch.clear();
     }
     if (!found.model) {
@@ -688,15 +688,23 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     } catch (const std::system_error&) {
       // No thread for it: progress only as the load reports it.
     }
-    auto result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
-      std::lock_guard lock(send_mu);
-      last_done = done;
-      last_total = total;
-      if (peer_gone || (std::chrono::steady_clock::now() - last < kProgressEvery && done < total)) {
-        return;
-      }
-      send_progress(false);
-    });
+    // Whatever it throws becomes its error here: the heartbeat thread must
+    // be joined before this frame unwinds.
+    Result<json> result = Error("the preload did not run");
+    try {
+      result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
+        std::lock_guard lock(send_mu);
+        last_done = done;
+        last_total = total;
+        if (peer_gone ||
+            (std::chrono::steady_clock::now() - last < kProgressEvery && done < total)) {
+          return;
+        }
+        send_progress(false);
+      });
+    } catch (const std::exception& e) {
+      result = Error(path + ": the preload failed: " + e.what() + "; nothing was published");
+    }
     {
       std::lock_guard lock(send_mu);
       finished = true;
@@ -854,29 +862,42 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
                                     const std::string& pin, const std::vector<int>& only,
                                     const std::function<void(uint64_t, uint64_t)>& progress,
                                     std::optional<size_t> config_order) {
-  // An announced load that fails before its keys are marked is no longer
-  // one that acquires should wait for; a config's model passes the turn
-  // on when it is done (or failed), in order.
+  // A config's model: announced (Registry::ExpectLoads) until its keys are
+  // known, then queued (acquires wait for it) until its turn, then loaded;
+  // whatever happens, the marks come off and the turn passes on, in order.
+  // Its turn is waited for queued, not loading: another load of the same
+  // key (the same model named twice, an engine's --populate) is never held
+  // up by one that waits for its turn behind it.
   struct ConfigLoad {
     State& s;
     std::optional<size_t> order;
-    bool pending;
+    bool announced;
+    std::vector<protocol::CacheKey> queued;
     ~ConfigLoad() {
-      if (pending) s.registry.DropExpected(1);
+      if (announced) s.registry.DropExpected(1);
+      if (!queued.empty()) s.registry.Unqueue(queued);
       if (!order) return;
       std::unique_lock lock(s.conn_mu);
       s.config_turn_cv.wait(lock, [&] { return s.config_turn == *order || s.stopping.load(); });
       s.config_turn = std::max(s.config_turn, *order + 1);
       s.config_turn_cv.notify_all();
     }
-    // Waits for this model's turn to load; false once the daemon stops.
-    bool WaitForTurn() {
+    // Marks `keys` as coming and waits for this model's turn; false once
+    // the daemon stops.
+    bool QueueAndWaitForTurn(const std::vector<protocol::CacheKey>& keys) {
       if (!order) return true;
+      s.registry.Queue(keys);
+      announced = false;
+      queued = keys;
       std::unique_lock lock(s.conn_mu);
       s.config_turn_cv.wait(lock, [&] { return s.config_turn == *order || s.stopping.load(); });
       return !s.stopping.load();
     }
-  } config_load{*this, config_order, config_order.has_value()};
+    // Its keys are marked loading now.
+    void Began() {
+      if (!queued.empty()) s.registry.Unqueue(std::exchange(queued, {}));
+    }
+  } config_load{*this, config_order, config_order.has_value(), {}};
   WEIGHTD_ASSIGN_OR_RETURN(transform::Processing resolved,
                            transform::ResolveProcessing(processing.tp_size, processing.dtype,
                                                         processing.quant, processing.shard_plan));
@@ -943,13 +964,14 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
   for (int r = 0; r < ranks; ++r) {
     if (wanted(r)) loading.push_back(key_of(fp->digest, r));
   }
-  registry.BeginLoad(loading, std::exchange(config_load.pending, false));
+  if (!config_load.QueueAndWaitForTurn(loading)) return Error("the daemon is stopping");
+  registry.BeginLoad(loading);
+  config_load.Began();
   struct EndLoad {
     Registry& r;
     const std::vector<protocol::CacheKey>& keys;
     ~EndLoad() { r.EndLoad(keys); }
   } end_load{registry, loading};
-  if (!config_load.WaitForTurn()) return Error("the daemon is stopping");
   // Only the ranks not resident are loaded (one may have been evicted). The
   // resident ones are leased meanwhile, so that making room for the others
   // cannot evict them; their name (a pin) goes to the new ranks too.
@@ -1138,7 +1160,12 @@ Result<std::string> Server::Preload(const PreloadRequest& request,
   s.Log("preload of " + request.path + " requested by the config");
   protocol::Processing processing;
   processing.device = request.device;
-  auto r = s.Preload(request.path, processing, request.pin, {}, progress, request.order);
+  Result<json> r = Error("the preload did not run");
+  try {
+    r = s.Preload(request.path, processing, request.pin, {}, progress, request.order);
+  } catch (const std::exception& e) {
+    r = Error(request.path + ": the preload failed: " + e.what() + "; nothing was published");
+  }
   {
     std::lock_guard lock(s.conn_mu);
     --s.live_preloads;

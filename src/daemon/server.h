@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -87,7 +88,10 @@ class Server {
     std::string path;
     std::string pin;
     std::string device = "cpu";  // cpu, cuda:N (this daemon's numbering), cuda:GPU-<uuid>
-    size_t order = 0;            // in the config: models load one after another, in this order
+    // The config's models (announced by ExpectPreloads) load one after
+    // another, in this order: 0, 1, ..., every one of them called. Without
+    // it, a preload like any other.
+    std::optional<size_t> order;
   };
   Result<std::string> Preload(const PreloadRequest& request,
                               const std::function<void(uint64_t, uint64_t)>& progress);

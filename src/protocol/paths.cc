@@ -61,7 +61,13 @@ nlohmann::json PathToJson(const std::string& path) {
 }
 
 Result<std::string> PathFromJson(const nlohmann::json& j) {
-  if (j.is_string()) return j.get<std::string>();
+  if (j.is_string()) {
+    // No path on disk holds a NUL: one that does would open what comes before it.
+    if (j.get_ref<const std::string&>().find('\0') != std::string::npos) {
+      return Error("a path holds a NUL byte");
+    }
+    return j.get<std::string>();
+  }
   auto it = j.is_object() ? j.find("hex") : j.end();
   if (it == j.end() || !it->is_string() || it->get_ref<const std::string&>().size() % 2 != 0) {
     return Error("a path is a string or {\"hex\": \"...\"}");

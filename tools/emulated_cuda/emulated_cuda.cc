@@ -157,16 +157,25 @@ bool ValidDevice(int ordinal) {
 }
 
 // The host view of [ptr, ptr + n) of device memory: one mapping, with the
-// access asked for. REQUIRES: S().mu held.
+// access asked for, from the current context's device (access is granted
+// per device; none here has peer access). A fault is sticky, as on a GPU.
+// REQUIRES: S().mu held, a current context.
 CUresult Resolve(CUdeviceptr ptr, size_t n, bool write, std::byte** out) {
   State& s = S();
+  const int device = t_stack.back()->device;
   auto it = s.mappings.upper_bound(ptr);
   if (it == s.mappings.begin()) return CUDA_ERROR_INVALID_VALUE;
   --it;
   const uint64_t offset = ptr - it->first;
   if (offset >= it->second.bytes || n > it->second.bytes - offset) return CUDA_ERROR_INVALID_VALUE;
+  if (s.visible[static_cast<size_t>(device)] != it->second.allocation->physical) {
+    return CUDA_ERROR_INVALID_VALUE;  // another GPU's memory, from this GPU's context
+  }
   const CUmemAccess_flags access = it->second.access;
-  if (access == CU_MEM_ACCESS_FLAGS_PROT_NONE) return CUDA_ERROR_ILLEGAL_ADDRESS;
+  if (access == CU_MEM_ACCESS_FLAGS_PROT_NONE) {
+    s.sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
+    return s.sticky;
+  }
   if (write && access != CU_MEM_ACCESS_FLAGS_PROT_READWRITE && s.read_only != ReadOnly::kIgnore) {
     s.sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
     return s.sticky;
