@@ -66,21 +66,25 @@ class Mount {
 
 bool HaveFuse() { return ::access("/dev/fuse", R_OK | W_OK) == 0; }
 
-// A tiny checkpoint at mnt()/m, served through latencyfs at `latency` per
-// operation, beside a socket directory and a stat cache of its own.
+// A checkpoint (tiny unless `model` says otherwise) at mnt()/m, served
+// through latencyfs at `latency` per operation and `bandwidth`, beside a
+// socket directory and a stat cache of its own.
 class SlowCheckpoint {
  public:
-  explicit SlowCheckpoint(const std::string& latency) {
+  explicit SlowCheckpoint(const std::string& latency, const std::string& bandwidth = "0",
+                          const format::SyntheticOptions& model = {.preset = "tiny"}) {
     ::mkdir(src().c_str(), 0700);
     ::mkdir(mnt().c_str(), 0700);
-    written_ = format::WriteSyntheticCheckpoint(src() + "/m", {.preset = "tiny"}).ok();
-    mount_ = std::make_unique<Mount>(src(), mnt(), dir_.Join("stats.json"), latency);
+    written_ = format::WriteSyntheticCheckpoint(src() + "/m", model).ok();
+    mount_ = std::make_unique<Mount>(src(), mnt(), dir_.Join("stats.json"), latency, bandwidth);
     ::setenv("WEIGHTD_CACHE_DIR", dir_.Join("cache").c_str(), 1);
   }
   bool ready() const { return written_ && mount_->mounted(); }
   std::string src() const { return dir_.Join("src"); }
   std::string mnt() const { return dir_.Join("mnt"); }
   std::string sock() const { return dir_.Join("sock"); }
+  // Beside the rest, for files of the test's own.
+  std::string Join(const std::string& name) const { return dir_.Join(name); }
 
  private:
   TempDir dir_;
@@ -221,17 +225,10 @@ TEST(Latencyfs, ASlowPreloadSendsHeartbeats) {
 // --wait-for-daemon, its miss says why.
 TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
-  TempDir dir;
-  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), sock = dir.Join("sock");
-  ::mkdir(src.c_str(), 0700);
-  ::mkdir(mnt.c_str(), 0700);
-  ASSERT_TRUE(
-      format::WriteSyntheticCheckpoint(src + "/m", {.preset = "llama", .size_bytes = 16 << 20})
-          .ok());
   // Its 23 MB come through at 4 MB/s: a load of some seconds.
-  Mount mount(src, mnt, dir.Join("stats.json"), "0", "4M");
-  ASSERT_TRUE(mount.mounted());
-  ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
+  SlowCheckpoint slow("0", "4M", {.preset = "llama", .size_bytes = 16 << 20});
+  ASSERT_TRUE(slow.ready());
+  const std::string src = slow.src(), mnt = slow.mnt(), sock = slow.sock();
   testing::Process daemon({"serve", "--socket-dir", sock});
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
   testing::Process preload({"preload", mnt + "/m", "--socket-dir", sock});
@@ -270,23 +267,16 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
 // not held up by their loads: every config model is keyed at once.
 TEST(Latencyfs, EnginesWaitForQueuedConfigModelsButNotForOthers) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
-  TempDir dir;
-  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), sock = dir.Join("sock");
-  ::mkdir(src.c_str(), 0700);
-  ::mkdir(mnt.c_str(), 0700);
-  ASSERT_TRUE(
-      format::WriteSyntheticCheckpoint(src + "/slow", {.preset = "llama", .size_bytes = 16 << 20})
-          .ok());
-  const std::string queued = dir.Join("queued"), other = dir.Join("other");
+  // The first model's 23 MB come through at 4 MB/s: a load of some seconds.
+  SlowCheckpoint slow("0", "4M", {.preset = "llama", .size_bytes = 16 << 20});
+  ASSERT_TRUE(slow.ready());
+  const std::string mnt = slow.mnt(), sock = slow.sock();
+  const std::string queued = slow.Join("queued"), other = slow.Join("other");
   ASSERT_TRUE(format::WriteSyntheticCheckpoint(queued, {.preset = "tiny"}).ok());
   ASSERT_TRUE(format::WriteSyntheticCheckpoint(other, {.preset = "tiny", .seed = 7}).ok());
-  // The first model's 23 MB come through at 4 MB/s: a load of some seconds.
-  Mount mount(src, mnt, dir.Join("stats.json"), "0", "4M");
-  ASSERT_TRUE(mount.mounted());
-  ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
-  const std::string config = dir.Join("c.toml");
+  const std::string config = slow.Join("c.toml");
   testing::WriteFileText(
-      config, "[[model]]\npath = \"" + mnt + "/slow\"\n[[model]]\npath = \"" + queued + "\"\n");
+      config, "[[model]]\npath = \"" + mnt + "/m\"\n[[model]]\npath = \"" + queued + "\"\n");
   testing::Process daemon({"serve", "--socket-dir", sock, "--config", config});
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
 
@@ -295,7 +285,7 @@ TEST(Latencyfs, EnginesWaitForQueuedConfigModelsButNotForOthers) {
     if (r.exit_code != 0) return false;
     const nlohmann::json status = nlohmann::json::parse(r.out);
     for (const auto& m : status["models"]) {
-      if (m["path"] == mnt + "/slow") return true;
+      if (m["path"] == mnt + "/m") return true;
     }
     return false;
   };
@@ -312,7 +302,7 @@ TEST(Latencyfs, EnginesWaitForQueuedConfigModelsButNotForOthers) {
   EXPECT_NE(daemon.err().find(", after waiting for its load"), std::string::npos) << daemon.err();
   // In the config's order: the first was loaded before the second.
   const std::string log = daemon.err();
-  EXPECT_LT(log.find("preloaded " + mnt + "/slow"), log.find("preloaded " + queued)) << log;
+  EXPECT_LT(log.find("preloaded " + mnt + "/m"), log.find("preloaded " + queued)) << log;
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }
@@ -322,17 +312,12 @@ TEST(Latencyfs, EnginesWaitForQueuedConfigModelsButNotForOthers) {
 // load the first is waiting for its turn to start. Both end, once loaded.
 TEST(Latencyfs, AModelNamedTwiceInTheConfigLoadsOnceWithoutDeadlock) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
-  TempDir dir;
-  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), sock = dir.Join("sock");
-  ::mkdir(src.c_str(), 0700);
-  ::mkdir(mnt.c_str(), 0700);
-  ASSERT_TRUE(format::WriteSyntheticCheckpoint(src + "/m", {.preset = "tiny"}).ok());
-  const std::string copy = dir.Join("copy");
-  std::filesystem::copy(src + "/m", copy);
-  Mount mount(src, mnt, dir.Join("stats.json"), "300ms");  // the first's fingerprint: seconds
-  ASSERT_TRUE(mount.mounted());
-  ::setenv("WEIGHTD_CACHE_DIR", dir.Join("cache").c_str(), 1);
-  const std::string config = dir.Join("c.toml");
+  SlowCheckpoint slow("300ms");  // the first's fingerprint: seconds
+  ASSERT_TRUE(slow.ready());
+  const std::string mnt = slow.mnt(), sock = slow.sock();
+  const std::string copy = slow.Join("copy");
+  std::filesystem::copy(slow.src() + "/m", copy);
+  const std::string config = slow.Join("c.toml");
   testing::WriteFileText(config, "[[model]]\npath = \"" + mnt + "/m\"\n[[model]]\npath = \"" +
                                      copy + "\"\npin = \"copy\"\n");
   testing::Process daemon({"serve", "--socket-dir", sock, "--config", config});
