@@ -125,7 +125,9 @@ class Registry {
   // each is keyed, since any may be its model. Queue marks a load's keys
   // as coming (acquires wait for them as for a load in flight, and it
   // counts as keyed) while it waits for its turn; Unqueue takes the marks
-  // off when it begins (before BeginLoad) or gives up. DropExpected(n) for
+  // off once BeginLoad has marked the keys loading (never before: between
+  // the two, an acquire would find its model neither coming nor resident),
+  // or when it gives up. DropExpected(n) for
   // announced loads that fail before Queue; DropExpected() for all of them
   // and every queued mark (a stop).
   void ExpectLoads(size_t n);
