@@ -307,6 +307,36 @@ TEST(Latencyfs, EnginesWaitForQueuedConfigModelsButNotForOthers) {
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }
 
+// A GPU engine started with the daemon, whose model the config loads into
+// host memory: it waits for that load and copies the model up from there
+// (the host-tier reload), instead of reading the files itself. On the
+// emulated CUDA driver (tools/emulated_cuda).
+TEST(Latencyfs, AGpuEngineWaitsForItsModelComingIntoHostMemory) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+#ifndef WEIGHTD_EMULATED_CUDA_DIR
+  GTEST_SKIP() << "built without the CUDA driver header: no emulated driver";
+#else
+  ::setenv("LD_LIBRARY_PATH", WEIGHTD_EMULATED_CUDA_DIR, 1);
+  // Its 23 MB come through at 4 MB/s: a load of some seconds.
+  SlowCheckpoint slow("0", "4M", {.preset = "llama", .size_bytes = 16 << 20});
+  ASSERT_TRUE(slow.ready());
+  const std::string config = slow.Join("c.toml");
+  testing::WriteFileText(config, "[[model]]\npath = \"" + slow.mnt() + "/m\"\n");
+  testing::Process daemon({"serve", "--socket-dir", slow.sock(), "--config", config});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  auto engine = testing::RunWeightd({"load", slow.src() + "/m", "--device", "cuda:0", "--json",
+                                     "--socket-dir", slow.sock(), "--wait-for-daemon", "600"});
+  ASSERT_EQ(engine.exit_code, 0) << engine.err;
+  const nlohmann::json j = nlohmann::json::parse(engine.out);
+  EXPECT_EQ(j["source"], "daemon") << j.dump() << daemon.err();
+  EXPECT_NE(j["reason"].get<std::string>().find("resident in the daemon's host memory, copied to"),
+            std::string::npos)
+      << j.dump();
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+#endif
+}
+
 // The same model twice in the config (here a byte-identical copy, pinned):
 // the second is keyed first (its files are local) and must not hold the
 // load the first is waiting for its turn to start. Both end, once loaded.

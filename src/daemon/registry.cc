@@ -137,9 +137,17 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
   if (out.model || !trust.empty()) return out;
   // A load of this key in flight or queued is waited for, and, by an
   // acquire that may wait, announced loads not keyed yet (one may be this
-  // model).
+  // model). For a GPU, the same model coming into host memory counts too:
+  // the engine copies it up from there (the host-tier reload).
+  auto for_us = [&](const protocol::CacheKey& k) {
+    if (k == key) return true;
+    if (key.device == "host" || k.device != "host") return false;
+    const auto d = protocol::Compare(k, key, false);
+    return d.size() == 1 && d[0].field == "device";
+  };
   auto coming = [&] {
-    return LoadingLocked(key) || std::find(queued_.begin(), queued_.end(), key) != queued_.end();
+    return std::any_of(loading_.begin(), loading_.end(), for_us) ||
+           std::any_of(queued_.begin(), queued_.end(), for_us);
   };
   const bool may_wait = wait_until > std::chrono::steady_clock::now();
   if (!coming() && (expected_ == 0 || !may_wait)) return out;

@@ -99,8 +99,10 @@ class Registry {
   };
   // Finds the model for `key` and leases it. `trust` (not empty) names a
   // pinned model whose content is not compared (every other field is).
-  // Missing it while a load of exactly `key` is in flight or queued, waits
-  // for that load until `wait_until` (default: no wait) and looks again;
+  // Missing it while a load of exactly `key` is in flight or queued (for a
+  // GPU key, of the same model into host memory too: the host-tier
+  // reload's source), waits for that load until `wait_until` (default: no
+  // wait) and looks again;
   // with a wait, also while announced loads are not keyed yet (ExpectLoads).
   // A miss is explained against the same model on another device first,
   // then one loaded from `path` (the engine's checkpoint), then the model
