@@ -105,21 +105,6 @@ json DeviceJson(const Registry::Snapshot& s) {
   return out;
 }
 
-// What a segment of `bytes` takes on the GPU `uuid`: its allocation, in the
-// device's granularity (what CreateCudaSegment will ask for), reserved
-// against the budget before it is made.
-Result<uint64_t> GpuAllocationBytes(uint64_t bytes, const std::string& uuid) {
-  WEIGHTD_ASSIGN_OR_RETURN(const std::vector<memory::CudaDevice> gpus, memory::ListCudaDevices());
-  for (const memory::CudaDevice& g : gpus) {
-    if (!memory::SameGpu(g.uuid, uuid)) continue;
-    if (auto rounded = memory::RoundToGranularity(std::max<uint64_t>(bytes, 1), g.granularity)) {
-      return *rounded;
-    }
-    return Error("cuda:" + uuid + ": a segment of " + std::to_string(bytes) +
-                 " bytes cannot be allocated (granularity " + std::to_string(g.granularity) + ")");
-  }
-  return Error("cuda:" + uuid + ": no such GPU in this daemon");
-}
 }  // namespace
 
 struct Server::State {
@@ -1047,7 +1032,7 @@ Result<json> Server::State::Preload(const std::string& path, const protocol::Pro
       for (int r : missing) {
         const memory::Device& d = devices[static_cast<size_t>(r)];
         if (d.kind == memory::DeviceKind::kCuda) {
-          WEIGHTD_ASSIGN_OR_RETURN(const uint64_t on_gpu, GpuAllocationBytes(bytes, d.uuid));
+          WEIGHTD_ASSIGN_OR_RETURN(const uint64_t on_gpu, memory::CudaSegmentBytes(bytes, d.uuid));
           want.push_back(on_gpu);
         } else {
           want.push_back(host.bytes);

@@ -73,6 +73,29 @@ std::optional<uint64_t> RoundToGranularity(uint64_t size, uint64_t granularity) 
   return padded / granularity * granularity;
 }
 
+namespace {
+
+// The allocation's size for a segment of `size` bytes on a GPU of this
+// granularity: what the segment takes and what a budget reserves for it.
+Result<uint64_t> SegmentBytes(uint64_t size, uint64_t granularity) {
+  auto bytes = RoundToGranularity(std::max<uint64_t>(size, 1), granularity);
+  if (!bytes) {
+    return Error("a segment of " + std::to_string(size) +
+                 " bytes cannot be allocated (granularity " + std::to_string(granularity) + ")");
+  }
+  return *bytes;
+}
+
+}  // namespace
+
+Result<uint64_t> CudaSegmentBytes(uint64_t size, const std::string& uuid) {
+  WEIGHTD_ASSIGN_OR_RETURN(const std::vector<CudaDevice> gpus, ListCudaDevices());
+  for (const CudaDevice& g : gpus) {
+    if (SameGpu(g.uuid, uuid)) return SegmentBytes(size, g.granularity);
+  }
+  return Error("cuda:" + uuid + ": no such GPU in this process (CUDA_VISIBLE_DEVICES applies)");
+}
+
 Result<std::string> ResolveCudaOrdinal(int ordinal, const std::vector<CudaDevice>& visible) {
   for (const CudaDevice& d : visible) {
     if (d.ordinal == ordinal) return d.uuid;
@@ -731,19 +754,12 @@ class ImportedMapping final : public CudaMapping {
   bool read_only_;
 };
 
-// The allocation's size for a segment of `size` bytes on `gpu`.
-Result<uint64_t> AllocationBytes(const GpuContext& gpu, uint64_t size) {
-  auto bytes = RoundToGranularity(std::max<uint64_t>(size, 1), gpu.granularity());
-  if (!bytes) return Error("a segment of " + std::to_string(size) + " bytes cannot be allocated");
-  return *bytes;
-}
-
 }  // namespace
 
 Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::string& uuid) {
   auto m = std::make_unique<VmmMapping>();
   WEIGHTD_ASSIGN_OR_RETURN(m->gpu, GpuContext::Open(uuid));
-  WEIGHTD_ASSIGN_OR_RETURN(m->bytes, AllocationBytes(*m->gpu, size));
+  WEIGHTD_ASSIGN_OR_RETURN(m->bytes, SegmentBytes(size, m->gpu->granularity()));
   WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m->gpu->Enter());
   const Driver& d = m->gpu->driver();
   const CUmemAllocationProp prop = SegmentProp(m->gpu->device());
@@ -770,7 +786,7 @@ Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd& fd, uint64_t
   if (!fd.valid()) return Error("no descriptor to import a CUDA segment from");
   auto m = std::make_unique<VmmMapping>();
   WEIGHTD_ASSIGN_OR_RETURN(m->gpu, GpuContext::Open(uuid));
-  WEIGHTD_ASSIGN_OR_RETURN(m->bytes, AllocationBytes(*m->gpu, size));
+  WEIGHTD_ASSIGN_OR_RETURN(m->bytes, SegmentBytes(size, m->gpu->granularity()));
   WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m->gpu->Enter());
   const Driver& d = m->gpu->driver();
   if (CUresult r = d.cuMemImportFromShareableHandle(

@@ -89,6 +89,11 @@ Result<Device> ResolveDevice(std::string_view text);
 // primary context current on the calling thread.
 Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::string& uuid);
 
+// What a segment of `size` bytes takes on the GPU `uuid`: its allocation,
+// in whole granules of the device's granularity. A budget reserves this
+// before CreateCudaSegment makes it.
+Result<uint64_t> CudaSegmentBytes(uint64_t size, const std::string& uuid);
+
 // The host-tier reload: `host` (a mapped host segment, say) copied into a
 // new, sealed segment on the GPU `uuid`, registered as pinned memory
 // (read-only, so a sealed mapping qualifies) so that the GPU copies it
