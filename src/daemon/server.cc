@@ -179,10 +179,22 @@ struct Server::State {
   // `only`: the ranks to make (empty: all). `config_order`: a config's
   // model, announced by Registry::ExpectLoads (keyed or dropped here), that
   // loads in its turn.
+  // Whatever the load throws (an allocation refused) is its error: nothing
+  // was published, and the caller's threads unwind normally.
   Result<json> Preload(const std::string& path, const protocol::Processing& processing,
                        const std::string& pin, const std::vector<int>& only,
                        const std::function<void(uint64_t, uint64_t)>& progress,
-                       std::optional<size_t> config_order = std::nullopt);
+                       std::optional<size_t> config_order = std::nullopt) {
+    try {
+      return PreloadUnguarded(path, processing, pin, only, progress, config_order);
+    } catch (const std::exception& e) {
+      return Error(path + ": the preload failed: " + e.what() + "; nothing was published");
+    }
+  }
+  Result<json> PreloadUnguarded(const std::string& path, const protocol::Processing& processing,
+                                const std::string& pin, const std::vector<int>& only,
+                                const std::function<void(uint64_t, uint64_t)>& progress,
+                                std::optional<size_t> config_order);
 };
 
 Server::Server(ServerOptions options) : state_(std::make_unique<State>(std::move(options))) {}
@@ -673,23 +685,16 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     } catch (const std::system_error&) {
       // No thread for it: progress only as the load reports it.
     }
-    // Whatever it throws becomes its error here: the heartbeat thread must
-    // be joined before this frame unwinds.
-    Result<json> result = Error("the preload did not run");
-    try {
-      result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
-        std::lock_guard lock(send_mu);
-        last_done = done;
-        last_total = total;
-        if (peer_gone ||
-            (std::chrono::steady_clock::now() - last < kProgressEvery && done < total)) {
-          return;
-        }
-        send_progress(false);
-      });
-    } catch (const std::exception& e) {
-      result = Error(path + ": the preload failed: " + e.what() + "; nothing was published");
-    }
+    // It does not throw (the heartbeat thread is joined below).
+    auto result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
+      std::lock_guard lock(send_mu);
+      last_done = done;
+      last_total = total;
+      if (peer_gone || (std::chrono::steady_clock::now() - last < kProgressEvery && done < total)) {
+        return;
+      }
+      send_progress(false);
+    });
     {
       std::lock_guard lock(send_mu);
       finished = true;
@@ -843,10 +848,10 @@ void Server::State::LearnReadOnly(const memory::Segment& segment) {
   read_only[name] = learned;
 }
 
-Result<json> Server::State::Preload(const std::string& path, const protocol::Processing& processing,
-                                    const std::string& pin, const std::vector<int>& only,
-                                    const std::function<void(uint64_t, uint64_t)>& progress,
-                                    std::optional<size_t> config_order) {
+Result<json> Server::State::PreloadUnguarded(
+    const std::string& path, const protocol::Processing& processing, const std::string& pin,
+    const std::vector<int>& only, const std::function<void(uint64_t, uint64_t)>& progress,
+    std::optional<size_t> config_order) {
   // A config's model: announced (Registry::ExpectLoads) until its keys are
   // known, then queued (acquires wait for it) until its turn, then loaded;
   // whatever happens, the marks come off and the turn passes on, in order.
@@ -1145,12 +1150,7 @@ Result<std::string> Server::Preload(const PreloadRequest& request,
   s.Log("preload of " + request.path + " requested by the config");
   protocol::Processing processing;
   processing.device = request.device;
-  Result<json> r = Error("the preload did not run");
-  try {
-    r = s.Preload(request.path, processing, request.pin, {}, progress, request.order);
-  } catch (const std::exception& e) {
-    r = Error(request.path + ": the preload failed: " + e.what() + "; nothing was published");
-  }
+  auto r = s.Preload(request.path, processing, request.pin, {}, progress, request.order);
   {
     std::lock_guard lock(s.conn_mu);
     --s.live_preloads;
