@@ -117,12 +117,11 @@ std::unique_ptr<StatCache> StatCache::Load(const std::string& dir) {
 
 std::optional<std::map<StatCache::Key, std::string>> StatCache::ReadFile(const std::string& path,
                                                                          std::string* why) {
-  std::map<Key, std::string> entries;
   // O_NONBLOCK: a FIFO planted here must not hang us (it fails S_ISREG below).
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) {
     if (errno != ENOENT) *why = path + ": ignored: " + std::strerror(errno);
-    return errno == ENOENT ? std::optional(entries) : std::nullopt;
+    return errno == ENOENT ? std::optional(std::map<Key, std::string>{}) : std::nullopt;
   }
   struct stat st;
   std::string data;
@@ -141,9 +140,22 @@ std::optional<std::map<StatCache::Key, std::string>> StatCache::ReadFile(const s
   }
   ::close(fd);
   if (!ok) return std::nullopt;
+  auto entries = Parse(data, why);
+  if (!entries) *why = path + ": ignored: " + *why;
+  return entries;
+}
 
+std::optional<size_t> StatCache::CountEntries(std::string_view data, std::string* why) {
+  auto entries = Parse(data, why);
+  if (!entries) return std::nullopt;
+  return entries->size();
+}
+
+std::optional<std::map<StatCache::Key, std::string>> StatCache::Parse(std::string_view data,
+                                                                      std::string* why) {
+  std::map<Key, std::string> entries;
   auto corrupt = [&](const char* what) {
-    *why = path + ": ignored: " + what;
+    *why = what;
     return std::nullopt;
   };
   if (data.size() < sizeof kMagic + 8) return corrupt("too short");

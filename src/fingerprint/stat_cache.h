@@ -28,6 +28,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <tuple>
 
 #include "io/file.h"
@@ -58,6 +59,11 @@ class StatCache {
   const std::string& warning() const { return warning_; }
   size_t size() const;
 
+  // A cache file's bytes -> how many entries it holds, or nullopt with
+  // `why` set when they are not a cache file this version wrote intact.
+  // (The fuzz target's entry point: the bytes are untrusted.)
+  static std::optional<size_t> CountEntries(std::string_view data, std::string* why);
+
  private:
   explicit StatCache(std::string dir) : dir_(std::move(dir)) {}
 
@@ -66,6 +72,7 @@ class StatCache {
   // Reads and verifies the file; nullopt with `why` set when untrustworthy.
   static std::optional<std::map<Key, std::string>> ReadFile(const std::string& path,
                                                             std::string* why);
+  static std::optional<std::map<Key, std::string>> Parse(std::string_view data, std::string* why);
 
   const std::string dir_;
   mutable std::mutex mu_;
