@@ -1061,5 +1061,54 @@ TEST_F(DaemonTest, PeerWithAnotherUidIsRefusedAndOthersAreServed) {
   EXPECT_NE(own.out().find("\"models\""), std::string::npos) << own.out();
 }
 
+// Under a process limit (a container's pids limit, say) there may be no
+// thread left for a config's model: the daemon says so and serves on, and
+// the models after it do not wait for a turn that will not come.
+TEST_F(DaemonTest, AConfigModelWithNoThreadIsSkippedAndTheDaemonServesOn) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to limit another user's threads";
+  if (::access("/usr/bin/setpriv", X_OK) != 0 || ::access("/usr/bin/prlimit", X_OK) != 0) {
+    GTEST_SKIP() << "setpriv or prlimit is not installed";
+  }
+  const std::string a = MakeModel("a");
+  const std::string home = dir_.Join("nobody");
+  ::mkdir(home.c_str(), 0700);
+  ASSERT_EQ(::chown(home.c_str(), 65534, 65534), 0);
+  ::chmod(dir_.path().c_str(), 0755);
+  const std::string config = home + "/weightd.toml";
+  std::string models;
+  for (int i = 0; i < 4; ++i) models += "[[model]]\npath = \"" + a + "\"\n";
+  testing::WriteFileText(config, "socket_dir = \"sock\"\n" + models);
+  const std::vector<std::string> as_nobody = {"setpriv", "--reuid=65534", "--regid=65534",
+                                              "--clear-groups"};
+  // Threads (tasks) of nobody's, all processes together: the daemon's main
+  // thread and a few workers take them all before the config is read.
+  std::vector<std::string> limited = {"prlimit", "--nproc=6"};
+  limited.insert(limited.end(), as_nobody.begin(), as_nobody.end());
+  ::setenv("WEIGHTD_CACHE_DIR", (home + "/cache").c_str(), 1);
+  Process daemon({"serve", "--config", config}, limited);
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  EXPECT_TRUE(Eventually([&] {
+    return daemon.err().find("from the config not started: no thread") != std::string::npos;
+  })) << daemon.err();
+  // It still answers, and an engine that waits for the daemon's models is
+  // not held by the ones that will not come.
+  const std::string socket_dir = home + "/sock";
+  Process status({"status", "--json", "--socket-dir", socket_dir}, as_nobody);
+  EXPECT_EQ(status.Wait(), 0) << status.err();
+  Process engine(
+      {"load", a, "--json", "--checksum", "--wait-for-daemon", "60", "--socket-dir", socket_dir},
+      as_nobody);
+  ASSERT_EQ(engine.Wait(), 0) << engine.err();
+  const json got = json::parse(engine.out());
+  EXPECT_EQ(got["checksum"], DiskChecksum(a));
+  // A model that found a thread (one freed since, say) loaded in its turn,
+  // past the skipped ones before it, and the engine waited for it.
+  if (daemon.err().find("requested by the config") != std::string::npos) {
+    EXPECT_EQ(got["source"], "daemon") << got.dump() << daemon.err();
+  }
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+}
+
 }  // namespace
 }  // namespace weightd

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 #include "cli/output.h"
@@ -265,12 +266,20 @@ int RunServe(ServeOptions o) {
   // them, and Run waits for them with the connections.
   std::vector<std::thread> preloaders;
   for (size_t i = 0; i < preloads.size(); ++i) {
-    preloaders.emplace_back([&server, &so, m = preloads[i], i] {
-      auto r = server.Preload({m.path, m.pin, m.device, i}, {});
-      if (server.stopping()) return;  // cancelled, or refused: nothing to report
-      if (!r.ok())
-        so.log("preload of " + m.path + " from the config failed: " + r.error().message());
-    });
+    try {
+      preloaders.emplace_back([&server, &so, m = preloads[i], i] {
+        auto r = server.Preload({m.path, m.pin, m.device, i}, {});
+        if (server.stopping()) return;  // cancelled, or refused: nothing to report
+        if (!r.ok())
+          so.log("preload of " + m.path + " from the config failed: " + r.error().message());
+      });
+    } catch (const std::system_error& e) {
+      // A process or thread limit reached: the daemon serves what it has;
+      // this model can still be preloaded by hand or by an engine.
+      server.SkipPreload(i);
+      so.log("preload of " + preloads[i].path + " from the config not started: no thread for it (" +
+             e.what() + ")");
+    }
   }
   if (!server.Run()) {
     // Some work is stuck in a file system call that does not return: Run

@@ -126,6 +126,15 @@ struct Server::State {
   // the order of the one that may load now. Guarded by conn_mu.
   size_t config_turn = 0;
   std::condition_variable config_turn_cv;
+  // Orders that will never come (no thread could be made for them): the
+  // turn passes over them.
+  std::set<size_t> config_skipped;
+  // REQUIRES: conn_mu held. The turn after `order`, past any skipped.
+  void PassTurn(size_t order) {
+    config_turn = std::max(config_turn, order + 1);
+    while (config_skipped.contains(config_turn)) ++config_turn;
+    config_turn_cv.notify_all();
+  }
   std::set<int> open_sockets;  // raw fds of live connections, to shut down on stop
   int live_connections = 0;
   // Preloads asked for by the daemon's owner (Server::Preload: the config's
@@ -869,8 +878,7 @@ Result<json> Server::State::PreloadUnguarded(
       if (!order) return;
       std::unique_lock lock(s.conn_mu);
       s.config_turn_cv.wait(lock, [&] { return s.config_turn == *order || s.stopping.load(); });
-      s.config_turn = std::max(s.config_turn, *order + 1);
-      s.config_turn_cv.notify_all();
+      s.PassTurn(*order);
     }
     // Marks `keys` as coming and waits for this model's turn; false once
     // the daemon stops.
@@ -1136,6 +1144,14 @@ Result<json> Server::State::PreloadUnguarded(
 }
 
 void Server::ExpectPreloads(size_t n) { state_->registry.ExpectLoads(n); }
+
+void Server::SkipPreload(size_t order) {
+  State& s = *state_;
+  s.registry.DropExpected(1);
+  std::lock_guard lock(s.conn_mu);
+  s.config_skipped.insert(order);
+  if (s.config_turn == order) s.PassTurn(order);
+}
 
 Result<std::string> Server::Preload(const PreloadRequest& request,
                                     const std::function<void(uint64_t, uint64_t)>& progress) {

@@ -96,6 +96,11 @@ class Server {
   Result<std::string> Preload(const PreloadRequest& request,
                               const std::function<void(uint64_t, uint64_t)>& progress);
 
+  // A model ExpectPreloads announced that will not be preloaded after all
+  // (no thread could be made for it): engines stop waiting for it and the
+  // models after it in `order` do not wait for its turn.
+  void SkipPreload(size_t order);
+
  private:
   struct State;
   std::unique_ptr<State> state_;
