@@ -207,7 +207,10 @@ TEST_F(EmulatedGpuTest, TheHostTierReloadCopiesRegisteredOrStaged) {
   json staged = WithEnv({{"WEIGHTD_EMULATED_CUDA_HOST_REGISTER", "refuse"}}, [&] {
     return Load(model, {"--device", "cuda:0", "--no-fallback", "--mode", "copy"});
   });
-  EXPECT_NE(staged["reason"].get<std::string>().find("through staging buffers"), std::string::npos)
+  // With the driver's own answer: on a GPU machine, the first thing to know.
+  EXPECT_NE(staged["reason"].get<std::string>().find(
+                "through staging buffers; cuMemHostRegister: operation not supported"),
+            std::string::npos)
       << staged["reason"];
   EXPECT_EQ(staged["checksum"], disk);
 }
@@ -255,6 +258,27 @@ TEST_F(EmulatedGpuTest, AGpuBudgetIsReservedInTheDevicesGranularity) {
   const json status = Status();
   ASSERT_EQ(status["models"].size(), 1u) << status.dump(1);
   EXPECT_EQ(status["models"][0]["path"], b);
+}
+
+// A GPU that cannot export its memory as file descriptors is listed, not
+// served, with the reason; the host is served as ever.
+TEST_F(EmulatedGpuTest, AGpuWithoutFdHandlesIsNotServedAndStatusSaysWhy) {
+  auto daemon =
+      WithEnv({{"WEIGHTD_EMULATED_CUDA_FD_HANDLES", "no"}}, [&] { return StartDaemon(); });
+  const json status = Status();
+  ASSERT_EQ(status["cuda"]["available"], true) << status["cuda"];
+  const json& gpu = status["cuda"]["devices"][0];
+  EXPECT_EQ(gpu["fd_handles"], false);
+  EXPECT_EQ(gpu["not_served"], "it cannot export memory as file descriptors") << gpu;
+  EXPECT_NE(daemon->err().find("not served, it cannot export memory as file descriptors"),
+            std::string::npos)
+      << daemon->err();
+  const std::string model = MakeModel("m");
+  testing::CommandResult r = Run({"preload", model, "--device", "cuda:0"});
+  EXPECT_NE(r.exit_code, 0);
+  EXPECT_NE(r.err.find("cannot export memory as file descriptors"), std::string::npos) << r.err;
+  Preload(model);
+  EXPECT_EQ(Load(model, {"--no-fallback"})["source"], "daemon");
 }
 
 TEST_F(EmulatedGpuTest, WithADriverButNoGpuTheDaemonServesTheHostAndSaysWhy) {

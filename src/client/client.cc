@@ -356,9 +356,9 @@ std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
   Miss host_miss;
   std::unique_ptr<WeightsImpl> w = TryDaemon(host_key, mapped, checkpoint, host_miss);
   if (!w) return nullptr;
-  bool registered = false;
+  std::string staged_because;
   const std::span<const std::byte> host = w->mapping->bytes();
-  auto copy = memory::CopyToCudaSegment(host, device.uuid, &registered);
+  auto copy = memory::CopyToCudaSegment(host, device.uuid, &staged_because);
   if (!copy.ok()) {
     miss.reason += "; the copy from the daemon's host memory failed: " + copy.error().message();
     return nullptr;
@@ -376,7 +376,8 @@ std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
   w->mapping.reset();
   w->lease.reset();
   w->reason_ = "resident in the daemon's host memory, copied to " + device.Name() +
-               (registered ? " (registered as pinned memory)" : " (through staging buffers)") +
+               (staged_because.empty() ? " (registered as pinned memory)"
+                                       : " (through staging buffers; " + staged_because + ")") +
                "; lease given back";
   return w;
 }

@@ -87,6 +87,7 @@ json CudaJson(const std::shared_future<Result<std::vector<memory::CudaDevice>>>&
                     {"model", d.name},
                     {"total_bytes", d.total_bytes},
                     {"fd_handles", d.posix_fd_handles},
+                    {"not_served", d.posix_fd_handles ? json(nullptr) : json(d.not_served)},
                     {"granularity", d.granularity},
                     {"read_only_mapping", ro == read_only.end() ? "not tried yet" : ro->second}});
   }
@@ -294,8 +295,7 @@ Status Server::Start() {
       if (log && gpus.ok()) {
         for (const memory::CudaDevice& d : *gpus) {
           log("cuda:" + std::to_string(d.ordinal) + " is " + d.name + " (cuda:" + d.uuid + ")" +
-              (d.posix_fd_handles ? ""
-                                  : ": not served, it cannot export memory as file descriptors"));
+              (d.posix_fd_handles ? "" : ": not served, " + d.not_served));
         }
       }
       answer->set_value(std::move(gpus));
@@ -826,10 +826,12 @@ Status Server::State::CheckServed(const memory::Device& device) {
     return Error("--device " + device.Name() + ": this daemon serves no GPU (" +
                  gpus.error().message() + ")");
   }
-  const bool served = std::any_of(gpus->begin(), gpus->end(), [&](const auto& d) {
-    return d.posix_fd_handles && memory::SameGpu(d.uuid, device.uuid);
-  });
-  if (!served) {
+  auto it = std::find_if(gpus->begin(), gpus->end(),
+                         [&](const auto& d) { return memory::SameGpu(d.uuid, device.uuid); });
+  if (it != gpus->end() && !it->posix_fd_handles) {
+    return Error("--device " + device.Name() + ": not served: " + it->not_served);
+  }
+  if (it == gpus->end()) {
     return Error("--device " + device.Name() +
                  ": not a GPU this daemon serves (see `weightd status`; CUDA_VISIBLE_DEVICES "
                  "applies to the daemon too)");

@@ -290,6 +290,34 @@ CUmemAllocationProp SegmentProp(CUdevice dev) {
 
 namespace {
 
+// Why `dev` cannot hold segments, or "" when it can (and then the
+// granularity of what a segment asks for). The driver's own error is kept:
+// on a GPU machine it is the first thing to know.
+std::string WhyNotServed(const Driver& d, CUdevice dev, uint64_t* granularity) {
+  int vmm = 0, fd = 0;
+  if (CUresult r = d.cuDeviceGetAttribute(
+          &vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
+      r != CUDA_SUCCESS) {
+    return "cannot ask whether it supports virtual memory management: " + d.Describe(r);
+  }
+  if (vmm == 0) return "it does not support virtual memory management (cuMemCreate)";
+  if (CUresult r = d.cuDeviceGetAttribute(
+          &fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED, dev);
+      r != CUDA_SUCCESS) {
+    return "cannot ask whether it exports memory as file descriptors: " + d.Describe(r);
+  }
+  if (fd == 0) return "it cannot export memory as file descriptors";
+  const CUmemAllocationProp prop = SegmentProp(dev);
+  size_t g = 0;
+  if (CUresult r = d.cuMemGetAllocationGranularity(&g, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM);
+      r != CUDA_SUCCESS) {
+    return "cuMemGetAllocationGranularity: " + d.Describe(r);
+  }
+  if (g == 0) return "the driver gives no allocation granularity";
+  *granularity = g;
+  return "";
+}
+
 Result<std::vector<CudaDevice>> AskForCudaDevices() {
   WEIGHTD_ASSIGN_OR_RETURN(const Driver* d, LoadDriver());
   int count = 0;
@@ -318,19 +346,8 @@ Result<std::vector<CudaDevice>> AskForCudaDevices() {
     info.uuid = FormatGpuUuid(bytes);
     info.name = name;
     info.total_bytes = total;
-    int vmm = 0, fd = 0;
-    d->cuDeviceGetAttribute(&vmm, CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED, dev);
-    d->cuDeviceGetAttribute(&fd, CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
-                            dev);
-    info.posix_fd_handles = vmm != 0 && fd != 0;
-    // The granularity of what a segment asks for.
-    const CUmemAllocationProp prop = SegmentProp(dev);
-    size_t granularity = 0;
-    if (info.posix_fd_handles &&
-        d->cuMemGetAllocationGranularity(&granularity, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) ==
-            CUDA_SUCCESS) {
-      info.granularity = granularity;
-    }
+    info.not_served = WhyNotServed(*d, dev, &info.granularity);
+    info.posix_fd_handles = info.not_served.empty();
     out.push_back(std::move(info));
   }
   return out;
@@ -381,9 +398,7 @@ class GpuContext {
     // By the 32 hex digits: a MIG instance's UUID is listed with GPU- too.
     for (const CudaDevice& info : devices) {
       if (!SameGpu(info.uuid, uuid)) continue;
-      if (!info.posix_fd_handles || info.granularity == 0) {
-        return Error("cuda:" + uuid + ": this GPU cannot export memory as file descriptors");
-      }
+      if (!info.posix_fd_handles) return Error("cuda:" + uuid + ": " + info.not_served);
       auto g = std::unique_ptr<GpuContext>(new GpuContext(*d, info.granularity));
       if (CUresult r = d->cuDeviceGet(&g->dev_, info.ordinal); r != CUDA_SUCCESS) {
         return CudaError(*d, "cuDeviceGet", r);
@@ -642,17 +657,22 @@ class CudaSegment final : public Segment {
   // Copies `host` to `offset` straight from where it is, after registering
   // it as pinned memory (read-only: a sealed mapping qualifies); where the
   // driver will not register it, through the staging buffers. Several
-  // streams at once. `registered` says which way it went.
-  Status WriteFromHost(uint64_t offset, std::span<const std::byte> host, bool* registered) {
+  // streams at once. `staged_because` is empty when it was registered, else
+  // why the driver would not.
+  Status WriteFromHost(uint64_t offset, std::span<const std::byte> host,
+                       std::string* staged_because) {
     if (sealed_) return Error("segment written after it was sealed");
     WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, host.size(), size_));
     WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m_->gpu->Enter());
     const Driver& d = m_->gpu->driver();
     void* at = const_cast<std::byte*>(host.data());
-    *registered =
-        !host.empty() &&
-        d.cuMemHostRegister(at, host.size(), CU_MEMHOSTREGISTER_READ_ONLY) == CUDA_SUCCESS;
-    if (!*registered) return staging_.Copy(m_->address + offset, std::span(&host, 1));
+    staged_because->clear();
+    if (host.empty()) return OkStatus();
+    if (CUresult r = d.cuMemHostRegister(at, host.size(), CU_MEMHOSTREGISTER_READ_ONLY);
+        r != CUDA_SUCCESS) {
+      *staged_because = "cuMemHostRegister: " + d.Describe(r);
+      return staging_.Copy(m_->address + offset, std::span(&host, 1));
+    }
     constexpr int kStreams = 4;
     constexpr size_t kPart = 64 << 20;
     CUstream streams[kStreams] = {};
@@ -847,13 +867,14 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
 }
 
 Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte> host,
-                                                   const std::string& uuid, bool* registered) {
+                                                   const std::string& uuid,
+                                                   std::string* staged_because) {
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<Segment> copy, CreateCudaSegment(host.size(), uuid));
   auto& segment = static_cast<CudaSegment&>(*copy);
-  bool pinned = false;
-  WEIGHTD_RETURN_IF_ERROR(segment.WriteFromHost(0, host, &pinned));
+  std::string why;
+  WEIGHTD_RETURN_IF_ERROR(segment.WriteFromHost(0, host, &why));
   WEIGHTD_RETURN_IF_ERROR(segment.Seal());
-  if (registered != nullptr) *registered = pinned;
+  if (staged_because != nullptr) *staged_because = std::move(why);
   return copy;
 }
 
@@ -876,7 +897,7 @@ Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd&, uint64_t, c
 }
 
 Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte>, const std::string&,
-                                                   bool*) {
+                                                   std::string*) {
   return BuiltWithoutCuda();
 }
 

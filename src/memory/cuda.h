@@ -58,8 +58,10 @@ struct CudaDevice {
   std::string uuid = {};
   std::string name = {};
   uint64_t total_bytes = 0;
-  // Whether the device can export VMM allocations as file descriptors.
+  // Whether the device can hold segments: VMM allocations exported as file
+  // descriptors. If not, `not_served` says why (with the driver's error).
   bool posix_fd_handles = false;
+  std::string not_served = {};
   uint64_t granularity = 0;  // of a pinned device allocation
 };
 
@@ -98,10 +100,11 @@ Result<uint64_t> CudaSegmentBytes(uint64_t size, const std::string& uuid);
 // new, sealed segment on the GPU `uuid`, registered as pinned memory
 // (read-only, so a sealed mapping qualifies) so that the GPU copies it
 // straight at the bus's speed; through the staging buffers where the driver
-// will not register it. `registered` (optional) says which way it went.
+// will not register it. `staged_because` (optional) is set to why the driver
+// would not register it, or to "" when it did.
 Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte> host,
                                                    const std::string& uuid,
-                                                   bool* registered = nullptr);
+                                                   std::string* staged_because = nullptr);
 
 // What a write to memory mapped read-only did (a check, for tools).
 struct WriteAttempt {

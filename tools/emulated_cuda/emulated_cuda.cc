@@ -23,7 +23,8 @@
 // `ignore` (the write goes through). Also: WEIGHTD_EMULATED_CUDA_DEVICES
 // (default 1), WEIGHTD_EMULATED_CUDA_MEMORY (per device, default 8G),
 // WEIGHTD_EMULATED_CUDA_GRANULARITY (a power of two, default 2M),
-// WEIGHTD_EMULATED_CUDA_HOST_REGISTER=refuse (cuMemHostRegister fails).
+// WEIGHTD_EMULATED_CUDA_HOST_REGISTER=refuse (cuMemHostRegister fails),
+// WEIGHTD_EMULATED_CUDA_FD_HANDLES=no (no POSIX file descriptor handles).
 // CUDA_VISIBLE_DEVICES applies (ordinals or UUID prefixes).
 #include <cuda.h>
 #include <fcntl.h>
@@ -116,6 +117,7 @@ struct State {
   uint64_t granularity = 2ull << 20;
   ReadOnly read_only = ReadOnly::kEnforce;
   bool refuse_host_register = false;
+  bool fd_handles = true;
   std::vector<int> visible;  // ordinal -> physical
   CUctx_st contexts[kMaxDevices];
   std::map<CUmemGenericAllocationHandle, std::shared_ptr<Allocation>> handles;
@@ -223,6 +225,7 @@ CUresult Init(unsigned int flags) {
                 : ro == "ignore" ? ReadOnly::kIgnore
                                  : ReadOnly::kEnforce;
   s.refuse_host_register = Env("WEIGHTD_EMULATED_CUDA_HOST_REGISTER") == "refuse";
+  s.fd_handles = Env("WEIGHTD_EMULATED_CUDA_FD_HANDLES") != "no";
   // CUDA_VISIBLE_DEVICES: ordinals or UUID prefixes, up to the first that
   // names no device.
   if (const char* v = std::getenv("CUDA_VISIBLE_DEVICES"); v != nullptr) {
@@ -366,9 +369,11 @@ CUresult DeviceGetAttribute(int* value, CUdevice_attribute attribute, CUdevice d
   if (value == nullptr) return CUDA_ERROR_INVALID_VALUE;
   switch (attribute) {
     case CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED:
-    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED:
     case CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING:
       *value = 1;
+      break;
+    case CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED:
+      *value = S().fd_handles ? 1 : 0;
       break;
     case CU_DEVICE_ATTRIBUTE_READ_ONLY_HOST_REGISTER_SUPPORTED:
       *value = S().refuse_host_register ? 0 : 1;
@@ -479,6 +484,9 @@ CUresult MemCreate(CUmemGenericAllocationHandle* handle, size_t size,
     return CUDA_ERROR_INVALID_VALUE;
   }
   if (CUresult r = CheckProp(prop); r != CUDA_SUCCESS) return r;
+  if (!s.fd_handles && (prop->requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
+    return CUDA_ERROR_NOT_SUPPORTED;
+  }
   const int physical = s.visible[static_cast<size_t>(prop->location.id)];
   if (g_used[physical] + size > s.memory) return CUDA_ERROR_OUT_OF_MEMORY;
   const std::string name = kMemfdPrefix + std::to_string(physical);
