@@ -625,6 +625,25 @@ CUresult MemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
   return CUDA_SUCCESS;
 }
 
+CUresult MemGetAccess(unsigned long long* flags, const CUmemLocation* location, CUdeviceptr ptr) {
+  State& s = S();
+  std::lock_guard lock(s.mu);
+  if (!s.initialized) return CUDA_ERROR_NOT_INITIALIZED;
+  if (flags == nullptr || location == nullptr || location->type != CU_MEM_LOCATION_TYPE_DEVICE) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  if (!ValidDevice(location->id)) return CUDA_ERROR_INVALID_DEVICE;
+  // The mapping `ptr` falls in: the last one starting at or before it.
+  auto it = s.mappings.upper_bound(ptr);
+  if (it == s.mappings.begin()) return CUDA_ERROR_INVALID_VALUE;
+  --it;
+  if (ptr >= it->first + it->second.bytes) return CUDA_ERROR_INVALID_VALUE;
+  const bool same_device =
+      s.visible[static_cast<size_t>(location->id)] == it->second.allocation->physical;
+  *flags = same_device ? it->second.access : CU_MEM_ACCESS_FLAGS_PROT_NONE;
+  return CUDA_SUCCESS;
+}
+
 CUresult MemExportToShareableHandle(void* out, CUmemGenericAllocationHandle handle,
                                     CUmemAllocationHandleType type, unsigned long long flags) {
   State& s = S();
@@ -865,6 +884,7 @@ const Entry kEntries[] = {
     ENTRY("cuMemMap", MemMap),
     ENTRY("cuMemUnmap", MemUnmap),
     ENTRY("cuMemSetAccess", MemSetAccess),
+    ENTRY("cuMemGetAccess", MemGetAccess),
     ENTRY("cuMemExportToShareableHandle", MemExportToShareableHandle),
     ENTRY("cuMemImportFromShareableHandle", MemImportFromShareableHandle),
     ENTRY("cuMemcpyHtoD", MemcpyHtoD),

@@ -58,6 +58,7 @@ struct Api {
   CUresult (*cuMemMap)(CUdeviceptr, size_t, size_t, CUmemGenericAllocationHandle,
                        unsigned long long);
   CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t);
+  CUresult (*cuMemGetAccess)(unsigned long long*, const CUmemLocation*, CUdeviceptr);
   CUresult (*cuMemUnmap)(CUdeviceptr, size_t);
   CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
   CUresult (*cuMemRelease)(CUmemGenericAllocationHandle);
@@ -132,6 +133,7 @@ CUdevice Start() {
   LOAD(cuMemAddressReserve);
   LOAD(cuMemMap);
   LOAD(cuMemSetAccess);
+  LOAD(cuMemGetAccess);
   LOAD(cuMemUnmap);
   LOAD(cuMemAddressFree);
   LOAD(cuMemRelease);
@@ -204,6 +206,21 @@ CUdeviceptr Import(int fd, size_t size, CUdevice dev, bool* read_only) {
     Check("cuMemSetAccess (read-write fallback)", api.cuMemSetAccess(ptr, size, &desc, 1));
   } else {
     std::printf("importer_read_only_access: accepted\n");
+  }
+  // What the driver says it recorded: an accepted read-only request that
+  // reads back read-write would explain a write that goes through.
+  CUmemLocation where{};
+  where.type = CU_MEM_LOCATION_TYPE_DEVICE;
+  where.id = dev;
+  unsigned long long flags = 0;
+  if (CUresult r = api.cuMemGetAccess(&flags, &where, ptr); r != CUDA_SUCCESS) {
+    std::printf("importer_access_recorded: unknown (cuMemGetAccess: %s)\n", Describe(r).c_str());
+  } else {
+    std::printf("importer_access_recorded: %s\n",
+                flags == CU_MEM_ACCESS_FLAGS_PROT_READ        ? "read-only"
+                : flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE ? "read-write"
+                : flags == CU_MEM_ACCESS_FLAGS_PROT_NONE      ? "none"
+                                                              : "other");
   }
   return ptr;
 }
