@@ -304,18 +304,76 @@ TEST(StatCache, ACorruptCacheFileIsIgnoredAndReplaced) {
   const std::string m = Make(dir, "m", {.preset = "tiny"});
   const std::string original = c.Fp(m).digest;
   const std::string file = c.cache_dir.Join("fingerprint-stat.cache");
-  auto bytes = testing::ReadFileBytes(file);
-  bytes[bytes.size() / 2] ^= std::byte{1};
-  testing::WriteFileBytes(file, bytes);
-  auto cache = StatCache::Load(c.cache_dir.path());
-  EXPECT_NE(cache->warning().find("checksum"), std::string::npos) << cache->warning();
-  EXPECT_EQ(cache->size(), 0u);
-  Fingerprint again = c.Fp(m);
-  EXPECT_EQ(again.cache_hits, 0u);
-  EXPECT_EQ(again.digest, original);
+  const auto good = testing::ReadFileBytes(file);
+  // Each byte after the header belongs to one entry, which checks itself
+  // when a lookup reads it: the lookup misses, says why, and the file is
+  // not used again; the fingerprint reads the shard and gets it right.
+  for (size_t at : {size_t{40}, good.size() / 2, good.size() - 1}) {
+    auto bytes = good;
+    bytes[at] ^= std::byte{1};
+    testing::WriteFileBytes(file, bytes);
+    auto cache = StatCache::Load(c.cache_dir.path());
+    EXPECT_EQ(cache->warning(), "") << "the header is intact";
+    const Fingerprint fp = fingerprint::Fp(m, {.cache = cache.get(), .racy_seconds = 0});
+    EXPECT_EQ(fp.cache_hits, 0u) << "byte " << at;
+    EXPECT_EQ(fp.digest, original);
+    EXPECT_NE(cache->warning().find("checksum mismatch"), std::string::npos)
+        << "byte " << at << ": " << cache->warning();
+  }
+  // The next save replaces it with a sound one.
+  EXPECT_EQ(c.Fp(m).cache_hits, 0u);
   EXPECT_EQ(StatCache::Load(c.cache_dir.path())->warning(), "");
+  EXPECT_EQ(c.Fp(m).cache_hits, 1u);
+  // A damaged header, or no cache file at all: ignored when opened.
+  auto bytes = testing::ReadFileBytes(file);
+  bytes[12] ^= std::byte{1};  // the entry count
+  testing::WriteFileBytes(file, bytes);
+  EXPECT_NE(StatCache::Load(c.cache_dir.path())->warning().find("header checksum"),
+            std::string::npos);
   testing::WriteFileText(file, "garbage");
   EXPECT_NE(StatCache::Load(c.cache_dir.path())->warning(), "");
+}
+
+// A cache grown over months finds an entry as fast as a new one (a binary
+// search, nothing parsed up front), and keeps the newest kMaxEntries.
+TEST(StatCache, AFullCacheKeepsTheNewestAndFindsEveryOne) {
+  TempDir cache_dir;
+  constexpr uint64_t kOld = StatCache::kMaxEntries;
+  {
+    auto cache = StatCache::Load(cache_dir.path());
+    for (uint64_t i = 0; i < kOld; ++i) {
+      cache->Insert(i % 2 ? "sampled-1024" : "full", {.device = 7, .inode = i, .size = i * 3},
+                    "digest-" + std::to_string(i));
+    }
+    ASSERT_TRUE(cache->Save().ok());
+  }
+  ::sleep(1);  // saved a second later: newer
+  auto cache = StatCache::Load(cache_dir.path());
+  EXPECT_EQ(cache->size(), kOld);
+  for (uint64_t i = 0; i < 10; ++i) {
+    cache->Insert("index", {.device = 8, .inode = i},
+                  std::string(1000, static_cast<char>('a' + i)));
+  }
+  ASSERT_TRUE(cache->Save().ok());
+  auto after = StatCache::Load(cache_dir.path());
+  EXPECT_EQ(after->warning(), "");
+  EXPECT_EQ(after->size(), kOld);
+  size_t old_found = 0;
+  for (uint64_t i = 0; i < kOld; ++i) {
+    const std::string kind = i % 2 ? "sampled-1024" : "full";
+    auto got = after->Lookup(kind, {.device = 7, .inode = i, .size = i * 3});
+    if (!got) continue;
+    EXPECT_EQ(*got, "digest-" + std::to_string(i));
+    ++old_found;
+  }
+  EXPECT_EQ(old_found, kOld - 10);
+  for (uint64_t i = 0; i < 10; ++i) {
+    EXPECT_EQ(after->Lookup("index", {.device = 8, .inode = i}),
+              std::string(1000, static_cast<char>('a' + i)));
+  }
+  // The same signature under another kind is another entry.
+  EXPECT_EQ(after->Lookup("sampled-1024", {.device = 7, .inode = 0, .size = 0}), std::nullopt);
+  EXPECT_EQ(after->warning(), "");
 }
 
 TEST(StatCache, AFileOwnedByAnotherUserIsIgnored) {

@@ -6,60 +6,162 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
+#include <ctime>
 #include <vector>
 
 namespace weightd::fingerprint {
 namespace {
 
+// The file: a header, the records (fixed size, sorted by key, so a lookup
+// is a binary search that reads one record a step), then the values each
+// record points into. Little-endian, as written.
+//
+//   header (32 bytes): magic, version u32, count u32, values_bytes u64,
+//                      XXH3-64 of the 24 bytes before it
+//   record (88 bytes): kind_hash u64 (XXH3-64 of the kind), device, inode,
+//                      size u64, mtime_ns, ctime_ns i64, saved_at u64,
+//                      value_offset u64, kind_len u32, value_len u32,
+//                      value_sum u64 (XXH3-64 of kind and value),
+//                      XXH3-64 of the 80 bytes before it
+//   values: each record's kind then its value, where value_offset says
 constexpr char kMagic[8] = {'W', 'D', 'S', 'T', 'A', 'T', 'C', '1'};
-constexpr uint32_t kVersion = 2;
+constexpr uint32_t kVersion = 3;
 constexpr char kFileName[] = "fingerprint-stat.cache";
 constexpr char kLockName[] = "fingerprint-stat.lock";
+constexpr size_t kHeaderBytes = 32;
+constexpr size_t kRecordBytes = 88;
 // Bounds on what a cache file may claim, checked before trusting it.
-constexpr uint64_t kMaxFileBytes = 64ull << 20;
-constexpr uint32_t kMaxEntries = 200'000;
-constexpr uint32_t kMaxTextBytes = 1 << 20;
+constexpr uint32_t kMaxKindBytes = 256;
+constexpr uint32_t kMaxValueBytes = 1 << 20;
+constexpr uint64_t kMaxValuesBytes = 64ull << 20;
 constexpr int kLockAttempts = 100;
 constexpr useconds_t kLockRetryMicros = 20'000;
 
-// A little-endian reader over untrusted bytes: every read is bounds-checked.
-class Reader {
- public:
-  explicit Reader(std::string_view data) : data_(data) {}
-  bool U32(uint32_t* v) { return Raw(v, 4); }
-  bool U64(uint64_t* v) { return Raw(v, 8); }
-  bool I64(int64_t* v) { return Raw(v, 8); }
-  bool Text(std::string* s) {
-    uint32_t len;
-    if (!U32(&len) || len > kMaxTextBytes || data_.size() - pos_ < len) return false;
-    s->assign(data_.substr(pos_, len));
-    pos_ += len;
-    return true;
-  }
-  bool AtEnd() const { return pos_ == data_.size(); }
+uint64_t Hash(std::string_view bytes) { return XXH3_64bits(bytes.data(), bytes.size()); }
 
- private:
-  bool Raw(void* v, size_t n) {
-    if (data_.size() - pos_ < n) return false;
-    std::memcpy(v, data_.data() + pos_, n);
-    pos_ += n;
-    return true;
-  }
-  std::string_view data_;
-  size_t pos_ = 0;
-};
+template <typename T>
+T Get(const char* at) {
+  T v;
+  std::memcpy(&v, at, sizeof v);
+  return v;
+}
 
 template <typename T>
 void Put(std::string& out, T v) {
   out.append(reinterpret_cast<const char*>(&v), sizeof v);
 }
 
-void PutText(std::string& out, const std::string& s) {
-  Put(out, static_cast<uint32_t>(s.size()));
-  out += s;
+struct Header {
+  uint32_t count = 0;
+  uint64_t values_bytes = 0;
+};
+
+// The header's fields, if `bytes` (kHeaderBytes) is one this version wrote
+// for a file of `file_bytes`; else why not.
+std::optional<Header> DecodeHeader(std::string_view bytes, uint64_t file_bytes, std::string* why) {
+  if (bytes.size() < kHeaderBytes) {
+    *why = "too short";
+    return std::nullopt;
+  }
+  if (std::memcmp(bytes.data(), kMagic, sizeof kMagic) != 0) {
+    *why = "not a weightd cache file";
+    return std::nullopt;
+  }
+  // An older weightd's file is replaced at the next save.
+  if (const uint32_t version = Get<uint32_t>(bytes.data() + 8); version != kVersion) {
+    *why = "version " + std::to_string(version) + ", not " + std::to_string(kVersion);
+    return std::nullopt;
+  }
+  if (Get<uint64_t>(bytes.data() + 24) != Hash(bytes.substr(0, 24))) {
+    *why = "header checksum mismatch";
+    return std::nullopt;
+  }
+  Header h{Get<uint32_t>(bytes.data() + 12), Get<uint64_t>(bytes.data() + 16)};
+  if (h.count > StatCache::kMaxEntries || h.values_bytes > kMaxValuesBytes) {
+    *why = "bad entry count or size";
+    return std::nullopt;
+  }
+  // Both bounded above: no overflow.
+  if (file_bytes != kHeaderBytes + uint64_t{h.count} * kRecordBytes + h.values_bytes) {
+    *why = "length does not match its header";
+    return std::nullopt;
+  }
+  return h;
+}
+
+struct Record {
+  uint64_t kind_hash = 0;
+  io::StatSignature sig;
+  uint64_t saved_at = 0;
+  uint64_t value_offset = 0;
+  uint32_t kind_len = 0, value_len = 0;
+  uint64_t value_sum = 0;
+
+  // The order of the file.
+  auto Order() const {
+    return std::tuple(kind_hash, sig.device, sig.inode, sig.size, sig.mtime_ns, sig.ctime_ns);
+  }
+};
+
+// A record from its bytes (kRecordBytes), checked against its checksum and
+// the values area's size; else why not.
+std::optional<Record> DecodeRecord(const char* at, uint64_t values_bytes, std::string* why) {
+  if (Get<uint64_t>(at + 80) != Hash(std::string_view(at, 80))) {
+    *why = "entry checksum mismatch";
+    return std::nullopt;
+  }
+  Record r;
+  r.kind_hash = Get<uint64_t>(at);
+  r.sig.device = Get<uint64_t>(at + 8);
+  r.sig.inode = Get<uint64_t>(at + 16);
+  r.sig.size = Get<uint64_t>(at + 24);
+  r.sig.mtime_ns = Get<int64_t>(at + 32);
+  r.sig.ctime_ns = Get<int64_t>(at + 40);
+  r.saved_at = Get<uint64_t>(at + 48);
+  r.value_offset = Get<uint64_t>(at + 56);
+  r.kind_len = Get<uint32_t>(at + 64);
+  r.value_len = Get<uint32_t>(at + 68);
+  r.value_sum = Get<uint64_t>(at + 72);
+  // Lengths bounded first: the sum below cannot overflow.
+  if (r.kind_len > kMaxKindBytes || r.value_len > kMaxValueBytes || r.value_offset > values_bytes ||
+      values_bytes - r.value_offset < uint64_t{r.kind_len} + r.value_len) {
+    *why = "entry points outside the file";
+    return std::nullopt;
+  }
+  return r;
+}
+
+void PutRecord(std::string& out, const Record& r) {
+  const size_t start = out.size();
+  Put(out, r.kind_hash);
+  Put(out, r.sig.device);
+  Put(out, r.sig.inode);
+  Put(out, r.sig.size);
+  Put(out, r.sig.mtime_ns);
+  Put(out, r.sig.ctime_ns);
+  Put(out, r.saved_at);
+  Put(out, r.value_offset);
+  Put(out, r.kind_len);
+  Put(out, r.value_len);
+  Put(out, r.value_sum);
+  Put(out, Hash(std::string_view(out).substr(start, 80)));
+}
+
+// Reads exactly `n` bytes at `offset`.
+bool ReadAt(int fd, uint64_t offset, char* into, size_t n) {
+  while (n > 0) {
+    const ssize_t got = ::pread(fd, into, n, static_cast<off_t>(offset));
+    if (got < 0 && errno == EINTR) continue;
+    if (got <= 0) return false;
+    into += got;
+    offset += static_cast<uint64_t>(got);
+    n -= static_cast<size_t>(got);
+  }
+  return true;
 }
 
 Status MakeDirs(const std::string& dir) {
@@ -103,6 +205,7 @@ StatCache::Key StatCache::MakeKey(const std::string& kind, const io::StatSignatu
 
 std::unique_ptr<StatCache> StatCache::Load(const std::string& dir) {
   std::unique_ptr<StatCache> cache(new StatCache(dir));
+  std::lock_guard lock(cache->mu_);
   if (std::string why = CheckDirectory(dir); !why.empty()) {
     // Another user could plant entries, FIFOs or held locks there: neither
     // read nor write it.
@@ -110,76 +213,140 @@ std::unique_ptr<StatCache> StatCache::Load(const std::string& dir) {
     cache->disabled_ = true;
     return cache;
   }
-  auto entries = ReadFile(dir + "/" + kFileName, &cache->warning_);
-  if (entries) cache->entries_ = std::move(*entries);
+  const std::string path = dir + "/" + kFileName;
+  if (std::string why; !cache->OpenFile(path, &why)) cache->warning_ = path + ": ignored: " + why;
   return cache;
 }
 
-std::optional<std::map<StatCache::Key, std::string>> StatCache::ReadFile(const std::string& path,
-                                                                         std::string* why) {
+StatCache::~StatCache() { CloseFile(); }
+
+void StatCache::CloseFile() {
+  if (fd_ >= 0) ::close(fd_);
+  fd_ = -1;
+  count_ = 0;
+  values_bytes_ = 0;
+}
+
+bool StatCache::OpenFile(const std::string& path, std::string* why) {
+  CloseFile();
+  damaged_ = false;
   // O_NONBLOCK: a FIFO planted here must not hang us (it fails S_ISREG below).
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
   if (fd < 0) {
-    if (errno != ENOENT) *why = path + ": ignored: " + std::strerror(errno);
-    return errno == ENOENT ? std::optional(std::map<Key, std::string>{}) : std::nullopt;
+    if (errno == ENOENT) return true;  // no file yet: an empty cache
+    *why = std::strerror(errno);
+    return false;
   }
   struct stat st;
-  std::string data;
-  bool ok = ::fstat(fd, &st) == 0;
-  if (ok && st.st_uid != ::geteuid()) {
-    *why = path + ": ignored: owned by another user";
-    ok = false;
-  } else if (ok && (!S_ISREG(st.st_mode) || static_cast<uint64_t>(st.st_size) > kMaxFileBytes)) {
-    *why = path + ": ignored: not a regular file of a sane size";
-    ok = false;
+  char header[kHeaderBytes];
+  std::optional<Header> h;
+  if (::fstat(fd, &st) != 0) {
+    *why = std::strerror(errno);
+  } else if (st.st_uid != ::geteuid()) {
+    *why = "owned by another user";
+  } else if (!S_ISREG(st.st_mode)) {
+    *why = "not a regular file";
+  } else if (!ReadAt(fd, 0, header, sizeof header)) {
+    *why = "too short";
+  } else {
+    h = DecodeHeader(std::string_view(header, sizeof header), static_cast<uint64_t>(st.st_size),
+                     why);
   }
-  if (ok) {
-    data.resize(static_cast<size_t>(st.st_size));
-    ok = ::pread(fd, data.data(), data.size(), 0) == static_cast<ssize_t>(data.size());
-    if (!ok) *why = path + ": ignored: short read";
+  if (!h) {
+    ::close(fd);
+    return false;
   }
-  ::close(fd);
-  if (!ok) return std::nullopt;
-  auto entries = Parse(data, why);
-  if (!entries) *why = path + ": ignored: " + *why;
+  fd_ = fd;
+  count_ = h->count;
+  values_bytes_ = h->values_bytes;
+  return true;
+}
+
+std::optional<std::string> StatCache::FindInFile(const Key& key) const {
+  if (fd_ < 0 || damaged_ || count_ == 0) return std::nullopt;
+  const std::string& kind = std::get<0>(key);
+  const auto want = std::tuple(Hash(kind), std::get<1>(key), std::get<2>(key), std::get<3>(key),
+                               std::get<4>(key), std::get<5>(key));
+  std::string why;
+  auto damaged = [&] {
+    damaged_ = true;
+    warning_ = dir_ + "/" + kFileName + ": ignored: " + why;
+    return std::nullopt;
+  };
+  auto record = [&](uint32_t i) -> std::optional<Record> {
+    char bytes[kRecordBytes];
+    if (!ReadAt(fd_, kHeaderBytes + uint64_t{i} * kRecordBytes, bytes, sizeof bytes)) {
+      why = "short read";
+      return std::nullopt;
+    }
+    return DecodeRecord(bytes, values_bytes_, &why);
+  };
+  // The first record not below `want`.
+  uint32_t lo = 0, hi = count_;
+  while (lo < hi) {
+    const uint32_t mid = lo + (hi - lo) / 2;
+    auto r = record(mid);
+    if (!r) return damaged();
+    if (r->Order() < want) {
+      lo = mid + 1;
+    } else {
+      hi = mid;
+    }
+  }
+  if (lo == count_) return std::nullopt;
+  auto r = record(lo);
+  if (!r) return damaged();
+  if (r->Order() != want || r->kind_len != kind.size()) return std::nullopt;
+  std::string bytes(r->kind_len + r->value_len, '\0');
+  if (!ReadAt(fd_, kHeaderBytes + uint64_t{count_} * kRecordBytes + r->value_offset, bytes.data(),
+              bytes.size())) {
+    why = "short read";
+    return damaged();
+  }
+  if (Hash(bytes) != r->value_sum) {
+    why = "value checksum mismatch";
+    return damaged();
+  }
+  if (std::string_view(bytes).substr(0, r->kind_len) != kind) return std::nullopt;
+  return bytes.substr(r->kind_len);
+}
+
+std::optional<std::map<StatCache::Key, StatCache::Stored>> StatCache::ParseAll(
+    std::string_view data, std::string* why) {
+  auto h = DecodeHeader(data, data.size(), why);
+  if (!h) return std::nullopt;
+  std::map<Key, Stored> entries;
+  const std::string_view values = data.substr(kHeaderBytes + size_t{h->count} * kRecordBytes);
+  std::optional<Record> previous;
+  for (uint32_t i = 0; i < h->count; ++i) {
+    auto r =
+        DecodeRecord(data.data() + kHeaderBytes + size_t{i} * kRecordBytes, h->values_bytes, why);
+    if (!r) return std::nullopt;
+    if (previous && !(previous->Order() < r->Order())) {
+      *why = "entries out of order";
+      return std::nullopt;
+    }
+    const std::string_view bytes =
+        values.substr(static_cast<size_t>(r->value_offset), r->kind_len + size_t{r->value_len});
+    if (Hash(bytes) != r->value_sum) {
+      *why = "value checksum mismatch";
+      return std::nullopt;
+    }
+    const std::string kind(bytes.substr(0, r->kind_len));
+    if (Hash(kind) != r->kind_hash) {
+      *why = "entry kind does not match its hash";
+      return std::nullopt;
+    }
+    entries[MakeKey(kind, r->sig)] = {r->saved_at, std::string(bytes.substr(r->kind_len))};
+    previous = r;
+  }
   return entries;
 }
 
 std::optional<size_t> StatCache::CountEntries(std::string_view data, std::string* why) {
-  auto entries = Parse(data, why);
+  auto entries = ParseAll(data, why);
   if (!entries) return std::nullopt;
   return entries->size();
-}
-
-std::optional<std::map<StatCache::Key, std::string>> StatCache::Parse(std::string_view data,
-                                                                      std::string* why) {
-  std::map<Key, std::string> entries;
-  auto corrupt = [&](const char* what) {
-    *why = what;
-    return std::nullopt;
-  };
-  if (data.size() < sizeof kMagic + 8) return corrupt("too short");
-  uint64_t stored_sum;
-  std::memcpy(&stored_sum, data.data() + data.size() - 8, 8);
-  std::string_view body(data.data(), data.size() - 8);
-  if (XXH3_64bits(body.data(), body.size()) != stored_sum) return corrupt("checksum mismatch");
-  if (std::memcmp(body.data(), kMagic, sizeof kMagic) != 0)
-    return corrupt("not a weightd cache file");
-  Reader r(body.substr(sizeof kMagic));
-  uint32_t version, count;
-  if (!r.U32(&version) || version != kVersion) return corrupt("unknown version");
-  if (!r.U32(&count) || count > kMaxEntries) return corrupt("bad entry count");
-  for (uint32_t i = 0; i < count; ++i) {
-    std::string kind, digest;
-    io::StatSignature sig;
-    if (!r.Text(&kind) || !r.U64(&sig.device) || !r.U64(&sig.inode) || !r.U64(&sig.size) ||
-        !r.I64(&sig.mtime_ns) || !r.I64(&sig.ctime_ns) || !r.Text(&digest)) {
-      return corrupt("truncated entry");
-    }
-    entries[MakeKey(kind, sig)] = std::move(digest);
-  }
-  if (!r.AtEnd()) return corrupt("trailing bytes");
-  return entries;
 }
 
 std::optional<std::string> StatCache::Lookup(const std::string& kind,
@@ -187,20 +354,24 @@ std::optional<std::string> StatCache::Lookup(const std::string& kind,
   std::lock_guard lock(mu_);
   const Key key = MakeKey(kind, sig);
   if (auto it = added_.find(key); it != added_.end()) return it->second;
-  if (auto it = entries_.find(key); it != entries_.end()) return it->second;
-  return std::nullopt;
+  return FindInFile(key);
 }
 
 void StatCache::Insert(const std::string& kind, const io::StatSignature& sig,
                        const std::string& digest) {
-  if (kind.size() > kMaxTextBytes || digest.size() > kMaxTextBytes) return;
+  if (kind.size() > kMaxKindBytes || digest.size() > kMaxValueBytes) return;
   std::lock_guard lock(mu_);
   added_[MakeKey(kind, sig)] = digest;
 }
 
+std::string StatCache::warning() const {
+  std::lock_guard lock(mu_);
+  return warning_;
+}
+
 size_t StatCache::size() const {
   std::lock_guard lock(mu_);
-  return entries_.size() + added_.size();
+  return (damaged_ ? 0 : count_) + added_.size();
 }
 
 Status StatCache::Save() {
@@ -233,34 +404,77 @@ Status StatCache::Save() {
     return Error(lock_path + ": stat cache not saved: another process holds its lock");
   }
 
+  // What is there now, whole, if it can be trusted (else it is replaced).
   const std::string path = dir_ + "/" + kFileName;
-  std::string ignored;
-  std::map<Key, std::string> merged =
-      ReadFile(path, &ignored).value_or(std::map<Key, std::string>{});
-  for (auto& [k, v] : added) merged[k] = v;
-  // Keep the file bounded: beyond the limit drop entries (the lowest keys,
-  // an arbitrary choice); a dropped entry only costs one more read later.
-  while (merged.size() > kMaxEntries) merged.erase(merged.begin());
-
-  std::string out(kMagic, sizeof kMagic);
-  Put(out, kVersion);
-  Put(out, static_cast<uint32_t>(merged.size()));
-  for (const auto& [k, digest] : merged) {
-    PutText(out, std::get<0>(k));
-    Put(out, std::get<1>(k));
-    Put(out, std::get<2>(k));
-    Put(out, std::get<3>(k));
-    Put(out, std::get<4>(k));
-    Put(out, std::get<5>(k));
-    PutText(out, digest);
+  std::map<Key, Stored> merged;
+  if (const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+      fd >= 0) {
+    struct stat st;
+    const uint64_t most = kHeaderBytes + uint64_t{kMaxEntries} * kRecordBytes + kMaxValuesBytes;
+    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
+        static_cast<uint64_t>(st.st_size) <= most) {
+      std::string data(static_cast<size_t>(st.st_size), '\0');
+      std::string ignored;
+      if (ReadAt(fd, 0, data.data(), data.size())) {
+        merged = ParseAll(data, &ignored).value_or(std::map<Key, Stored>{});
+      }
+    }
+    ::close(fd);
   }
-  Put(out, static_cast<uint64_t>(XXH3_64bits(out.data(), out.size())));
+  const uint64_t now = static_cast<uint64_t>(::time(nullptr));
+  for (auto& [k, v] : added) merged[k] = {now, v};
+
+  // Within bounds: the newest saved are kept.
+  std::vector<const std::pair<const Key, Stored>*> kept;
+  kept.reserve(merged.size());
+  for (const auto& entry : merged) kept.push_back(&entry);
+  std::stable_sort(kept.begin(), kept.end(),
+                   [](auto* a, auto* b) { return a->second.saved_at > b->second.saved_at; });
+  uint64_t values_bytes = 0;
+  size_t n = 0;
+  for (; n < kept.size() && n < kMaxEntries; ++n) {
+    const uint64_t bytes = std::get<0>(kept[n]->first).size() + kept[n]->second.value.size();
+    if (values_bytes + bytes > kMaxValuesBytes) break;
+    values_bytes += bytes;
+  }
+  kept.resize(n);
+  std::vector<std::pair<Record, const std::pair<const Key, Stored>*>> records;
+  records.reserve(n);
+  for (const auto* entry : kept) {
+    const auto& [kind, device, inode, size, mtime, ctime] = entry->first;
+    Record r;
+    r.kind_hash = Hash(kind);
+    r.sig = {.device = device, .inode = inode, .size = size, .mtime_ns = mtime, .ctime_ns = ctime};
+    r.saved_at = entry->second.saved_at;
+    r.kind_len = static_cast<uint32_t>(kind.size());
+    r.value_len = static_cast<uint32_t>(entry->second.value.size());
+    records.push_back({r, entry});
+  }
+  std::sort(records.begin(), records.end(),
+            [](const auto& a, const auto& b) { return a.first.Order() < b.first.Order(); });
+
+  std::string head(kMagic, sizeof kMagic), body, values;
+  values.reserve(static_cast<size_t>(values_bytes));
+  for (auto& [r, entry] : records) {
+    r.value_offset = values.size();
+    values += std::get<0>(entry->first);
+    values += entry->second.value;
+    r.value_sum = Hash(std::string_view(values).substr(static_cast<size_t>(r.value_offset)));
+    PutRecord(body, r);
+  }
+  Put(head, kVersion);
+  Put(head, static_cast<uint32_t>(records.size()));
+  Put(head, static_cast<uint64_t>(values.size()));
+  Put(head, Hash(head));
 
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
   Status status = OkStatus();
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
-  if (fd < 0 || ::write(fd, out.data(), out.size()) != static_cast<ssize_t>(out.size()) ||
-      ::fsync(fd) != 0) {
+  bool written = fd >= 0;
+  for (const std::string* part : {&head, &body, &values}) {
+    if (written) written = ::write(fd, part->data(), part->size()) == ssize_t(part->size());
+  }
+  if (!written || ::fsync(fd) != 0) {
     status = Error(tmp + ": cannot write the stat cache: " + std::strerror(errno));
   }
   if (fd >= 0) ::close(fd);
@@ -272,9 +486,13 @@ Status StatCache::Save() {
   ::close(lock_fd);
   if (status.ok()) {
     std::lock_guard lock(mu_);
-    entries_ = std::move(merged);
-    for (const auto& [k, v] : added) {
-      if (auto it = added_.find(k); it != added_.end() && it->second == v) added_.erase(it);
+    // Lookups go to the file just written (a later save may replace it).
+    std::string why;
+    if (OpenFile(path, &why)) {
+      warning_.clear();
+      for (const auto& [k, v] : added) {
+        if (auto it = added_.find(k); it != added_.end() && it->second == v) added_.erase(it);
+      }
     }
   }
   return status;

@@ -19,6 +19,12 @@
 // is on disk under an exclusive lock and replace the file by rename, so
 // concurrent fingerprints never corrupt it.
 //
+// Every engine start looks a few signatures up, however many the file
+// holds: its entries are fixed-size records sorted by key, each with its
+// own checksum, found by binary search with one small read per step
+// (nothing is parsed up front). A save keeps the newest kMaxEntries; the
+// oldest saved go first.
+//
 // Thread safety: Lookup and Insert may be called from many threads at once.
 #pragma once
 
@@ -38,15 +44,19 @@ namespace weightd::fingerprint {
 
 class StatCache {
  public:
+  // At most this many entries are kept; a save drops the oldest beyond it.
+  static constexpr uint32_t kMaxEntries = 100'000;
+
   // The directory the cache lives in, from the environment.
   static std::string DefaultDirectory();
 
-  // Loads the cache in `dir` (creating nothing yet). A missing file is an
+  // Opens the cache in `dir` (creating nothing yet). A missing file is an
   // empty cache; an untrustworthy one is an empty cache plus a warning().
   static std::unique_ptr<StatCache> Load(const std::string& dir);
 
   StatCache(const StatCache&) = delete;
   StatCache& operator=(const StatCache&) = delete;
+  ~StatCache();
 
   // `kind` separates digests of different modes ("sampled", "full").
   std::optional<std::string> Lookup(const std::string& kind, const io::StatSignature& sig) const;
@@ -55,8 +65,9 @@ class StatCache {
   // Writes the entries (merged with the file's current ones) back.
   Status Save();
 
-  // Why the file on disk was ignored, or empty.
-  const std::string& warning() const { return warning_; }
+  // Why the file on disk was ignored (found so when opened, or at a lookup
+  // that met a damaged entry), or empty.
+  std::string warning() const;
   size_t size() const;
 
   // A cache file's bytes -> how many entries it holds, or nullopt with
@@ -69,17 +80,30 @@ class StatCache {
 
   using Key = std::tuple<std::string, uint64_t, uint64_t, uint64_t, int64_t, int64_t>;
   static Key MakeKey(const std::string& kind, const io::StatSignature& sig);
-  // Reads and verifies the file; nullopt with `why` set when untrustworthy.
-  static std::optional<std::map<Key, std::string>> ReadFile(const std::string& path,
-                                                            std::string* why);
-  static std::optional<std::map<Key, std::string>> Parse(std::string_view data, std::string* why);
+  struct Stored {
+    uint64_t saved_at = 0;  // seconds since the epoch
+    std::string value;
+  };
+  // Every entry of a cache file's bytes, checked; nullopt with `why` set
+  // when any part is not as this version writes it.
+  static std::optional<std::map<Key, Stored>> ParseAll(std::string_view data, std::string* why);
+  // Opens `path` and checks its header; false with `why` set when it is
+  // there but untrustworthy. REQUIRES: mu_ held.
+  bool OpenFile(const std::string& path, std::string* why);
+  void CloseFile();  // REQUIRES: mu_ held
+  // The file's entry for `key`, by binary search. REQUIRES: mu_ held.
+  std::optional<std::string> FindInFile(const Key& key) const;
 
   const std::string dir_;
   mutable std::mutex mu_;
-  std::map<Key, std::string> entries_;
+  // The file, open for lookups: its descriptor (-1: none) and entry count.
+  int fd_ = -1;
+  uint32_t count_ = 0;
+  uint64_t values_bytes_ = 0;
   std::map<Key, std::string> added_;
-  std::string warning_;
-  bool disabled_ = false;  // the directory is not ours alone
+  mutable std::string warning_;
+  mutable bool damaged_ = false;  // a lookup met a damaged entry: the file is not used
+  bool disabled_ = false;         // the directory is not ours alone
 };
 
 }  // namespace weightd::fingerprint
