@@ -422,14 +422,16 @@ Status StatCache::Save() {
     ::close(fd);
   }
   const uint64_t now = static_cast<uint64_t>(::time(nullptr));
-  for (auto& [k, v] : added) merged[k] = {now, v};
+  for (auto& [k, v] : added) merged[k] = {now, v, true};
 
-  // Within bounds: the newest saved are kept.
+  // Within bounds: the newest saved are kept, what this save adds first.
   std::vector<const std::pair<const Key, Stored>*> kept;
   kept.reserve(merged.size());
   for (const auto& entry : merged) kept.push_back(&entry);
-  std::stable_sort(kept.begin(), kept.end(),
-                   [](auto* a, auto* b) { return a->second.saved_at > b->second.saved_at; });
+  std::stable_sort(kept.begin(), kept.end(), [](auto* a, auto* b) {
+    return std::tie(a->second.saved_at, a->second.now) >
+           std::tie(b->second.saved_at, b->second.now);
+  });
   uint64_t values_bytes = 0;
   size_t n = 0;
   for (; n < kept.size() && n < kMaxEntries; ++n) {

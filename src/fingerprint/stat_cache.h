@@ -83,6 +83,7 @@ class StatCache {
   struct Stored {
     uint64_t saved_at = 0;  // seconds since the epoch
     std::string value;
+    bool now = false;  // added by this save: kept before others of the same second
   };
   // Every entry of a cache file's bytes, checked; nullopt with `why` set
   // when any part is not as this version writes it.
