@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "bench_util.h"
+#include "fingerprint/stat_cache.h"
 #include "format/synthetic.h"
 
 namespace {
@@ -239,6 +240,30 @@ void MeasureProcessing(const std::string& work, int gb) {
   std::printf("\n");
 }
 
+// The warm attach of `model` (resident) with a stat cache filled to its
+// limit with other files' entries: a node's cache after months of models.
+double AttachWithFullStatCache(const std::string& work, const std::string& model) {
+  const std::string dir = work + "/cache-full";
+  fs::remove_all(dir);
+  fs::create_directories(dir);
+  ::chmod(dir.c_str(), 0700);
+  {
+    auto cache = fingerprint::StatCache::Load(dir);
+    for (uint64_t i = 0; i < fingerprint::StatCache::kMaxEntries; ++i) {
+      cache->Insert("sampled-1024", {.device = 1, .inode = i, .size = i, .mtime_ns = 1},
+                    "xxh3-128:00000000000000000000000000000000");
+    }
+    if (!cache->Save().ok()) Die("cannot fill a stat cache");
+  }
+  const std::string before = ::getenv("WEIGHTD_CACHE_DIR");
+  ::setenv("WEIGHTD_CACHE_DIR", dir.c_str(), 1);
+  LoadSeconds(model, socket_dir, "daemon");  // the model's own entries go in
+  const double attach =
+      Repeat(repeats, model, false, [&] { return LoadSeconds(model, socket_dir, "daemon"); });
+  ::setenv("WEIGHTD_CACHE_DIR", before.c_str(), 1);
+  return attach;
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -317,6 +342,7 @@ int main(int argc, char** argv) {
     double preload_cpu, cp_cpu;  // CPU seconds each took, mean of the warm runs
   };
   std::vector<Throughput> throughput;
+  double attach_small_cache = 0, attach_full_cache = 0;  // the 1 GB model's
   // 64 engines at once on the 1 GB model: started first, then released
   // together, so what is timed is the attach and not 64 process start-ups.
   // Run right after the 1 GB model's own figures, while it is resident and
@@ -416,7 +442,11 @@ int main(int argc, char** argv) {
                 static_cast<double>(bytes) / 1e9, Ms(attach).c_str(), Ms(disk_warm).c_str(),
                 Ms(disk_cold).c_str(), disk_warm / attach);
     throughput.push_back(t);
-    if (&m == &models[1]) measure_concurrent(m.path);
+    if (&m == &models[1]) {
+      measure_concurrent(m.path);
+      attach_small_cache = attach;
+      attach_full_cache = AttachWithFullStatCache(work, m.path);
+    }
   }
 
   std::printf("\n### Preload throughput against cp into /dev/shm\n\n");
@@ -484,6 +514,18 @@ int main(int argc, char** argv) {
       "All 64 were served by the daemon. The 64 engines and the daemon (a thread per\n"
       "connection, each accepting its own) share %ld cores here.\n\n",
       cores);
+
+  std::printf("### Warm attach against the size of the stat cache\n\n");
+  std::printf(
+      "An engine looks its shards up in the fingerprint's stat cache at every start. The 1 GB\n"
+      "model's warm attach with the cache the runs above left (a few entries) and with one\n"
+      "filled to its limit (%u entries, as on a node that has fingerprinted shards for\n"
+      "months). Medians of %d.\n\n",
+      fingerprint::StatCache::kMaxEntries, repeats);
+  std::printf("| stat cache | warm attach | vs a few entries |\n| --- | ---: | ---: |\n");
+  std::printf("| a few entries | %s | 1.00x |\n", Ms(attach_small_cache).c_str());
+  std::printf("| %u entries | %s | %.2fx |\n\n", fingerprint::StatCache::kMaxEntries,
+              Ms(attach_full_cache).c_str(), attach_full_cache / attach_small_cache);
 
   if (processing_gb > 0) {
     Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
