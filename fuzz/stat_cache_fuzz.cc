@@ -1,13 +1,15 @@
 // libFuzzer target: the input is a stat cache file's contents (a file under
 // the user's cache directory, which a crash or another program may have left
 // in any state). The input is parsed as it is, and again with its checksums
-// made right (header, each entry and its value, where the entry says the
-// value is), so that the fuzzer reaches past them into the lengths, offsets
-// and order. A file that parses must open as a cache of as many entries.
+// made right (header, each entry, its kind's hash and its value, where the
+// entry says they are), so that the fuzzer reaches past them into the
+// lengths, offsets and order. A file that parses must open as a cache of as
+// many entries, each found by a lookup with its value.
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -30,17 +32,21 @@ T Get(const std::string& s, size_t at) {
 
 void Set(std::string& s, size_t at, uint64_t v) { std::memcpy(s.data() + at, &v, sizeof v); }
 
-// The input with every checksum recomputed, as a writer would have.
+// The input with its values' size, kinds' hashes and every checksum made
+// right, as a writer would have.
 std::string WithChecksums(std::string s) {
   if (s.size() < kHeader) return s;
-  Set(s, 24, XXH3_64bits(s.data(), 24));
   const uint64_t count = std::min<uint64_t>(Get<uint32_t>(s, 12), (s.size() - kHeader) / kRecord);
   const size_t values = kHeader + count * kRecord;
+  Set(s, 16, s.size() - values);
+  Set(s, 24, XXH3_64bits(s.data(), 24));
   for (uint64_t i = 0; i < count; ++i) {
     const size_t r = kHeader + i * kRecord;
     const uint64_t offset = Get<uint64_t>(s, r + 56);
-    const uint64_t bytes = uint64_t{Get<uint32_t>(s, r + 64)} + Get<uint32_t>(s, r + 68);
+    const uint64_t kind = Get<uint32_t>(s, r + 64);
+    const uint64_t bytes = kind + Get<uint32_t>(s, r + 68);
     if (offset <= s.size() - values && bytes <= s.size() - values - offset) {
+      Set(s, r, XXH3_64bits(s.data() + values + offset, kind));
       Set(s, r + 72, XXH3_64bits(s.data() + values + offset, bytes));
     }
     Set(s, r + 80, XXH3_64bits(s.data() + r, 80));
@@ -70,9 +76,24 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto entries = StatCache::CountEntries(fixed, &why);
   if (!entries && why.empty()) __builtin_trap();  // every refusal says why
   if (!entries) return 0;
-  // What parses whole opens as a cache of as many entries, with no warning.
-  std::ofstream(Dir() + "/fingerprint-stat.cache", std::ios::binary | std::ios::trunc) << fixed;
+  // What parses whole opens as a cache of as many entries, with no warning,
+  // and a lookup finds each entry with its value.
+  std::ofstream(Dir() + "/fingerprint-stat-v3.cache", std::ios::binary | std::ios::trunc) << fixed;
   auto cache = StatCache::Load(Dir());
   if (!cache->warning().empty() || cache->size() != *entries) __builtin_trap();
+  const size_t values = kHeader + *entries * kRecord;
+  for (size_t i = 0; i < *entries; ++i) {
+    const size_t r = kHeader + i * kRecord;
+    const weightd::io::StatSignature sig{.device = Get<uint64_t>(fixed, r + 8),
+                                         .inode = Get<uint64_t>(fixed, r + 16),
+                                         .size = Get<uint64_t>(fixed, r + 24),
+                                         .mtime_ns = Get<int64_t>(fixed, r + 32),
+                                         .ctime_ns = Get<int64_t>(fixed, r + 40)};
+    const size_t at = values + Get<uint64_t>(fixed, r + 56);
+    const size_t kind = Get<uint32_t>(fixed, r + 64);
+    const std::string value = fixed.substr(at + kind, Get<uint32_t>(fixed, r + 68));
+    if (cache->Lookup(fixed.substr(at, kind), sig) != value) __builtin_trap();
+  }
+  if (!cache->warning().empty()) __builtin_trap();
   return 0;
 }

@@ -303,7 +303,7 @@ TEST(StatCache, ACorruptCacheFileIsIgnoredAndReplaced) {
   Cached c;
   const std::string m = Make(dir, "m", {.preset = "tiny"});
   const std::string original = c.Fp(m).digest;
-  const std::string file = c.cache_dir.Join("fingerprint-stat.cache");
+  const std::string file = c.cache_dir.Join("fingerprint-stat-v3.cache");
   const auto good = testing::ReadFileBytes(file);
   // Each byte after the header belongs to one entry, which checks itself
   // when a lookup reads it: the lookup misses, says why, and the file is
@@ -380,12 +380,50 @@ TEST(StatCache, AFullCacheKeepsTheNewestAndFindsThem) {
   EXPECT_EQ(after->warning(), "");
 }
 
+// One damaged entry costs that entry, not the cache: the lookup that meets
+// it misses, and the next save keeps the sound ones and says so.
+TEST(StatCache, ASaveKeepsTheSoundEntriesOfADamagedFile) {
+  TempDir cache_dir;
+  {
+    auto cache = StatCache::Load(cache_dir.path());
+    for (uint64_t i = 0; i < 100; ++i) {
+      cache->Insert("full", {.device = 3, .inode = i}, "digest-" + std::to_string(i));
+    }
+    ASSERT_TRUE(cache->Save().ok());
+  }
+  const std::string file = cache_dir.Join("fingerprint-stat-v3.cache");
+  auto bytes = testing::ReadFileBytes(file);
+  const size_t header = 32, record = 88;
+  bytes[header + 50 * record + 20] ^= std::byte{1};  // entry 50's inode
+  testing::WriteFileBytes(file, bytes);
+  auto cache = StatCache::Load(cache_dir.path());
+  EXPECT_EQ(cache->Lookup("full", {.device = 3, .inode = 50}), std::nullopt);
+  EXPECT_NE(cache->warning().find("entry checksum mismatch"), std::string::npos)
+      << cache->warning();
+  cache->Insert("full", {.device = 3, .inode = 1000}, "new");
+  ASSERT_TRUE(cache->Save().ok());
+  EXPECT_NE(cache->warning().find("1 damaged entries dropped"), std::string::npos)
+      << cache->warning();
+  auto after = StatCache::Load(cache_dir.path());
+  EXPECT_EQ(after->warning(), "");
+  EXPECT_EQ(after->size(), 100u);
+  for (uint64_t i = 0; i < 100; ++i) {
+    const auto got = after->Lookup("full", {.device = 3, .inode = i});
+    if (i == 50) {
+      EXPECT_EQ(got, std::nullopt);
+    } else {
+      EXPECT_EQ(got, "digest-" + std::to_string(i)) << i;
+    }
+  }
+  EXPECT_EQ(after->Lookup("full", {.device = 3, .inode = 1000}), "new");
+}
+
 TEST(StatCache, AFileOwnedByAnotherUserIsIgnored) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to chown";
   TempDir dir;
   Cached c;
   c.Fp(Make(dir, "m", {.preset = "tiny"}));
-  ASSERT_EQ(::chown(c.cache_dir.Join("fingerprint-stat.cache").c_str(), 4242, 4242), 0);
+  ASSERT_EQ(::chown(c.cache_dir.Join("fingerprint-stat-v3.cache").c_str(), 4242, 4242), 0);
   auto cache = StatCache::Load(c.cache_dir.path());
   EXPECT_NE(cache->warning().find("another user"), std::string::npos) << cache->warning();
   EXPECT_EQ(cache->size(), 0u);
@@ -399,7 +437,7 @@ TEST(StatCache, ADirectoryOthersCanWriteIsNotUsed) {
       << cache->warning();
   cache->Insert("sampled-1024", {.device = 1, .inode = 2, .size = 3}, "xxh3-128:0");
   EXPECT_TRUE(cache->Save().ok());
-  EXPECT_FALSE(fs::exists(dir.Join("fingerprint-stat.cache")));
+  EXPECT_FALSE(fs::exists(dir.Join("fingerprint-stat-v3.cache")));
 }
 
 TEST(StatCache, ConcurrentWritersLoseNothingAndCorruptNothing) {

@@ -27,7 +27,6 @@ int RunFingerprint(const FingerprintCommandOptions& o) {
   std::unique_ptr<fingerprint::StatCache> cache;
   if (!o.no_cache) {
     cache = fingerprint::StatCache::Load(fingerprint::StatCache::DefaultDirectory());
-    if (!cache->warning().empty()) std::cerr << "weightd: warning: " << cache->warning() << "\n";
     options.cache = cache.get();
   }
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), o.path, options);
@@ -37,6 +36,10 @@ int RunFingerprint(const FingerprintCommandOptions& o) {
     // this run its answer.
     if (Status saved = cache->Save(); !saved.ok()) {
       std::cerr << "weightd: warning: " << Printable(saved.error().message()) << "\n";
+    }
+    // Found when opened, by a lookup, or by the save.
+    if (const std::string w = cache->warning(); !w.empty()) {
+      std::cerr << "weightd: warning: " << Printable(w) << "\n";
     }
   }
 

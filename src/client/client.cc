@@ -478,7 +478,10 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     WEIGHTD_ASSIGN_OR_RETURN(
         fingerprint::Fingerprint fp,
         fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), spec.path, fo));
-    if (cache) (void)cache->Save();
+    if (cache) {
+      (void)cache->Save();
+      if (const std::string w = cache->warning(); !w.empty()) log("stat cache: " + w);
+    }
     checkpoint = fp.real_path;
     return protocol::MakeKey(fp.digest, keyed, plan_name, plan_digest);
   };

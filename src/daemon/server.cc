@@ -930,7 +930,10 @@ Result<json> Server::State::PreloadUnguarded(
   fo.cache = cache.get();
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
   if (!fp.ok()) return fp.error();
-  if (cache) (void)cache->Save();
+  if (cache) {
+    (void)cache->Save();
+    if (const std::string w = cache->warning(); !w.empty()) Log("stat cache: " + w);
+  }
   const double fingerprint_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   // Where a reply's `seconds` went (docs/daemon.md); 0 for what did not run.

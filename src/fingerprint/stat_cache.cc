@@ -18,7 +18,8 @@ namespace {
 
 // The file: a header, the records (fixed size, sorted by key, so a lookup
 // is a binary search that reads one record a step), then the values each
-// record points into. Little-endian, as written.
+// record points into. In the host's byte order (another order reads as
+// another version).
 //
 //   header (32 bytes): magic, version u32, count u32, values_bytes u64,
 //                      XXH3-64 of the 24 bytes before it
@@ -30,7 +31,9 @@ namespace {
 //   values: each record's kind then its value, where value_offset says
 constexpr char kMagic[8] = {'W', 'D', 'S', 'T', 'A', 'T', 'C', '1'};
 constexpr uint32_t kVersion = 3;
-constexpr char kFileName[] = "fingerprint-stat.cache";
+// The version is in the name too: weightd versions that differ keep a file
+// each rather than replacing each other's at every save.
+constexpr char kFileName[] = "fingerprint-stat-v3.cache";
 constexpr char kLockName[] = "fingerprint-stat.lock";
 constexpr size_t kHeaderBytes = 32;
 constexpr size_t kRecordBytes = 88;
@@ -203,9 +206,20 @@ StatCache::Key StatCache::MakeKey(const std::string& kind, const io::StatSignatu
   return {kind, sig.device, sig.inode, sig.size, sig.mtime_ns, sig.ctime_ns};
 }
 
+struct StatCache::File {
+  int fd = -1;
+  uint32_t count = 0;
+  uint64_t values_bytes = 0;
+  File() = default;
+  File(const File&) = delete;
+  File& operator=(const File&) = delete;
+  ~File() {
+    if (fd >= 0) ::close(fd);
+  }
+};
+
 std::unique_ptr<StatCache> StatCache::Load(const std::string& dir) {
   std::unique_ptr<StatCache> cache(new StatCache(dir));
-  std::lock_guard lock(cache->mu_);
   if (std::string why = CheckDirectory(dir); !why.empty()) {
     // Another user could plant entries, FIFOs or held locks there: neither
     // read nor write it.
@@ -214,131 +228,125 @@ std::unique_ptr<StatCache> StatCache::Load(const std::string& dir) {
     return cache;
   }
   const std::string path = dir + "/" + kFileName;
-  if (std::string why; !cache->OpenFile(path, &why)) cache->warning_ = path + ": ignored: " + why;
+  std::string why;
+  cache->file_ = OpenFile(path, &why);
+  if (!why.empty()) cache->warning_ = path + ": ignored: " + why;
   return cache;
 }
 
-StatCache::~StatCache() { CloseFile(); }
+StatCache::~StatCache() = default;
 
-void StatCache::CloseFile() {
-  if (fd_ >= 0) ::close(fd_);
-  fd_ = -1;
-  count_ = 0;
-  values_bytes_ = 0;
-}
-
-bool StatCache::OpenFile(const std::string& path, std::string* why) {
-  CloseFile();
-  damaged_ = false;
+std::shared_ptr<const StatCache::File> StatCache::OpenFile(const std::string& path,
+                                                           std::string* why) {
+  auto file = std::make_shared<File>();
   // O_NONBLOCK: a FIFO planted here must not hang us (it fails S_ISREG below).
-  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-  if (fd < 0) {
-    if (errno == ENOENT) return true;  // no file yet: an empty cache
-    *why = std::strerror(errno);
-    return false;
+  file->fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+  if (file->fd < 0) {
+    if (errno != ENOENT) *why = std::strerror(errno);  // else no file yet: an empty cache
+    return nullptr;
   }
   struct stat st;
   char header[kHeaderBytes];
   std::optional<Header> h;
-  if (::fstat(fd, &st) != 0) {
+  if (::fstat(file->fd, &st) != 0) {
     *why = std::strerror(errno);
   } else if (st.st_uid != ::geteuid()) {
     *why = "owned by another user";
   } else if (!S_ISREG(st.st_mode)) {
     *why = "not a regular file";
-  } else if (!ReadAt(fd, 0, header, sizeof header)) {
+  } else if (!ReadAt(file->fd, 0, header, sizeof header)) {
     *why = "too short";
   } else {
     h = DecodeHeader(std::string_view(header, sizeof header), static_cast<uint64_t>(st.st_size),
                      why);
   }
-  if (!h) {
-    ::close(fd);
-    return false;
-  }
-  fd_ = fd;
-  count_ = h->count;
-  values_bytes_ = h->values_bytes;
-  return true;
+  if (!h) return nullptr;
+  file->count = h->count;
+  file->values_bytes = h->values_bytes;
+  return file;
 }
 
-std::optional<std::string> StatCache::FindInFile(const Key& key) const {
-  if (fd_ < 0 || damaged_ || count_ == 0) return std::nullopt;
+std::optional<std::string> StatCache::FindIn(const File& file, const Key& key, std::string* why) {
+  if (file.count == 0) return std::nullopt;
   const std::string& kind = std::get<0>(key);
   const auto want = std::tuple(Hash(kind), std::get<1>(key), std::get<2>(key), std::get<3>(key),
                                std::get<4>(key), std::get<5>(key));
-  std::string why;
-  auto damaged = [&] {
-    damaged_ = true;
-    warning_ = dir_ + "/" + kFileName + ": ignored: " + why;
-    return std::nullopt;
-  };
   auto record = [&](uint32_t i) -> std::optional<Record> {
     char bytes[kRecordBytes];
-    if (!ReadAt(fd_, kHeaderBytes + uint64_t{i} * kRecordBytes, bytes, sizeof bytes)) {
-      why = "short read";
+    if (!ReadAt(file.fd, kHeaderBytes + uint64_t{i} * kRecordBytes, bytes, sizeof bytes)) {
+      *why = "short read";
       return std::nullopt;
     }
-    return DecodeRecord(bytes, values_bytes_, &why);
+    return DecodeRecord(bytes, file.values_bytes, why);
   };
-  // The first record not below `want`.
-  uint32_t lo = 0, hi = count_;
+  // The first record not below `want`, kept as the search reads it.
+  uint32_t lo = 0, hi = file.count;
+  std::optional<Record> found;
   while (lo < hi) {
     const uint32_t mid = lo + (hi - lo) / 2;
     auto r = record(mid);
-    if (!r) return damaged();
+    if (!r) return std::nullopt;
     if (r->Order() < want) {
       lo = mid + 1;
     } else {
       hi = mid;
+      found = r;
     }
   }
-  if (lo == count_) return std::nullopt;
-  auto r = record(lo);
-  if (!r) return damaged();
-  if (r->Order() != want || r->kind_len != kind.size()) return std::nullopt;
-  std::string bytes(r->kind_len + r->value_len, '\0');
-  if (!ReadAt(fd_, kHeaderBytes + uint64_t{count_} * kRecordBytes + r->value_offset, bytes.data(),
-              bytes.size())) {
-    why = "short read";
-    return damaged();
+  if (!found || found->Order() != want || found->kind_len != kind.size()) return std::nullopt;
+  std::string bytes(found->kind_len + found->value_len, '\0');
+  if (!ReadAt(file.fd, kHeaderBytes + uint64_t{file.count} * kRecordBytes + found->value_offset,
+              bytes.data(), bytes.size())) {
+    *why = "short read";
+    return std::nullopt;
   }
-  if (Hash(bytes) != r->value_sum) {
-    why = "value checksum mismatch";
-    return damaged();
+  if (Hash(bytes) != found->value_sum) {
+    *why = "value checksum mismatch";
+    return std::nullopt;
   }
-  if (std::string_view(bytes).substr(0, r->kind_len) != kind) return std::nullopt;
-  return bytes.substr(r->kind_len);
+  if (std::string_view(bytes).substr(0, found->kind_len) != kind) return std::nullopt;
+  return bytes.substr(found->kind_len);
 }
 
 std::optional<std::map<StatCache::Key, StatCache::Stored>> StatCache::ParseAll(
-    std::string_view data, std::string* why) {
+    std::string_view data, std::string* why, bool salvage) {
   auto h = DecodeHeader(data, data.size(), why);
   if (!h) return std::nullopt;
   std::map<Key, Stored> entries;
   const std::string_view values = data.substr(kHeaderBytes + size_t{h->count} * kRecordBytes);
   std::optional<Record> previous;
+  uint32_t dropped = 0;
+  std::string first_problem;
   for (uint32_t i = 0; i < h->count; ++i) {
-    auto r =
-        DecodeRecord(data.data() + kHeaderBytes + size_t{i} * kRecordBytes, h->values_bytes, why);
-    if (!r) return std::nullopt;
-    if (previous && !(previous->Order() < r->Order())) {
-      *why = "entries out of order";
-      return std::nullopt;
+    std::string problem;
+    auto r = DecodeRecord(data.data() + kHeaderBytes + size_t{i} * kRecordBytes, h->values_bytes,
+                          &problem);
+    std::string_view bytes;
+    if (r && !salvage && previous && !(previous->Order() < r->Order())) {
+      problem = "entries out of order";
+    } else if (r) {
+      bytes =
+          values.substr(static_cast<size_t>(r->value_offset), r->kind_len + size_t{r->value_len});
+      if (Hash(bytes) != r->value_sum) {
+        problem = "value checksum mismatch";
+      } else if (Hash(bytes.substr(0, r->kind_len)) != r->kind_hash) {
+        problem = "entry kind does not match its hash";
+      }
     }
-    const std::string_view bytes =
-        values.substr(static_cast<size_t>(r->value_offset), r->kind_len + size_t{r->value_len});
-    if (Hash(bytes) != r->value_sum) {
-      *why = "value checksum mismatch";
-      return std::nullopt;
+    if (!problem.empty()) {
+      if (!salvage) {
+        *why = problem;
+        return std::nullopt;
+      }
+      if (dropped++ == 0) first_problem = problem;
+      continue;
     }
-    const std::string kind(bytes.substr(0, r->kind_len));
-    if (Hash(kind) != r->kind_hash) {
-      *why = "entry kind does not match its hash";
-      return std::nullopt;
-    }
-    entries[MakeKey(kind, r->sig)] = {r->saved_at, std::string(bytes.substr(r->kind_len))};
+    entries[MakeKey(std::string(bytes.substr(0, r->kind_len)), r->sig)] = {
+        r->saved_at, std::string(bytes.substr(r->kind_len))};
     previous = r;
+  }
+  if (dropped > 0) {
+    *why = std::to_string(dropped) + " damaged entries dropped (" + first_problem + ")";
   }
   return entries;
 }
@@ -351,10 +359,25 @@ std::optional<size_t> StatCache::CountEntries(std::string_view data, std::string
 
 std::optional<std::string> StatCache::Lookup(const std::string& kind,
                                              const io::StatSignature& sig) const {
-  std::lock_guard lock(mu_);
   const Key key = MakeKey(kind, sig);
-  if (auto it = added_.find(key); it != added_.end()) return it->second;
-  return FindInFile(key);
+  std::shared_ptr<const File> file;
+  {
+    std::lock_guard lock(mu_);
+    if (auto it = added_.find(key); it != added_.end()) return it->second;
+    if (damaged_ || file_ == nullptr) return std::nullopt;
+    file = file_;
+  }
+  // Read without the lock: lookups from many threads go at once.
+  std::string why;
+  auto found = FindIn(*file, key, &why);
+  if (!why.empty()) {
+    std::lock_guard lock(mu_);
+    if (file_ == file) {  // not a file a save has replaced since
+      damaged_ = true;
+      warning_ = dir_ + "/" + kFileName + ": ignored: " + why;
+    }
+  }
+  return found;
 }
 
 void StatCache::Insert(const std::string& kind, const io::StatSignature& sig,
@@ -371,11 +394,11 @@ std::string StatCache::warning() const {
 
 size_t StatCache::size() const {
   std::lock_guard lock(mu_);
-  return (damaged_ ? 0 : count_) + added_.size();
+  return (damaged_ || file_ == nullptr ? 0 : file_->count) + added_.size();
 }
 
 Status StatCache::Save() {
-  // Disk I/O happens outside mu_, so lookups never wait on a slow disk.
+  // Disk I/O happens outside mu_, so lookups never wait on a save.
   std::map<Key, std::string> added;
   {
     std::lock_guard lock(mu_);
@@ -404,9 +427,11 @@ Status StatCache::Save() {
     return Error(lock_path + ": stat cache not saved: another process holds its lock");
   }
 
-  // What is there now, whole, if it can be trusted (else it is replaced).
+  // What is there now: its sound entries, if its header is sound (else it
+  // is replaced).
   const std::string path = dir_ + "/" + kFileName;
   std::map<Key, Stored> merged;
+  std::string dropped;
   if (const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
       fd >= 0) {
     struct stat st;
@@ -414,14 +439,16 @@ Status StatCache::Save() {
     if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
         static_cast<uint64_t>(st.st_size) <= most) {
       std::string data(static_cast<size_t>(st.st_size), '\0');
-      std::string ignored;
       if (ReadAt(fd, 0, data.data(), data.size())) {
-        merged = ParseAll(data, &ignored).value_or(std::map<Key, Stored>{});
+        merged = ParseAll(data, &dropped, /*salvage=*/true).value_or(std::map<Key, Stored>{});
       }
     }
     ::close(fd);
   }
+  // A time ahead of the clock (the clock set back, another host's clock)
+  // counts as now: it must not outrank what this save adds.
   const uint64_t now = static_cast<uint64_t>(::time(nullptr));
+  for (auto& [k, v] : merged) v.saved_at = std::min(v.saved_at, now);
   for (auto& [k, v] : added) merged[k] = {now, v, true};
 
   // Within bounds: the newest saved are kept, what this save adds first.
@@ -457,7 +484,9 @@ Status StatCache::Save() {
 
   std::string head(kMagic, sizeof kMagic), body, values;
   values.reserve(static_cast<size_t>(values_bytes));
+  std::vector<Key> written_keys;
   for (auto& [r, entry] : records) {
+    if (entry->second.now) written_keys.push_back(entry->first);
     r.value_offset = values.size();
     values += std::get<0>(entry->first);
     values += entry->second.value;
@@ -474,7 +503,12 @@ Status StatCache::Save() {
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
   bool written = fd >= 0;
   for (const std::string* part : {&head, &body, &values}) {
-    if (written) written = ::write(fd, part->data(), part->size()) == ssize_t(part->size());
+    for (size_t at = 0; written && at < part->size();) {
+      const ssize_t wrote = ::write(fd, part->data() + at, part->size() - at);
+      if (wrote < 0 && errno == EINTR) continue;
+      written = wrote > 0;
+      if (written) at += static_cast<size_t>(wrote);
+    }
   }
   if (!written || ::fsync(fd) != 0) {
     status = Error(tmp + ": cannot write the stat cache: " + std::strerror(errno));
@@ -487,13 +521,18 @@ Status StatCache::Save() {
   ::flock(lock_fd, LOCK_UN);
   ::close(lock_fd);
   if (status.ok()) {
-    std::lock_guard lock(mu_);
-    // Lookups go to the file just written (a later save may replace it).
+    // Lookups go to the file just written (a later save may replace it);
+    // what it holds of this save's entries is no longer kept apart.
     std::string why;
-    if (OpenFile(path, &why)) {
-      warning_.clear();
-      for (const auto& [k, v] : added) {
-        if (auto it = added_.find(k); it != added_.end() && it->second == v) added_.erase(it);
+    auto file = OpenFile(path, &why);
+    std::lock_guard lock(mu_);
+    if (file != nullptr) {
+      file_ = std::move(file);
+      damaged_ = false;
+      warning_ = dropped.empty() ? "" : path + ": " + dropped;
+      for (const Key& k : written_keys) {
+        auto it = added_.find(k);
+        if (it != added_.end() && it->second == added.at(k)) added_.erase(it);
       }
     }
   }

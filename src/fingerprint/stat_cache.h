@@ -14,16 +14,20 @@
 // $XDG_CACHE_HOME/weightd, else ~/.cache/weightd), which must be ours and
 // writable by no one else (else the cache is not used at all). It is never
 // trusted blindly: a file owned by another user, not a regular file, with a
-// bad magic, version, length or checksum is ignored (and replaced at the
-// next save). Saves merge with what
-// is on disk under an exclusive lock and replace the file by rename, so
-// concurrent fingerprints never corrupt it.
+// bad magic, version or length is ignored (and replaced at the next save);
+// an entry whose checksum does not match is found when a lookup reads it,
+// and the file is then not used again by this object (a save keeps the
+// sound entries). Saves merge with what is on disk under an exclusive lock
+// and replace the file by rename, so concurrent fingerprints never corrupt
+// it.
 //
 // Every engine start looks a few signatures up, however many the file
 // holds: its entries are fixed-size records sorted by key, each with its
 // own checksum, found by binary search with one small read per step
 // (nothing is parsed up front). A save keeps the newest kMaxEntries; the
-// oldest saved go first.
+// oldest saved go first. The file's name carries its format's version, so
+// an engine and a daemon of different weightd versions keep one each
+// instead of replacing each other's.
 //
 // Thread safety: Lookup and Insert may be called from many threads at once.
 #pragma once
@@ -56,7 +60,7 @@ class StatCache {
 
   StatCache(const StatCache&) = delete;
   StatCache& operator=(const StatCache&) = delete;
-  ~StatCache();
+  ~StatCache();  // out of line: File is defined there
 
   // `kind` separates digests of different modes ("sampled", "full").
   std::optional<std::string> Lookup(const std::string& kind, const io::StatSignature& sig) const;
@@ -66,7 +70,7 @@ class StatCache {
   Status Save();
 
   // Why the file on disk was ignored (found so when opened, or at a lookup
-  // that met a damaged entry), or empty.
+  // that met a damaged entry), or what a save dropped from it; or empty.
   std::string warning() const;
   size_t size() const;
 
@@ -86,24 +90,26 @@ class StatCache {
     bool now = false;  // added by this save: kept before others of the same second
   };
   // Every entry of a cache file's bytes, checked; nullopt with `why` set
-  // when any part is not as this version writes it.
-  static std::optional<std::map<Key, Stored>> ParseAll(std::string_view data, std::string* why);
-  // Opens `path` and checks its header; false with `why` set when it is
-  // there but untrustworthy. REQUIRES: mu_ held.
-  bool OpenFile(const std::string& path, std::string* why);
-  void CloseFile();  // REQUIRES: mu_ held
-  // The file's entry for `key`, by binary search. REQUIRES: mu_ held.
-  std::optional<std::string> FindInFile(const Key& key) const;
+  // when any part is not as this version writes it. With `salvage`, the
+  // sound entries of a file whose header is sound (`why` says what was
+  // dropped, if anything).
+  static std::optional<std::map<Key, Stored>> ParseAll(std::string_view data, std::string* why,
+                                                       bool salvage = false);
+  // An open cache file; lookups read it without holding mu_.
+  struct File;
+  // Opens `path` and checks its header: null with `why` empty when there
+  // is no file, with `why` set when it is there but untrustworthy.
+  static std::shared_ptr<const File> OpenFile(const std::string& path, std::string* why);
+  // The file's entry for `key`, by binary search; nullopt with `why` set
+  // when an entry it read is damaged.
+  static std::optional<std::string> FindIn(const File& file, const Key& key, std::string* why);
 
   const std::string dir_;
   mutable std::mutex mu_;
-  // The file, open for lookups: its descriptor (-1: none) and entry count.
-  int fd_ = -1;
-  uint32_t count_ = 0;
-  uint64_t values_bytes_ = 0;
+  std::shared_ptr<const File> file_;  // null: none
   std::map<Key, std::string> added_;
   mutable std::string warning_;
-  mutable bool damaged_ = false;  // a lookup met a damaged entry: the file is not used
+  mutable bool damaged_ = false;  // a lookup met a damaged entry in file_: not used again
   bool disabled_ = false;         // the directory is not ours alone
 };
 
