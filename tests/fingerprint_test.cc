@@ -6,7 +6,9 @@
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <xxhash.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <sstream>
@@ -416,6 +418,40 @@ TEST(StatCache, ASaveKeepsTheSoundEntriesOfADamagedFile) {
     }
   }
   EXPECT_EQ(after->Lookup("full", {.device = 3, .inode = 1000}), "new");
+}
+
+// A full cache whose entries say they were saved in the future (the clock
+// set back since, another host's clock on a shared home): what a save adds
+// must still be kept, not pushed out by times ahead of now.
+TEST(StatCache, EntriesFromTheFutureDoNotPushOutNewOnes) {
+  TempDir cache_dir;
+  constexpr uint64_t kFull = StatCache::kMaxEntries;
+  {
+    auto cache = StatCache::Load(cache_dir.path());
+    for (uint64_t i = 0; i < kFull; ++i) cache->Insert("full", {.device = 1, .inode = i}, "d");
+    ASSERT_TRUE(cache->Save().ok());
+  }
+  // Each entry's saved_at (at 48 in its 88 bytes) an hour ahead, and its
+  // checksum (at 80, of the 80 before) made right again.
+  const std::string file = cache_dir.Join("fingerprint-stat-v3.cache");
+  auto bytes = testing::ReadFileBytes(file);
+  const uint64_t ahead = static_cast<uint64_t>(::time(nullptr)) + 3600;
+  for (uint64_t i = 0; i < kFull; ++i) {
+    std::byte* r = bytes.data() + 32 + i * 88;
+    std::memcpy(r + 48, &ahead, sizeof ahead);
+    const uint64_t sum = XXH3_64bits(r, 80);
+    std::memcpy(r + 80, &sum, sizeof sum);
+  }
+  testing::WriteFileBytes(file, bytes);
+  auto cache = StatCache::Load(cache_dir.path());
+  ASSERT_EQ(cache->Lookup("full", {.device = 1, .inode = 7}), "d") << cache->warning();
+  for (uint64_t i = 0; i < 10; ++i) cache->Insert("full", {.device = 2, .inode = i}, "new");
+  ASSERT_TRUE(cache->Save().ok());
+  auto after = StatCache::Load(cache_dir.path());
+  for (uint64_t i = 0; i < 10; ++i) {
+    EXPECT_EQ(after->Lookup("full", {.device = 2, .inode = i}), "new") << i;
+  }
+  EXPECT_EQ(after->size(), kFull);
 }
 
 TEST(StatCache, AFileOwnedByAnotherUserIsIgnored) {
