@@ -404,7 +404,7 @@ TEST(StatCache, ASaveKeepsTheSoundEntriesOfADamagedFile) {
       << cache->warning();
   cache->Insert("full", {.device = 3, .inode = 1000}, "new");
   ASSERT_TRUE(cache->Save().ok());
-  EXPECT_NE(cache->warning().find("1 damaged entries dropped"), std::string::npos)
+  EXPECT_NE(cache->warning().find("1 damaged entry dropped"), std::string::npos)
       << cache->warning();
   auto after = StatCache::Load(cache_dir.path());
   EXPECT_EQ(after->warning(), "");
@@ -460,9 +460,17 @@ TEST(StatCache, AFileOwnedByAnotherUserIsIgnored) {
   Cached c;
   c.Fp(Make(dir, "m", {.preset = "tiny"}));
   ASSERT_EQ(::chown(c.cache_dir.Join("fingerprint-stat-v3.cache").c_str(), 4242, 4242), 0);
+  const std::string m = dir.Join("m");
   auto cache = StatCache::Load(c.cache_dir.path());
   EXPECT_NE(cache->warning().find("another user"), std::string::npos) << cache->warning();
   EXPECT_EQ(cache->size(), 0u);
+  // The save replaces it, and the warning (what a command prints after
+  // the save) still says why.
+  EXPECT_EQ(fingerprint::Fp(m, {.cache = cache.get(), .racy_seconds = 0}).cache_hits, 0u);
+  ASSERT_TRUE(cache->Save().ok());
+  EXPECT_NE(cache->warning().find("another user"), std::string::npos) << cache->warning();
+  EXPECT_NE(cache->warning().find("replaced"), std::string::npos) << cache->warning();
+  EXPECT_EQ(c.Fp(m).cache_hits, 1u);
 }
 
 TEST(StatCache, ADirectoryOthersCanWriteIsNotUsed) {

@@ -74,7 +74,7 @@ std::optional<Header> DecodeHeader(std::string_view bytes, uint64_t file_bytes, 
     *why = "not a weightd cache file";
     return std::nullopt;
   }
-  // An older weightd's file is replaced at the next save.
+  // Another version's file has another name; this is a damaged one.
   if (const uint32_t version = Get<uint32_t>(bytes.data() + 8); version != kVersion) {
     *why = "version " + std::to_string(version) + ", not " + std::to_string(kVersion);
     return std::nullopt;
@@ -346,7 +346,8 @@ std::optional<std::map<StatCache::Key, StatCache::Stored>> StatCache::ParseAll(
     previous = r;
   }
   if (dropped > 0) {
-    *why = std::to_string(dropped) + " damaged entries dropped (" + first_problem + ")";
+    *why = std::to_string(dropped) + (dropped == 1 ? " damaged entry" : " damaged entries") +
+           " dropped (" + first_problem + ")";
   }
   return entries;
 }
@@ -439,8 +440,12 @@ Status StatCache::Save() {
     if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
         static_cast<uint64_t>(st.st_size) <= most) {
       std::string data(static_cast<size_t>(st.st_size), '\0');
-      if (ReadAt(fd, 0, data.data(), data.size())) {
-        merged = ParseAll(data, &dropped, /*salvage=*/true).value_or(std::map<Key, Stored>{});
+      std::string why;
+      auto sound = ReadAt(fd, 0, data.data(), data.size()) ? ParseAll(data, &why, /*salvage=*/true)
+                                                           : std::nullopt;
+      if (sound) {
+        merged = std::move(*sound);
+        dropped = why;  // what salvaging left out, if anything
       }
     }
     ::close(fd);
@@ -506,6 +511,7 @@ Status StatCache::Save() {
     for (size_t at = 0; written && at < part->size();) {
       const ssize_t wrote = ::write(fd, part->data() + at, part->size() - at);
       if (wrote < 0 && errno == EINTR) continue;
+      if (wrote == 0) errno = EIO;  // no progress, no error: say something true
       written = wrote > 0;
       if (written) at += static_cast<size_t>(wrote);
     }
@@ -518,22 +524,25 @@ Status StatCache::Save() {
     status = Error(path + ": cannot replace the stat cache: " + std::strerror(errno));
   }
   if (!status.ok()) ::unlink(tmp.c_str());
+  // Lookups go to the file just written, opened before another save can
+  // replace it; what it holds of this save's entries is no longer kept
+  // apart.
+  std::string why;
+  auto file = status.ok() ? OpenFile(path, &why) : nullptr;
   ::flock(lock_fd, LOCK_UN);
   ::close(lock_fd);
-  if (status.ok()) {
-    // Lookups go to the file just written (a later save may replace it);
-    // what it holds of this save's entries is no longer kept apart.
-    std::string why;
-    auto file = OpenFile(path, &why);
+  if (file != nullptr) {
     std::lock_guard lock(mu_);
-    if (file != nullptr) {
-      file_ = std::move(file);
-      damaged_ = false;
-      warning_ = dropped.empty() ? "" : path + ": " + dropped;
-      for (const Key& k : written_keys) {
-        auto it = added_.find(k);
-        if (it != added_.end() && it->second == added.at(k)) added_.erase(it);
-      }
+    file_ = std::move(file);
+    damaged_ = false;
+    if (!dropped.empty()) {
+      warning_ = path + ": " + dropped;
+    } else if (!warning_.empty()) {
+      warning_ += " (replaced by a sound file)";
+    }
+    for (const Key& k : written_keys) {
+      auto it = added_.find(k);
+      if (it != added_.end() && it->second == added.at(k)) added_.erase(it);
     }
   }
   return status;
