@@ -11,10 +11,12 @@
 
 #include <filesystem>
 #include <fstream>
+#include <future>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "daemon/server.h"
 #include "daemon_fixture.h"
 #include "format/synthetic.h"
 #include "format/writer.h"
@@ -1108,6 +1110,39 @@ TEST_F(DaemonTest, AConfigModelWithNoThreadIsSkippedAndTheDaemonServesOn) {
   }
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+}
+
+// The config's models load in turn; one that will not come (no thread for
+// it) is passed over, and the models after it load. In process, so that
+// the skipped turn is certain.
+TEST(Server, ConfigModelsPassOverOneThatWillNotCome) {
+  testing::TempDir dir;
+  const std::string a = dir.Join("a"), b = dir.Join("b");
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(a, {.preset = "tiny"}).ok());
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(b, {.preset = "tiny", .finetune = true}).ok());
+  daemon::ServerOptions options;
+  options.socket_dir = dir.Join("sock");
+  options.host_budget = 1ull << 30;
+  options.log = [](const std::string&) {};
+  options.use_stat_cache = false;
+  daemon::Server server(options);
+  server.ExpectPreloads(3);
+  ASSERT_TRUE(server.Start().ok());
+  std::thread runner([&] { server.Run(); });
+  server.SkipPreload(1);
+  auto last = std::async(std::launch::async, [&] { return server.Preload({b, "", "cpu", 2}, {}); });
+  auto first = std::async(std::launch::async, [&] {
+    return server.Preload({a, "", "cpu", 0}, {});
+  });
+  // Not a timing: a turn never passed would wait forever; a stop ends it.
+  if (last.wait_for(std::chrono::seconds(120)) != std::future_status::ready) {
+    ADD_FAILURE() << "the model after the skipped one never got its turn";
+  }
+  server.RequestStop();
+  runner.join();
+  EXPECT_TRUE(first.get().ok());
+  auto got = last.get();
+  EXPECT_TRUE(got.ok()) << got.error().message();
 }
 
 }  // namespace
