@@ -273,6 +273,10 @@ TEST_F(EmulatedGpuTest, AGpuWithoutFdHandlesIsNotServedAndStatusSaysWhy) {
   EXPECT_NE(daemon->err().find("not served, it cannot export memory as file descriptors"),
             std::string::npos)
       << daemon->err();
+  testing::CommandResult text = Run({"status"});
+  EXPECT_NE(text.out.find("not served: it cannot export memory as file descriptors"),
+            std::string::npos)
+      << text.out;
   const std::string model = MakeModel("m");
   testing::CommandResult r = Run({"preload", model, "--device", "cuda:0"});
   EXPECT_NE(r.exit_code, 0);

@@ -462,8 +462,12 @@ Command AddStatusCommand(CLI::App& root) {
               for (const auto& d : cuda.value("devices", json::array())) {
                 std::cout << "cuda:" << d.value("ordinal", 0) << " " << d.value("name", "") << "  "
                           << Printable(d.value("model", "")) << "  "
-                          << FormatBytes(d.value("total_bytes", uint64_t{0}))
-                          << "  read-only mapping: " << d.value("read_only_mapping", "") << "\n";
+                          << FormatBytes(d.value("total_bytes", uint64_t{0}));
+                if (const json why = d.value("not_served", json()); why.is_string()) {
+                  std::cout << "  not served: " << Printable(why.get<std::string>()) << "\n";
+                } else {
+                  std::cout << "  read-only mapping: " << d.value("read_only_mapping", "") << "\n";
+                }
               }
             }
             const auto& models = (*reply)["models"];

@@ -666,8 +666,11 @@ class CudaSegment final : public Segment {
     WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m_->gpu->Enter());
     const Driver& d = m_->gpu->driver();
     void* at = const_cast<std::byte*>(host.data());
+    if (host.empty()) {
+      *staged_because = "nothing to copy";
+      return OkStatus();
+    }
     staged_because->clear();
-    if (host.empty()) return OkStatus();
     if (CUresult r = d.cuMemHostRegister(at, host.size(), CU_MEMHOSTREGISTER_READ_ONLY);
         r != CUDA_SUCCESS) {
       *staged_because = "cuMemHostRegister: " + d.Describe(r);
