@@ -7,6 +7,17 @@
 #include "protocol/text.h"
 
 namespace weightd::daemon {
+namespace {
+
+// Takes one of each of `keys` out of `list` (a key marked twice stays once).
+void EraseOnce(std::vector<protocol::CacheKey>& list, const std::vector<protocol::CacheKey>& keys) {
+  for (const protocol::CacheKey& k : keys) {
+    auto it = std::find(list.begin(), list.end(), k);
+    if (it != list.end()) list.erase(it);
+  }
+}
+
+}  // namespace
 
 Eviction Registry::EvictLocked(size_t index, Dropped& dropped) {
   std::shared_ptr<ResidentModel> m = models_[index];
@@ -265,10 +276,7 @@ void Registry::Queue(const std::vector<protocol::CacheKey>& keys) {
 
 void Registry::Unqueue(const std::vector<protocol::CacheKey>& keys) {
   std::lock_guard lock(mu_);
-  for (const protocol::CacheKey& k : keys) {
-    auto it = std::find(queued_.begin(), queued_.end(), k);
-    if (it != queued_.end()) queued_.erase(it);
-  }
+  EraseOnce(queued_, keys);
   load_done_.notify_all();
 }
 
@@ -286,10 +294,7 @@ void Registry::DropExpected(size_t n) {
 
 void Registry::EndLoad(const std::vector<protocol::CacheKey>& keys) {
   std::lock_guard lock(mu_);
-  for (const protocol::CacheKey& k : keys) {
-    auto it = std::find(loading_.begin(), loading_.end(), k);
-    if (it != loading_.end()) loading_.erase(it);
-  }
+  EraseOnce(loading_, keys);
   load_done_.notify_all();
 }
 

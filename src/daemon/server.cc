@@ -130,6 +130,12 @@ struct Server::State {
   // Orders that will never come (no thread could be made for them): the
   // turn passes over them.
   std::set<size_t> config_skipped;
+  // Waits (conn_mu held by `lock`) until it is `order`'s turn or the
+  // daemon stops; whether it is its turn.
+  bool WaitForTurn(std::unique_lock<std::mutex>& lock, size_t order) {
+    config_turn_cv.wait(lock, [&] { return config_turn == order || stopping.load(); });
+    return !stopping.load();
+  }
   // REQUIRES: conn_mu held. The turn after `order`, past any skipped.
   void PassTurn(size_t order) {
     config_turn = std::max(config_turn, order + 1);
@@ -879,7 +885,7 @@ Result<json> Server::State::PreloadUnguarded(
       if (!queued.empty()) s.registry.Unqueue(queued);
       if (!order) return;
       std::unique_lock lock(s.conn_mu);
-      s.config_turn_cv.wait(lock, [&] { return s.config_turn == *order || s.stopping.load(); });
+      s.WaitForTurn(lock, *order);
       s.PassTurn(*order);
     }
     // Marks `keys` as coming and waits for this model's turn; false once
@@ -890,8 +896,7 @@ Result<json> Server::State::PreloadUnguarded(
       announced = false;
       queued = keys;
       std::unique_lock lock(s.conn_mu);
-      s.config_turn_cv.wait(lock, [&] { return s.config_turn == *order || s.stopping.load(); });
-      return !s.stopping.load();
+      return s.WaitForTurn(lock, *order);
     }
     // Its keys are marked loading now.
     void Began() {
