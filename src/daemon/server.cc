@@ -86,8 +86,8 @@ json CudaJson(const std::shared_future<Result<std::vector<memory::CudaDevice>>>&
                     {"ordinal", d.ordinal},
                     {"model", d.name},
                     {"total_bytes", d.total_bytes},
-                    {"fd_handles", d.posix_fd_handles},
-                    {"not_served", d.posix_fd_handles ? json(nullptr) : json(d.not_served)},
+                    {"fd_handles", d.served()},
+                    {"not_served", d.served() ? json(nullptr) : json(d.not_served)},
                     {"granularity", d.granularity},
                     {"read_only_mapping", ro == read_only.end() ? "not tried yet" : ro->second}});
   }
@@ -301,7 +301,7 @@ Status Server::Start() {
       if (log && gpus.ok()) {
         for (const memory::CudaDevice& d : *gpus) {
           log("cuda:" + std::to_string(d.ordinal) + " is " + d.name + " (cuda:" + d.uuid + ")" +
-              (d.posix_fd_handles ? "" : ": not served, " + d.not_served));
+              (d.served() ? "" : ": not served, " + d.not_served));
         }
       }
       answer->set_value(std::move(gpus));
@@ -798,7 +798,7 @@ void Server::State::ApplyGpuBudgets(bool wait) {
     std::vector<bool> used(options.gpu_budgets.size());
     for (const memory::CudaDevice& d :
          devices.ok() ? *devices : std::vector<memory::CudaDevice>{}) {
-      if (!d.posix_fd_handles) continue;  // cannot be served
+      if (!d.served()) continue;
       uint64_t budget = d.total_bytes / 100 * kDefaultGpuBudgetPercent;
       for (size_t i = 0; i < options.gpu_budgets.size(); ++i) {
         auto spec = memory::ParseDevice(options.gpu_budgets[i].first);
@@ -834,7 +834,7 @@ Status Server::State::CheckServed(const memory::Device& device) {
   }
   auto it = std::find_if(gpus->begin(), gpus->end(),
                          [&](const auto& d) { return memory::SameGpu(d.uuid, device.uuid); });
-  if (it != gpus->end() && !it->posix_fd_handles) {
+  if (it != gpus->end() && !it->served()) {
     return Error("--device " + device.Name() + ": not served: " + it->not_served);
   }
   if (it == gpus->end()) {

@@ -347,7 +347,6 @@ Result<std::vector<CudaDevice>> AskForCudaDevices() {
     info.name = name;
     info.total_bytes = total;
     info.not_served = WhyNotServed(*d, dev, &info.granularity);
-    info.posix_fd_handles = info.not_served.empty();
     out.push_back(std::move(info));
   }
   return out;
@@ -398,7 +397,7 @@ class GpuContext {
     // By the 32 hex digits: a MIG instance's UUID is listed with GPU- too.
     for (const CudaDevice& info : devices) {
       if (!SameGpu(info.uuid, uuid)) continue;
-      if (!info.posix_fd_handles) return Error("cuda:" + uuid + ": " + info.not_served);
+      if (!info.served()) return Error("cuda:" + uuid + ": " + info.not_served);
       auto g = std::unique_ptr<GpuContext>(new GpuContext(*d, info.granularity));
       if (CUresult r = d->cuDeviceGet(&g->dev_, info.ordinal); r != CUDA_SUCCESS) {
         return CudaError(*d, "cuDeviceGet", r);

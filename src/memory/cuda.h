@@ -58,10 +58,10 @@ struct CudaDevice {
   std::string uuid = {};
   std::string name = {};
   uint64_t total_bytes = 0;
-  // Whether the device can hold segments: VMM allocations exported as file
-  // descriptors. If not, `not_served` says why (with the driver's error).
-  bool posix_fd_handles = false;
-  std::string not_served = {};
+  // Why the device cannot hold segments (VMM allocations exported as file
+  // descriptors), with the driver's error; empty when it can.
+  std::string not_served = "not asked";
+  bool served() const { return not_served.empty(); }
   uint64_t granularity = 0;  // of a pinned device allocation
 };
 
