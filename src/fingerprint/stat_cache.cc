@@ -138,6 +138,14 @@ std::optional<Record> DecodeRecord(const char* at, uint64_t values_bytes, std::s
   return r;
 }
 
+// What is wrong with a record's kind and value, `bytes` (kind then value,
+// as the values area holds them), or null when they are its own.
+const char* EntryProblem(const Record& r, std::string_view bytes) {
+  if (Hash(bytes) != r.value_sum) return "value checksum mismatch";
+  if (Hash(bytes.substr(0, r.kind_len)) != r.kind_hash) return "entry kind does not match its hash";
+  return nullptr;
+}
+
 void PutRecord(std::string& out, const Record& r) {
   const size_t start = out.size();
   Put(out, r.kind_hash);
@@ -300,8 +308,8 @@ std::optional<std::string> StatCache::FindIn(const File& file, const Key& key, s
     *why = "short read";
     return std::nullopt;
   }
-  if (Hash(bytes) != found->value_sum) {
-    *why = "value checksum mismatch";
+  if (const char* problem = EntryProblem(*found, bytes)) {
+    *why = problem;
     return std::nullopt;
   }
   if (std::string_view(bytes).substr(0, found->kind_len) != kind) return std::nullopt;
@@ -327,11 +335,7 @@ std::optional<std::map<StatCache::Key, StatCache::Stored>> StatCache::ParseAll(
     } else if (r) {
       bytes =
           values.substr(static_cast<size_t>(r->value_offset), r->kind_len + size_t{r->value_len});
-      if (Hash(bytes) != r->value_sum) {
-        problem = "value checksum mismatch";
-      } else if (Hash(bytes.substr(0, r->kind_len)) != r->kind_hash) {
-        problem = "entry kind does not match its hash";
-      }
+      if (const char* p = EntryProblem(*r, bytes)) problem = p;
     }
     if (!problem.empty()) {
       if (!salvage) {
