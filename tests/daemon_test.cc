@@ -51,11 +51,13 @@ TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
 
   json warm = Load(a);
   EXPECT_EQ(warm["source"], "daemon") << warm.dump();
+  EXPECT_EQ(warm["mode"], "zero_copy");
   EXPECT_EQ(warm["checksum"], DiskChecksum(a));
 
   // The stale-weights case: same layout, other values.
   json other = Load(b);
   EXPECT_EQ(other["source"], "disk") << other.dump();
+  EXPECT_EQ(other["mode"], "copy");  // asked zero_copy; the engine's own memory
   EXPECT_EQ(other["mismatch"], json::array({"checkpoint"})) << other.dump();
   EXPECT_EQ(other["checksum"], DiskChecksum(b));
   EXPECT_NE(other["checksum"], warm["checksum"]);
@@ -78,6 +80,7 @@ TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
   // Copy mode gives the same bytes and no lease.
   json copied = Load(a, {"--mode", "copy"});
   EXPECT_EQ(copied["source"], "daemon");
+  EXPECT_EQ(copied["mode"], "copy");
   EXPECT_EQ(copied["checksum"], warm["checksum"]);
   EXPECT_EQ(TotalLeases(), 0);
 }

@@ -80,9 +80,11 @@ TEST_F(EmulatedGpuTest, APreloadOntoAGpuIsMappedAndCopiedWithTheBytesOfADiskLoad
   EXPECT_NE(mapped["reason"].get<std::string>().find("mapped read-only"), std::string::npos)
       << mapped["reason"];
   EXPECT_EQ(mapped["checksum"], disk);
+  EXPECT_EQ(mapped["mode"], "zero_copy");
 
   json copied = Load(model, {"--device", "cuda:0", "--no-fallback", "--mode", "copy"});
   EXPECT_EQ(copied["source"], "daemon");
+  EXPECT_EQ(copied["mode"], "copy");
   EXPECT_EQ(copied["checksum"], disk);
   // A disk load onto the GPU gives the same bytes too.
   testing::CommandResult cold =
@@ -204,6 +206,11 @@ TEST_F(EmulatedGpuTest, TheHostTierReloadCopiesRegisteredOrStaged) {
             std::string::npos)
       << registered["reason"];
   EXPECT_EQ(registered["checksum"], disk);
+  // Asked to map it: a copy all the same, the engine's own (and said so).
+  json reloaded = Load(model, {"--device", "cuda:0", "--no-fallback"});
+  EXPECT_EQ(reloaded["source"], "daemon");
+  EXPECT_EQ(reloaded["mode"], "copy");
+  EXPECT_EQ(reloaded["checksum"], disk);
   json staged = WithEnv({{"WEIGHTD_EMULATED_CUDA_HOST_REGISTER", "refuse"}}, [&] {
     return Load(model, {"--device", "cuda:0", "--no-fallback", "--mode", "copy"});
   });

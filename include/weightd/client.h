@@ -122,6 +122,11 @@ class Weights {
   virtual const std::string& checkpoint_digest() const = 0;
   // Where the bytes are: "host" or "cuda:GPU-<uuid>".
   virtual const std::string& device() const = 0;
+  // How this process holds them, whatever was asked: kZeroCopy when they
+  // are the daemon's memory mapped here (its lease held while this object
+  // lives), kCopy when they are this process's own (copied from the daemon,
+  // up from its host memory to a GPU, or loaded from disk).
+  virtual AcquireMode mode() const = 0;
   // The pinned name the weights were taken on trust under (AcquireOptions::
   // trust), their content not compared with the checkpoint; empty when it
   // was.

@@ -111,7 +111,7 @@ int RunLoad(LoadCommandOptions& o) {
                 {"seconds", seconds},
                 {"checkpoint", w.checkpoint_digest()},
                 {"device", w.device()},
-                {"mode", o.mode},
+                {"mode", w.mode() == AcquireMode::kZeroCopy ? "zero_copy" : "copy"},
                 {"trusted", w.trusted().empty() ? json(nullptr) : json(w.trusted())}};
     if (o.checksum) out["checksum"] = checksum;
     std::cout << DumpJson(out, 2) << std::endl;

@@ -76,6 +76,7 @@ class WeightsImpl final : public Weights {
   const std::string& checkpoint_digest() const override { return digest_; }
   const std::string& device() const override { return device_; }
   const std::string& trusted() const override { return trusted_; }
+  AcquireMode mode() const override { return lease ? AcquireMode::kZeroCopy : AcquireMode::kCopy; }
 
   // Builds the tensor views over a host segment's bytes (which this object
   // keeps alive).
