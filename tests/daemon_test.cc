@@ -1002,6 +1002,25 @@ TEST_F(DaemonTest, AConfigModelThatFailsPassesItsTurnOn) {
   EXPECT_EQ(Load(a, {"--no-fallback"})["source"], "daemon");
 }
 
+// An engine that waited for a config's model the daemon could not load is
+// told why, not compared with another checkpoint's model.
+TEST_F(DaemonTest, AnEngineWaitingForAConfigModelHearsWhyItFailed) {
+  const std::string a = MakeModel("a"), big = MakeModel("big", false, 64 << 20);
+  const std::string config = dir_.Join("weightd.toml");
+  testing::WriteFileText(config,
+                         "[budget]\nhost = \"40M\"\n[[model]]\npath = \"a\"\n[[model]]\n"
+                         "path = \"big\"\n");
+  auto daemon = StartDaemon({"--config", config});
+  json missed = Load(big, {"--wait-for-daemon", "60"});
+  EXPECT_EQ(missed["source"], "disk");
+  const std::string reason = missed["reason"];
+  EXPECT_EQ(reason.rfind("the daemon's last preload of this checkpoint failed: ", 0), 0u) << reason;
+  EXPECT_NE(reason.find("out of budget on host"), std::string::npos) << reason;
+  EXPECT_EQ(missed["mismatch"], json::array()) << missed.dump();  // nothing of a's
+  EXPECT_EQ(missed["checksum"], DiskChecksum(big));
+  EXPECT_EQ(Load(a)["source"], "daemon") << daemon->err();
+}
+
 TEST_F(DaemonTest, PopulateAsksTheDaemonToPreloadWhatWasMissed) {
   const std::string a = MakeModel("a");
   auto daemon = StartDaemon();

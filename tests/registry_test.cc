@@ -254,5 +254,52 @@ TEST(Registry, AMissNamesTheEnginesOwnModelProcessedOtherwise) {
   EXPECT_EQ(miss.mismatch.size(), 2u);
 }
 
+// A miss against another checkpoint's model says whose it is; one for a
+// checkpoint whose preload failed says why, until a preload of it works.
+TEST(Registry, AMissSaysWhoseModelDiffersAndWhyTheEnginesOwnIsMissing) {
+  Registry r(64 * kMiB);
+  protocol::CacheKey want;
+  want.checkpoint = "xxh3-128:mine";
+  want.device = "host";
+  r.NoteFailedLoad("/models/mine", "/models/mine: out of budget on host");
+  const Registry::Lookup empty = r.Acquire(want, "", {}, "/models/mine");
+  EXPECT_EQ(empty.reason,
+            "the daemon's last preload of this checkpoint failed: /models/mine: out of budget on "
+            "host");
+  // Another path's failure is not this one's.
+  EXPECT_EQ(r.Acquire(want, "", {}, "/models/yours").reason, "no model is resident");
+
+  Publish(r, "host", 1, "xxh3-128:other")->path = "/models/other";
+  const Registry::Lookup failed = r.Acquire(want, "", {}, "/models/mine");
+  EXPECT_FALSE(failed.model);
+  EXPECT_EQ(failed.reason, empty.reason);
+  EXPECT_TRUE(failed.mismatch.empty());  // the other model's digest would read as an older one
+
+  r.ForgetFailedLoad("/models/mine");
+  const Registry::Lookup other = r.Acquire(want, "", {}, "/models/mine");
+  EXPECT_EQ(other.reason,
+            "no model from this checkpoint is resident; the nearest, from /models/other, differs");
+  ASSERT_EQ(other.mismatch.size(), 1u);
+  EXPECT_EQ(other.mismatch[0].field, "checkpoint");
+  EXPECT_EQ(r.Acquire(want, "").reason, "no resident model matches");  // no path: no owner
+
+  // Its own older version resident and a newer one that failed: both said.
+  Publish(r, "host", 1, "xxh3-128:before")->path = "/models/mine";
+  r.NoteFailedLoad("/models/mine", "/models/mine: changed while being loaded");
+  const Registry::Lookup older = r.Acquire(want, "", {}, "/models/mine");
+  EXPECT_EQ(older.reason,
+            "the daemon's last preload of this checkpoint failed: /models/mine: changed while "
+            "being loaded; what is resident differs");
+  ASSERT_EQ(older.mismatch.size(), 1u);
+  EXPECT_EQ(older.mismatch[0].daemon, "xxh3-128:before");
+
+  // Only the newest kFailedLoadsKept paths are remembered.
+  for (size_t i = 0; i < Registry::kFailedLoadsKept; ++i) {
+    r.NoteFailedLoad("/models/m" + std::to_string(i), "failed");
+  }
+  EXPECT_EQ(r.Acquire(want, "", {}, "/models/mine").reason, "no resident model matches");
+  EXPECT_NE(r.Acquire(want, "", {}, "/models/m0").reason.find("failed: failed"), std::string::npos);
+}
+
 }  // namespace
 }  // namespace weightd::daemon

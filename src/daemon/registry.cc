@@ -180,11 +180,29 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
   return after;
 }
 
+void Registry::NoteFailedLoad(const std::string& path, const std::string& why) {
+  std::lock_guard lock(mu_);
+  std::erase_if(failed_loads_, [&](const auto& f) { return f.first == path; });
+  failed_loads_.emplace_back(path, why);
+  if (failed_loads_.size() > kFailedLoadsKept) failed_loads_.pop_front();
+}
+
+void Registry::ForgetFailedLoad(const std::string& path) {
+  std::lock_guard lock(mu_);
+  std::erase_if(failed_loads_, [&](const auto& f) { return f.first == path; });
+}
+
 Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const std::string& trust,
                                          const std::string& path) {
   Lookup out;
+  // The engine's checkpoint failed to load here: that is why, first.
+  std::string failed;
+  for (const auto& [p, why] : failed_loads_) {
+    if (!path.empty() && p == path)
+      failed = "the daemon's last preload of this checkpoint failed: " + why;
+  }
   if (models_.empty()) {
-    out.reason = "no model is resident";
+    out.reason = failed.empty() ? "no model is resident" : failed;
     return out;
   }
   size_t best = models_.size();
@@ -212,8 +230,21 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
     return out;
   }
   if (!best_diff.empty()) {
+    // Differences from another checkpoint's model are no older version of
+    // the engine's: say whose they are, or say nothing of them when the
+    // engine's own failed to load.
+    if (trust.empty() && !path.empty() && models_[best]->path != path) {
+      if (!failed.empty()) {
+        out.reason = failed;
+        return out;
+      }
+      out.reason = "no model from this checkpoint is resident; the nearest, from " +
+                   models_[best]->path + ", differs";
+    } else {
+      out.reason =
+          failed.empty() ? "no resident model matches" : failed + "; what is resident differs";
+    }
     out.mismatch = std::move(best_diff);
-    out.reason = "no resident model matches";
     return out;
   }
   out.model = models_[best];

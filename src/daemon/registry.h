@@ -17,6 +17,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -137,6 +138,13 @@ class Registry {
   void Unqueue(const std::vector<protocol::CacheKey>& keys);
   void DropExpected(size_t n = SIZE_MAX);
 
+  // A preload of `path` that failed, and why: told to engines that then
+  // miss asking for a model from that path, until a preload of it
+  // succeeds (Forget). The last kFailedLoadsKept paths are kept.
+  void NoteFailedLoad(const std::string& path, const std::string& why);
+  void ForgetFailedLoad(const std::string& path);
+  static constexpr size_t kFailedLoadsKept = 32;
+
   // Evicts models matching `what`: "all", a pinned name, a prefix (at
   // least 8 characters) of the checkpoint digest, or "#ID" (one model, as
   // status numbers it: one rank of a tensor-parallel preload).
@@ -165,20 +173,21 @@ class Registry {
   using Dropped = std::vector<std::shared_ptr<ResidentModel>>;
   // REQUIRES: mu_ held.
   Eviction EvictLocked(size_t index, Dropped& dropped);
-  // Takes `name` from every model whose key is not in `group`: a name pins
-  // all the ranks one preload made, whatever device each is on.
   // REQUIRES: mu_ held.
   Lookup AcquireLocked(const protocol::CacheKey& key, const std::string& trust,
                        const std::string& path);
   // REQUIRES: mu_ held.
   bool LoadingLocked(const protocol::CacheKey& key) const;
+  // Takes `name` from every model whose key is not in `group`: a name pins
+  // all the ranks one preload made, whatever device each is on.
   // REQUIRES: mu_ held.
   void TakeNameLocked(const std::string& name, const std::vector<protocol::CacheKey>& group);
 
   mutable std::mutex mu_;
   std::condition_variable load_done_;
   std::vector<protocol::CacheKey> loading_;
-  size_t expected_ = 0;                     // announced loads not keyed yet
+  std::deque<std::pair<std::string, std::string>> failed_loads_;  // path, why; newest last
+  size_t expected_ = 0;                                           // announced loads not keyed yet
   std::vector<protocol::CacheKey> queued_;  // keys of announced loads waiting for their turn
   struct Account {
     uint64_t budget = 0;

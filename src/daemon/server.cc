@@ -192,6 +192,46 @@ struct Server::State {
   }
   Status Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id, const ucred& peer,
                 std::vector<std::shared_ptr<ResidentModel>>& leases);
+  // What a preload has marked in the registry, taken off when it ends
+  // (after its failure, if any, is noted). A config's model: announced (Registry::ExpectLoads)
+  // until its keys are known, then queued (acquires wait for it) until its turn, then loaded;
+  // whatever happens, the marks come off and the turn passes on, in order.
+  // Its turn is waited for queued, not loading: another load of the same
+  // key (the same model named twice, an engine's --populate) is never held
+  // up by one that waits for its turn behind it.
+  struct LoadMarks {
+    State& s;
+    std::optional<size_t> order;
+    bool announced;
+    std::vector<protocol::CacheKey> queued;
+    std::vector<protocol::CacheKey> loading;  // marked by BeginLoad
+    ~LoadMarks() {
+      if (!loading.empty()) s.registry.EndLoad(loading);
+      if (announced) s.registry.DropExpected(1);
+      if (!queued.empty()) s.registry.Unqueue(queued);
+      if (!order) return;
+      std::unique_lock lock(s.conn_mu);
+      s.WaitForTurn(lock, *order);
+      s.PassTurn(*order);
+    }
+    // Marks `keys` as coming and waits for this model's turn; false once
+    // the daemon stops.
+    bool QueueAndWaitForTurn(const std::vector<protocol::CacheKey>& keys) {
+      if (!order) return true;
+      s.registry.Queue(keys);
+      announced = false;
+      queued = keys;
+      std::unique_lock lock(s.conn_mu);
+      return s.WaitForTurn(lock, *order);
+    }
+    // Marks `keys` loading (waiting while another load of any of them is
+    // in flight); the queued marks come off.
+    void Begin(const std::vector<protocol::CacheKey>& keys) {
+      s.registry.BeginLoad(keys);
+      loading = keys;
+      if (!queued.empty()) s.registry.Unqueue(std::exchange(queued, {}));
+    }
+  };
   // `only`: the ranks to make (empty: all). `config_order`: a config's
   // model, announced by Registry::ExpectLoads (keyed or dropped here), that
   // loads in its turn.
@@ -201,16 +241,27 @@ struct Server::State {
                        const std::string& pin, const std::vector<int>& only,
                        const std::function<void(uint64_t, uint64_t)>& progress,
                        std::optional<size_t> config_order = std::nullopt) {
-    try {
-      return PreloadUnguarded(path, processing, pin, only, progress, config_order);
-    } catch (const std::exception& e) {
-      return Error(path + ": the preload failed: " + e.what() + "; nothing was published");
+    LoadMarks marks{*this, config_order, config_order.has_value(), {}, {}};
+    Result<json> r = [&]() -> Result<json> {
+      try {
+        return PreloadUnguarded(path, processing, pin, only, progress, marks);
+      } catch (const std::exception& e) {
+        return Error(path + ": the preload failed: " + e.what() + "; nothing was published");
+      }
+    }();
+    // Before the marks come off: engines waiting for this model, woken
+    // then, hear why it did not come.
+    if (r.ok()) {
+      registry.ForgetFailedLoad(path);
+    } else {
+      registry.NoteFailedLoad(path, r.error().message());
     }
+    return r;
   }
   Result<json> PreloadUnguarded(const std::string& path, const protocol::Processing& processing,
                                 const std::string& pin, const std::vector<int>& only,
                                 const std::function<void(uint64_t, uint64_t)>& progress,
-                                std::optional<size_t> config_order);
+                                LoadMarks& marks);
 };
 
 Server::Server(ServerOptions options) : state_(std::make_unique<State>(std::move(options))) {}
@@ -868,41 +919,7 @@ void Server::State::LearnReadOnly(const memory::Segment& segment) {
 Result<json> Server::State::PreloadUnguarded(
     const std::string& path, const protocol::Processing& processing, const std::string& pin,
     const std::vector<int>& only, const std::function<void(uint64_t, uint64_t)>& progress,
-    std::optional<size_t> config_order) {
-  // A config's model: announced (Registry::ExpectLoads) until its keys are
-  // known, then queued (acquires wait for it) until its turn, then loaded;
-  // whatever happens, the marks come off and the turn passes on, in order.
-  // Its turn is waited for queued, not loading: another load of the same
-  // key (the same model named twice, an engine's --populate) is never held
-  // up by one that waits for its turn behind it.
-  struct ConfigLoad {
-    State& s;
-    std::optional<size_t> order;
-    bool announced;
-    std::vector<protocol::CacheKey> queued;
-    ~ConfigLoad() {
-      if (announced) s.registry.DropExpected(1);
-      if (!queued.empty()) s.registry.Unqueue(queued);
-      if (!order) return;
-      std::unique_lock lock(s.conn_mu);
-      s.WaitForTurn(lock, *order);
-      s.PassTurn(*order);
-    }
-    // Marks `keys` as coming and waits for this model's turn; false once
-    // the daemon stops.
-    bool QueueAndWaitForTurn(const std::vector<protocol::CacheKey>& keys) {
-      if (!order) return true;
-      s.registry.Queue(keys);
-      announced = false;
-      queued = keys;
-      std::unique_lock lock(s.conn_mu);
-      return s.WaitForTurn(lock, *order);
-    }
-    // Its keys are marked loading now.
-    void Began() {
-      if (!queued.empty()) s.registry.Unqueue(std::exchange(queued, {}));
-    }
-  } config_load{*this, config_order, config_order.has_value(), {}};
+    LoadMarks& marks) {
   WEIGHTD_ASSIGN_OR_RETURN(transform::Processing resolved,
                            transform::ResolveProcessing(processing.tp_size, processing.dtype,
                                                         processing.quant, processing.shard_plan));
@@ -972,14 +989,8 @@ Result<json> Server::State::PreloadUnguarded(
   for (int r = 0; r < ranks; ++r) {
     if (wanted(r)) loading.push_back(key_of(fp->digest, r));
   }
-  if (!config_load.QueueAndWaitForTurn(loading)) return Error("the daemon is stopping");
-  registry.BeginLoad(loading);
-  config_load.Began();
-  struct EndLoad {
-    Registry& r;
-    const std::vector<protocol::CacheKey>& keys;
-    ~EndLoad() { r.EndLoad(keys); }
-  } end_load{registry, loading};
+  if (!marks.QueueAndWaitForTurn(loading)) return Error("the daemon is stopping");
+  marks.Begin(loading);
   // Only the ranks not resident are loaded (one may have been evicted). The
   // resident ones are leased meanwhile, so that making room for the others
   // cannot evict them; their name (a pin) goes to the new ranks too.
