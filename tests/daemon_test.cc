@@ -926,6 +926,20 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   json not_resident = Load(b, {"--trust", "staging"});
   EXPECT_EQ(not_resident["source"], "disk");
   EXPECT_EQ(not_resident["checksum"], DiskChecksum(b));
+
+  // A name taken from another checkpoint's model: said, to the asker and in
+  // the log, loaded or already resident.
+  CommandResult moved = Run({"preload", b, "--pin", "prod", "--json"});
+  ASSERT_EQ(moved.exit_code, 0) << moved.err;
+  EXPECT_EQ(json::parse(moved.out)["pin_taken_from"], json::array({a})) << moved.out;
+  EXPECT_NE(daemon->err().find("`prod` no longer names the model from " + a), std::string::npos)
+      << daemon->err();
+  CommandResult back = Run({"preload", a, "--pin", "prod"});
+  ASSERT_EQ(back.exit_code, 0) << back.err;
+  EXPECT_NE(back.out.find("`prod` no longer names the model from " + b), std::string::npos)
+      << back.out;
+  CommandResult kept = Run({"preload", a, "--pin", "prod", "--json"});
+  EXPECT_EQ(json::parse(kept.out)["pin_taken_from"], json::array()) << kept.out;
 }
 
 TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {

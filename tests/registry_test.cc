@@ -147,7 +147,10 @@ TEST(Registry, APinNamesEveryRankOfAPreloadAcrossDevices) {
 
   // Another model takes the name: both ranks lose it and become evictable.
   auto other = Publish(r, "host", 1, "xxh3-128:other");
-  ASSERT_TRUE(r.Pin({other->key}, "prod"));
+  std::vector<std::string> taken_from;
+  for (auto& m : r.Take().models) m->path = "/models/" + m->key.checkpoint;
+  ASSERT_TRUE(r.Pin({other->key}, "prod", &taken_from));
+  EXPECT_EQ(taken_from, std::vector<std::string>{"/models/xxh3-128:tp"});  // once for both ranks
   s = r.Take();
   for (size_t i = 0; i < s.models.size(); ++i) {
     EXPECT_EQ(s.names[i], s.models[i]->key.device == "host" ? "prod" : "")

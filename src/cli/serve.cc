@@ -294,6 +294,15 @@ int RunServe(ServeOptions o) {
 }
 
 // A progress line per 10% when not on a terminal, a bar that redraws when on one.
+// A name pins one model: the ones `pin` named until this preload.
+void PrintPinTakenFrom(const json& reply, const std::string& pin) {
+  for (const json& p : reply.value("pin_taken_from", json::array())) {
+    auto path = protocol::PathFromJson(p);
+    std::cout << "  `" << pin << "` no longer names the model from "
+              << Printable(path.ok() ? *path : p.dump()) << "\n";
+  }
+}
+
 std::function<void(const json&)> ProgressPrinter() {
   const bool tty = ::isatty(2) != 0;
   auto last_decile = std::make_shared<int>(-1);
@@ -408,6 +417,7 @@ Command AddPreloadCommand(CLI::App& root) {
               std::cout << "already resident: " << Printable(o->path)
                         << (o->pin.empty() ? "" : ", pinned as `" + o->pin + "`")
                         << (unpinned.empty() ? "" : " (no longer as `" + unpinned + "`)") << "\n";
+              PrintPinTakenFrom(*reply, o->pin);
             } else {
               const int ranks = reply->value("ranks", 1);
               std::cout << "resident: " << Printable(o->path) << " ("
@@ -425,6 +435,8 @@ Command AddPreloadCommand(CLI::App& root) {
                 std::cout << "  evicted to make room: " << Printable(e.value("description", ""))
                           << "\n";
               }
+              if (!o->pin.empty()) std::cout << "  pinned as `" << o->pin << "`\n";
+              PrintPinTakenFrom(*reply, o->pin);
             }
             return kExitOk;
           }};

@@ -117,7 +117,8 @@ void Registry::Unreserve(const std::string& device, uint64_t bytes) {
 
 std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> model,
                                                  uint64_t reserved_bytes,
-                                                 const std::vector<protocol::CacheKey>& group) {
+                                                 const std::vector<protocol::CacheKey>& group,
+                                                 std::vector<std::string>* taken_from) {
   Dropped dropped;  // freed after the lock is released
   std::lock_guard lock(mu_);
   Account& a = AccountLocked(model->key.device);
@@ -131,7 +132,7 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
   if (!model->name.empty()) {
     std::vector<protocol::CacheKey> with_own = group;
     with_own.push_back(model->key);
-    TakeNameLocked(model->name, with_own);
+    TakeNameLocked(model->name, with_own, taken_from);
   }
   model->id = next_id_++;
   model->last_used = std::chrono::steady_clock::now();
@@ -263,22 +264,27 @@ void Registry::Release(const std::shared_ptr<ResidentModel>& model) {
   model->last_used = std::chrono::steady_clock::now();
 }
 
-void Registry::TakeNameLocked(const std::string& name,
-                              const std::vector<protocol::CacheKey>& group) {
+void Registry::TakeNameLocked(const std::string& name, const std::vector<protocol::CacheKey>& group,
+                              std::vector<std::string>* taken_from) {
   for (auto& m : models_) {
     if (m->name == name && std::find(group.begin(), group.end(), m->key) == group.end()) {
       m->name.clear();
+      if (taken_from != nullptr &&
+          std::find(taken_from->begin(), taken_from->end(), m->path) == taken_from->end()) {
+        taken_from->push_back(m->path);
+      }
     }
   }
 }
 
-bool Registry::Pin(const std::vector<protocol::CacheKey>& group, const std::string& name) {
+bool Registry::Pin(const std::vector<protocol::CacheKey>& group, const std::string& name,
+                   std::vector<std::string>* taken_from) {
   std::lock_guard lock(mu_);
   auto in_group = [&](const std::shared_ptr<ResidentModel>& m) {
     return std::find(group.begin(), group.end(), m->key) != group.end();
   };
   if (std::none_of(models_.begin(), models_.end(), in_group)) return false;
-  TakeNameLocked(name, group);
+  TakeNameLocked(name, group, taken_from);
   for (auto& m : models_) {
     if (in_group(m)) m->name = name;
   }

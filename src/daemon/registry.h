@@ -85,10 +85,12 @@ class Registry {
   // names) becomes its use. A model with the same key already resident is
   // replaced (its leases keep their own bytes). A named model takes its
   // name from every model whose key is not in `group` (the keys of every
-  // rank of the same preload; its own key is always in it).
+  // rank of the same preload; its own key is always in it); the paths of
+  // those models are added to `taken_from`.
   std::shared_ptr<ResidentModel> Publish(std::unique_ptr<ResidentModel> model,
                                          uint64_t reserved_bytes,
-                                         const std::vector<protocol::CacheKey>& group = {});
+                                         const std::vector<protocol::CacheKey>& group = {},
+                                         std::vector<std::string>* taken_from = nullptr);
 
   struct Lookup {
     std::shared_ptr<ResidentModel> model;             // set on a hit, with a lease taken
@@ -114,8 +116,10 @@ class Registry {
   void Release(const std::shared_ptr<ResidentModel>& model);
 
   // Names every resident model whose key is in `group` (the ranks of one
-  // preload), taking the name from every other; false when none is resident.
-  bool Pin(const std::vector<protocol::CacheKey>& group, const std::string& name);
+  // preload), taking the name from every other (their paths are added to
+  // `taken_from`); false when none is resident.
+  bool Pin(const std::vector<protocol::CacheKey>& group, const std::string& name,
+           std::vector<std::string>* taken_from = nullptr);
 
   // One load per model at a time: BeginLoad waits while another load of
   // any of `keys` (every rank of one preload) is in flight, then marks
@@ -181,7 +185,8 @@ class Registry {
   // Takes `name` from every model whose key is not in `group`: a name pins
   // all the ranks one preload made, whatever device each is on.
   // REQUIRES: mu_ held.
-  void TakeNameLocked(const std::string& name, const std::vector<protocol::CacheKey>& group);
+  void TakeNameLocked(const std::string& name, const std::vector<protocol::CacheKey>& group,
+                      std::vector<std::string>* taken_from);
 
   mutable std::mutex mu_;
   std::condition_variable load_done_;

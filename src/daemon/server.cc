@@ -1004,7 +1004,18 @@ Result<json> Server::State::PreloadUnguarded(
     }
   } release_held{registry, held};
   std::string name = pin;
-  std::string unpinned;  // the name the resident ranks had, replaced by `pin`
+  std::string unpinned;                 // the name the resident ranks had, replaced by `pin`
+  std::vector<std::string> taken_from;  // paths of other models `pin` named until now
+  auto taken_json = [&] {
+    json paths = json::array();
+    for (const std::string& p : taken_from) paths.push_back(protocol::PathToJson(p));
+    return paths;
+  };
+  auto log_taken = [&] {
+    for (const std::string& p : taken_from) {
+      Log("`" + name + "` no longer names the model from " + p + ": a name pins one model");
+    }
+  };
   for (int r = 0; r < ranks; ++r) {
     if (!wanted(r)) continue;
     Registry::Lookup found = registry.Acquire(key_of(fp->digest, r), "");
@@ -1019,13 +1030,14 @@ Result<json> Server::State::PreloadUnguarded(
   }
   auto pin_all = [&](const std::string& digest) {
     if (name.empty()) return;
-    registry.Pin(group_of(digest), name);
+    registry.Pin(group_of(digest), name, &taken_from);
     Log("pinned " + protocol::ShortDescription(key_of(digest, 0)) + " (" + std::to_string(ranks) +
         " rank(s)) as `" + name + "`" +
         (unpinned.empty() ? "" : "; `" + unpinned + "` no longer names it"));
   };
   if (missing.empty()) {
     if (!pin.empty()) pin_all(fp->digest);
+    log_taken();
     // The same keys as a load's reply, for scripts that read them either
     // way: nothing loaded, no bytes.
     return json{{"already_resident", true},
@@ -1038,7 +1050,8 @@ Result<json> Server::State::PreloadUnguarded(
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
                 {"phases", phases_json({})},
                 {"evicted", json::array()},
-                {"unpinned", unpinned}};
+                {"unpinned", unpinned},
+                {"pin_taken_from", taken_json()}};
   }
 
   std::vector<uint64_t> reserved;  // per rank, in load order
@@ -1136,7 +1149,7 @@ Result<json> Server::State::PreloadUnguarded(
     const bool on_gpu = devices[static_cast<size_t>(rank.rank)].kind == memory::DeviceKind::kCuda;
     if (on_gpu) model->manifest = manifest_copy;
     bytes += model->segment->size();
-    auto published = registry.Publish(std::move(model), reserved[i], group);
+    auto published = registry.Publish(std::move(model), reserved[i], group, &taken_from);
     if (on_gpu) LearnReadOnly(*published->segment);
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
         (name.empty() ? "" : " (pinned as `" + name + "`)") + ": " +
@@ -1148,6 +1161,7 @@ Result<json> Server::State::PreloadUnguarded(
   }
   // Ranks that stayed resident take a new name too.
   if (!pin.empty() && !held.empty()) pin_all(loaded->checkpoint_digest);
+  log_taken();
   json evicted_json = json::array();
   // As `evict` lists what it dropped.
   for (const Eviction& e : evicted) {
@@ -1161,7 +1175,9 @@ Result<json> Server::State::PreloadUnguarded(
               {"tensors", loaded->tensors},
               {"seconds", seconds},
               {"phases", phases_json(loaded->phases)},
-              {"evicted", evicted_json}};
+              {"evicted", evicted_json},
+              {"unpinned", unpinned},
+              {"pin_taken_from", taken_json()}};
 }
 
 void Server::ExpectPreloads(size_t n) { state_->registry.ExpectLoads(n); }
