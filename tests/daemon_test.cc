@@ -738,9 +738,16 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
   json after = Status();
   EXPECT_EQ(after["models"].size(), 0u);
   EXPECT_GT(after["devices"][0]["used"].get<uint64_t>(), 0u);
+  // ... and status says whose they are.
+  EXPECT_EQ(after["devices"][0]["evicted_in_use"], after["devices"][0]["used"]);
+  EXPECT_EQ(after["devices"][0]["evicted_in_use_models"], 1);
+  CommandResult text = Run({"status"});
+  EXPECT_NE(text.out.find("by 1 evicted model engines still map"), std::string::npos) << text.out;
   engine.Signal(SIGKILL);
   engine.Wait();
   EXPECT_TRUE(Eventually([&] { return Status()["devices"][0]["used"] == 0; }));
+  EXPECT_EQ(Status()["devices"][0]["evicted_in_use"], 0);
+  EXPECT_EQ(Status()["devices"][0]["evicted_in_use_models"], 0);
   // Nothing left: `all` is no error, a name that matches nothing is, in
   // JSON too.
   EXPECT_EQ(Run({"evict", "all"}).exit_code, 0);

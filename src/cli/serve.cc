@@ -461,8 +461,14 @@ Command AddStatusCommand(CLI::App& root) {
             }
             for (const auto& d : (*reply)["devices"]) {
               const uint64_t reserved = d.value("reserved", uint64_t{0});
+              const uint64_t draining = d.value("evicted_in_use", uint64_t{0});
+              const uint64_t draining_models = d.value("evicted_in_use_models", uint64_t{0});
               std::cout << d.value("name", "") << ": " << FormatBytes(d.value("used", uint64_t{0}))
                         << " held of " << FormatBytes(d.value("budget", uint64_t{0}))
+                        << (draining > 0 ? " (" + FormatBytes(draining) + " by " +
+                                               Count(draining_models, "evicted model") +
+                                               " engines still map, freed when they let go)"
+                                         : "")
                         << (reserved > 0 ? ", " + FormatBytes(reserved) + " for preloads under way"
                                          : "")
                         << "\n";

@@ -27,7 +27,13 @@ Eviction Registry::EvictLocked(size_t index, Dropped& dropped) {
   // Leased: the daemon holds the segment until the last lease ends, and
   // counts it until then (Release).
   m->evicted = true;
-  if (m->leases == 0) AccountLocked(m->key.device).used -= bytes;
+  Account& a = AccountLocked(m->key.device);
+  if (m->leases == 0) {
+    a.used -= bytes;
+  } else {
+    a.evicted_leased += bytes;
+    ++a.evicted_leased_models;
+  }
   return {m->id, protocol::ShortDescription(m->key) + (m->name.empty() ? "" : " (" + m->name + ")"),
           bytes};
 }
@@ -259,7 +265,10 @@ void Registry::Release(const std::shared_ptr<ResidentModel>& model) {
   std::lock_guard lock(mu_);
   if (model->leases > 0) --model->leases;
   if (model->evicted && model->leases == 0) {
-    AccountLocked(model->key.device).used -= model->segment->reserved_bytes();
+    Account& a = AccountLocked(model->key.device);
+    a.used -= model->segment->reserved_bytes();
+    a.evicted_leased -= model->segment->reserved_bytes();
+    --a.evicted_leased_models;
   }
   model->last_used = std::chrono::steady_clock::now();
 }
@@ -367,7 +376,8 @@ Registry::Snapshot Registry::Take() const {
     s.idle_seconds.push_back(std::chrono::duration<double>(now - m->last_used).count());
   }
   for (const auto& [device, a] : accounts_) {
-    s.devices.push_back({device, a.budget, a.used, a.reserved});
+    s.devices.push_back(
+        {device, a.budget, a.used, a.reserved, a.evicted_leased, a.evicted_leased_models});
     if (device == "host") std::rotate(s.devices.begin(), s.devices.end() - 1, s.devices.end());
   }
   return s;

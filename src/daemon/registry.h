@@ -159,6 +159,10 @@ class Registry {
     uint64_t budget = 0;
     uint64_t used = 0;
     uint64_t reserved = 0;
+    // Of `used`: evicted models that engines still map, freed when the
+    // last of them lets go.
+    uint64_t evicted_leased = 0;
+    uint64_t evicted_leased_models = 0;
   };
   struct Snapshot {
     std::vector<std::shared_ptr<ResidentModel>> models;
@@ -198,6 +202,8 @@ class Registry {
     uint64_t budget = 0;
     uint64_t used = 0;
     uint64_t reserved = 0;
+    uint64_t evicted_leased = 0;  // of `used`
+    uint64_t evicted_leased_models = 0;
   };
   // REQUIRES: mu_ held.
   Account& AccountLocked(const std::string& device) { return accounts_[device]; }

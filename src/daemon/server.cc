@@ -101,7 +101,9 @@ json DeviceJson(const Registry::Snapshot& s) {
                    {"budget", d.budget},
                    {"used", d.used},
                    {"reserved", d.reserved},
-                   {"free", d.budget - std::min(d.budget, d.used + d.reserved)}});
+                   {"free", d.budget - std::min(d.budget, d.used + d.reserved)},
+                   {"evicted_in_use", d.evicted_leased},
+                   {"evicted_in_use_models", d.evicted_leased_models}});
   }
   return out;
 }
