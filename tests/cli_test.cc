@@ -64,11 +64,17 @@ TEST(Cli, UsageErrorsExitTwo) {
         {"inspect", overall, "--values", "e", "--limit", "0"},
         {"make-checkpoint", dir.Join("y"), "--preset", "tiny", "--size", "1G"},
         {"make-checkpoint", dir.Join("y"), "--preset", "llama", "--tensors", "5"},
-        {"make-checkpoint", dir.Join("y"), "--preset", "many-tensors", "--experts", "5"}}) {
+        {"make-checkpoint", dir.Join("y"), "--preset", "many-tensors", "--experts", "5"},
+        {"make-checkpoint", dir.Join("y"), "--preset", "llama", "--layers", "2", "--hidden", "64",
+         "--size", "10M"}}) {
     r = RunWeightd(ignored);
     EXPECT_EQ(r.exit_code, 2) << ignored[2] << " " << ignored.back() << ": " << r.err;
   }
   EXPECT_FALSE(std::filesystem::exists(dir.Join("y")));
+  // A size below one layer's is not met, and that is said.
+  r = RunWeightd({"make-checkpoint", dir.Join("small"), "--preset", "llama", "--size", "1K"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+  EXPECT_NE(r.err.find("--size 1K is below what this shape takes"), std::string::npos) << r.err;
   // Seconds are finite and not negative: nan would wait forever, inf not
   // at all.
   for (const char* bad : {"nan", "inf", "-1", "1e308", "5x"}) {

@@ -32,6 +32,9 @@ int RunMake(MakeOptions o) {
        "--experts applies to the k3-layout preset only"},
       {o.synthetic.tensors != 0 && preset != "many-tensors",
        "--tensors applies to the many-tensors preset only"},
+      {!o.size.empty() && o.synthetic.hidden != 0 && o.synthetic.layers != 0,
+       "--size with both --layers and --hidden: those two make the size; give one of them, or "
+       "no --size"},
   };
   for (const auto& [given, why] : unused) {
     if (given) return ReportError("make-checkpoint", why, kExitUsage);
@@ -56,6 +59,13 @@ int RunMake(MakeOptions o) {
   });
   if (!plan.ok()) return ReportError("make-checkpoint", plan.error().message());
   const double seconds = SecondsSince(start);
+  // The shape is chosen for the size, in whole layers of at least one: a
+  // size far below that is not met, and that is said.
+  if (o.synthetic.size_bytes != 0 && plan->data_bytes / 2 > o.synthetic.size_bytes) {
+    std::cerr << "weightd: make-checkpoint: --size " << o.size << " is below what this shape "
+              << "takes (whole layers: " << (o.synthetic.layers != 0 ? "--layers" : "one at least")
+              << "): wrote " << FormatBytes(plan->data_bytes) << "\n";
+  }
   if (o.json) {
     nlohmann::json out = {{"path", o.out},
                           {"preset", o.synthetic.preset},
