@@ -510,6 +510,21 @@ TEST_F(DaemonTest, KilledEngineReleasesItsLease) {
   engine.Signal(SIGKILL);
   engine.Wait();
   EXPECT_TRUE(Eventually([&] { return TotalLeases() == 0; })) << Status().dump();
+  EXPECT_NE(daemon->err().find("pid " + std::to_string(engine.pid()) +
+                               " closed its connection; 1 lease(s) released"),
+            std::string::npos)
+      << daemon->err();
+
+  // A stop closes an engine's connection: logged as the daemon's doing.
+  Process held({"load", a, "--checksum", "--hold", "3", "--socket-dir", sock_});
+  ASSERT_TRUE(held.WaitForOutput("checksum: ")) << held.err();
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->Wait(), 0);
+  EXPECT_NE(daemon->err().find("stopping: closed the connection of pid " +
+                               std::to_string(held.pid()) + ", its 1 lease(s) with it"),
+            std::string::npos)
+      << daemon->err();
+  EXPECT_EQ(held.Wait(), 0) << held.err();
 }
 
 TEST_F(DaemonTest, SecondDaemonOnTheSameDirectoryExitsNamingTheFirst) {

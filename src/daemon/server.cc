@@ -554,8 +554,13 @@ void Server::State::Serve(uint64_t id, memory::UniqueFd fd, ucred peer) {
     }
     for (const auto& model : leases) registry.Release(model);
     if (!leases.empty()) {
-      Log("pid " + std::to_string(peer.pid) + " went away; " + std::to_string(leases.size()) +
-          " lease(s) released");
+      const std::string n = std::to_string(leases.size()) + " lease(s)";
+      // A stop closes every connection: the engine is still there, and what
+      // it mapped stays valid.
+      Log(stopping.load()
+              ? "stopping: closed the connection of pid " + std::to_string(peer.pid) + ", its " +
+                    n + " with it (what it mapped stays valid)"
+              : "pid " + std::to_string(peer.pid) + " closed its connection; " + n + " released");
     }
     std::lock_guard lock(conn_mu);
     open_sockets.erase(raw);  // before the channel closes the descriptor
