@@ -183,11 +183,29 @@ TEST(Full, EachShardIsTheSha256OfItsBytes) {
     EXPECT_EQ(s.digest, std::string("sha256:") + hex) << s.name;
   }
   EXPECT_EQ(fp.digest.rfind("sha256:", 0), 0u);
-  EXPECT_EQ(fp.bytes_read, fs::file_size(dir.Join("m/model.safetensors.index.json")) +
-                               fs::file_size(dir.Join("m/model-00001-of-00004.safetensors")) +
-                               fs::file_size(dir.Join("m/model-00002-of-00004.safetensors")) +
-                               fs::file_size(dir.Join("m/model-00003-of-00004.safetensors")) +
-                               fs::file_size(dir.Join("m/model-00004-of-00004.safetensors")));
+  // The index, every byte of every shard, and each shard's header once more
+  // (checked as in sampled mode).
+  uint64_t expected = fs::file_size(dir.Join("m/model.safetensors.index.json"));
+  for (int i = 1; i <= 4; ++i) {
+    const auto bytes = testing::ReadFileBytes(
+        dir.Join("m/model-0000" + std::to_string(i) + "-of-00004.safetensors"));
+    uint64_t header = 0;
+    std::memcpy(&header, bytes.data(), sizeof header);  // little-endian, as on this machine
+    expected += bytes.size() + 8 + header;
+  }
+  EXPECT_EQ(fp.bytes_read, expected);
+}
+
+TEST(Full, ABrokenShardIsAnErrorAsInSampledMode) {
+  TempDir dir;
+  const std::string m = Make(dir, "m", {.preset = "tiny"});
+  fs::resize_file(dir.Join("m/model.safetensors"), 1000);
+  for (Mode mode : {Mode::kSampled, Mode::kFull}) {
+    auto fp = FingerprintCheckpoint(io::PosixFileSystem(), m, {.mode = mode});
+    ASSERT_FALSE(fp.ok()) << ModeName(mode);
+    EXPECT_NE(fp.error().message().find("data region must end at end of file"), std::string::npos)
+        << fp.error().message();
+  }
 }
 
 // --- The stat shortcut ---------------------------------------------------
