@@ -66,7 +66,8 @@ TEST(Cli, UsageErrorsExitTwo) {
         {"make-checkpoint", dir.Join("y"), "--preset", "llama", "--tensors", "5"},
         {"make-checkpoint", dir.Join("y"), "--preset", "many-tensors", "--experts", "5"},
         {"make-checkpoint", dir.Join("y"), "--preset", "llama", "--layers", "2", "--hidden", "64",
-         "--size", "10M"}}) {
+         "--size", "10M"},
+        {"serve", "--socket-dir", dir.Join("y"), "--budget", "4G", "--budget", "host=8G"}}) {
     r = RunWeightd(ignored);
     EXPECT_EQ(r.exit_code, 2) << ignored[2] << " " << ignored.back() << ": " << r.err;
   }

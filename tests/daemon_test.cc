@@ -491,6 +491,12 @@ TEST_F(DaemonTest, EngineKeepsItsWeightsWhenTheDaemonIsKilled) {
   ASSERT_TRUE(Eventually([&] { return TotalLeases() == 1; }));
   daemon->Signal(SIGKILL);
   daemon->Wait();
+  // Its socket is left behind: said as such.
+  CommandResult stale = Run({"status"});
+  EXPECT_EQ(stale.exit_code, 1);
+  EXPECT_NE(stale.err.find("no daemon is listening there (the socket of one that ended)"),
+            std::string::npos)
+      << stale.err;
   EXPECT_EQ(engine.Wait(), 0) << engine.err();
   EXPECT_NE(engine.out().find("checksum after hold: " + expected), std::string::npos)
       << engine.out();
@@ -1078,6 +1084,12 @@ TEST_F(DaemonTest, PopulateAsksTheDaemonToPreloadWhatWasMissed) {
 
 TEST_F(DaemonTest, AnEngineCanWaitForADaemonThatIsStarting) {
   const std::string a = MakeModel("a");
+  // None comes: the reason says how long it was waited for.
+  json alone = Load(a, {"--wait-for-daemon", "0.2"});
+  EXPECT_EQ(alone["source"], "disk");
+  EXPECT_NE(alone["reason"].get<std::string>().find("(after waiting 0.2 s for it)"),
+            std::string::npos)
+      << alone["reason"];
   Process engine({"load", a, "--json", "--wait-for-daemon", "60", "--socket-dir", sock_});
   ::usleep(300'000);
   auto daemon = StartDaemon();

@@ -13,6 +13,7 @@
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <system_error>
 #include <thread>
 
@@ -207,6 +208,7 @@ int RunServe(ServeOptions o) {
   // The file's first, then the flags: for a device named in both, the last
   // one given (the flag) is the one that holds.
   std::vector<Budget> budgets = o.config_budgets;
+  std::set<std::string> flagged;  // a device twice on the command line: which one was meant?
   for (const std::string& b : o.budgets) {
     const size_t eq = b.find('=');
     auto budget = eq == std::string::npos ? ParseBudget("host", b)
@@ -215,6 +217,13 @@ int RunServe(ServeOptions o) {
       return ReportError("serve",
                          "--budget " + b + ": " + budget.error().message() +
                              " (expected DEVICE=SIZE, e.g. host=64G, cuda:0=70G)",
+                         kExitUsage);
+    }
+    if (!flagged.insert(budget->host ? "host" : budget->device).second) {
+      return ReportError("serve",
+                         "--budget " + b + ": a budget for " +
+                             (budget->host ? std::string("host") : budget->device) +
+                             " was given already; give one per device",
                          kExitUsage);
     }
     budgets.push_back(*budget);
@@ -354,8 +363,8 @@ Command AddServeCommand(CLI::App& root) {
                    "hung network file system) before the daemon exits without them (default 10)",
                    3600);
   app->add_option("--config", o->config,
-                  "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path/pin to preload "
-                  "at start (see docs/cli.md)");
+                  "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path/pin/device to "
+                  "preload at start, unprocessed (see docs/cli.md)");
   return {app, [o] { return RunServe(*o); }};
 }
 

@@ -5,6 +5,7 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <limits>
@@ -190,7 +191,13 @@ Result<protocol::Channel> ConnectWaiting(const std::string& socket_dir, double w
       std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_seconds);
   while (true) {
     auto ch = protocol::ConnectToDaemon(socket_dir);
-    if (ch.ok() || std::chrono::steady_clock::now() >= deadline) return ch;
+    if (ch.ok()) return ch;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      if (wait_seconds <= 0) return ch;
+      char waited[64];
+      std::snprintf(waited, sizeof waited, " (after waiting %g s for it)", wait_seconds);
+      return Error(ch.error().message() + waited);
+    }
     std::this_thread::sleep_for(kConnectRetry);
   }
 }

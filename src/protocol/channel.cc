@@ -201,6 +201,10 @@ Result<Channel> Connect(const std::string& socket_path) {
   memory::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!fd.valid()) return Error(Errno("socket"));
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    if (errno == ECONNREFUSED) {
+      return Error("cannot connect to " + socket_path +
+                   ": no daemon is listening there (the socket of one that ended)");
+    }
     return Error(Errno("cannot connect to " + socket_path));
   }
   // Whoever listens must be this user (the daemon checks us the same way):
