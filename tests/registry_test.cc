@@ -258,50 +258,69 @@ TEST(Registry, AMissNamesTheEnginesOwnModelProcessedOtherwise) {
 }
 
 // A miss against another checkpoint's model says whose it is; one for a
-// checkpoint whose preload failed says why, until a preload of it works.
+// model whose preload failed says why, until that model is published.
 TEST(Registry, AMissSaysWhoseModelDiffersAndWhyTheEnginesOwnIsMissing) {
   Registry r(64 * kMiB);
+  r.SetBudget(kGpu, 64 * kMiB);
   protocol::CacheKey want;
   want.checkpoint = "xxh3-128:mine";
   want.device = "host";
-  r.NoteFailedLoad("/models/mine", "/models/mine: out of budget on host");
-  const Registry::Lookup empty = r.Acquire(want, "", {}, "/models/mine");
-  EXPECT_EQ(empty.reason,
-            "the daemon's last preload of this checkpoint failed: /models/mine: out of budget on "
-            "host");
-  // Another path's failure is not this one's.
-  EXPECT_EQ(r.Acquire(want, "", {}, "/models/yours").reason, "no model is resident");
+  r.NoteFailedLoad({want}, "/models/mine: out of budget on host");
+  const std::string failed =
+      "the daemon's last preload of this model failed: /models/mine: out of budget on host";
+  EXPECT_EQ(r.Acquire(want, "", {}, "/models/mine").reason, failed);
+  // Another model's failure is not this one's: the same checkpoint on a
+  // GPU, say.
+  protocol::CacheKey on_gpu = want;
+  on_gpu.device = kGpu;
+  EXPECT_EQ(r.Acquire(on_gpu, "", {}, "/models/mine").reason, "no model is resident");
 
   Publish(r, "host", 1, "xxh3-128:other")->path = "/models/other";
-  const Registry::Lookup failed = r.Acquire(want, "", {}, "/models/mine");
-  EXPECT_FALSE(failed.model);
-  EXPECT_EQ(failed.reason, empty.reason);
-  EXPECT_TRUE(failed.mismatch.empty());  // the other model's digest would read as an older one
-
-  r.ForgetFailedLoad("/models/mine");
-  const Registry::Lookup other = r.Acquire(want, "", {}, "/models/mine");
+  const Registry::Lookup other_failed = r.Acquire(want, "", {}, "/models/mine");
+  EXPECT_FALSE(other_failed.model);
+  EXPECT_EQ(other_failed.reason, failed);
+  EXPECT_TRUE(other_failed.mismatch.empty());  // the other's digest would read as an older one
+  const Registry::Lookup other = r.Acquire(on_gpu, "", {}, "/models/mine");
   EXPECT_EQ(other.reason,
             "no model from this checkpoint is resident; the nearest, from /models/other, differs");
-  ASSERT_EQ(other.mismatch.size(), 1u);
+  ASSERT_FALSE(other.mismatch.empty());
   EXPECT_EQ(other.mismatch[0].field, "checkpoint");
-  EXPECT_EQ(r.Acquire(want, "").reason, "no resident model matches");  // no path: no owner
+  EXPECT_EQ(r.Acquire(on_gpu, "").reason, "no resident model matches");  // no path: no owner
 
-  // Its own older version resident and a newer one that failed: both said.
-  Publish(r, "host", 1, "xxh3-128:before")->path = "/models/mine";
-  r.NoteFailedLoad("/models/mine", "/models/mine: changed while being loaded");
-  const Registry::Lookup older = r.Acquire(want, "", {}, "/models/mine");
-  EXPECT_EQ(older.reason,
-            "the daemon's last preload of this checkpoint failed: /models/mine: changed while "
-            "being loaded; what is resident differs");
-  ASSERT_EQ(older.mismatch.size(), 1u);
-  EXPECT_EQ(older.mismatch[0].daemon, "xxh3-128:before");
+  // The same content from elsewhere is no other checkpoint: the host copy
+  // a GPU engine reloads from stays a miss on `device` alone, failure or not.
+  Publish(r, "host", 1, "xxh3-128:mine")->path = "/elsewhere/copy";
+  r.NoteFailedLoad({on_gpu}, "/models/mine: out of budget on " + kGpu);
+  const Registry::Lookup reload = r.Acquire(on_gpu, "", {}, "/models/mine");
+  EXPECT_EQ(reload.reason,
+            "the daemon's last preload of this model failed: /models/mine: out of "
+            "budget on " +
+                kGpu + "; what is resident differs");
+  ASSERT_EQ(reload.mismatch.size(), 1u);
+  EXPECT_EQ(reload.mismatch[0].field, "device");
 
-  // Only the newest kFailedLoadsKept paths are remembered.
-  for (size_t i = 0; i < Registry::kFailedLoadsKept; ++i) {
-    r.NoteFailedLoad("/models/m" + std::to_string(i), "failed");
+  // Published, a model is found, and its failure forgotten.
+  const Registry::Lookup hit = r.Acquire(want, "", {}, "/models/mine");
+  ASSERT_TRUE(hit.model) << hit.reason;
+  r.Release(hit.model);
+  auto gpu_model = Publish(r, kGpu, 1, "xxh3-128:mine");
+  gpu_model->path = "/models/mine";
+  r.Evict("all");
+  EXPECT_EQ(r.Acquire(on_gpu, "", {}, "/models/mine").reason, "no model is resident");
+
+  // Only the newest kFailedLoadsKept keys are remembered, each reason cut
+  // short.
+  std::vector<protocol::CacheKey> many(Registry::kFailedLoadsKept);
+  for (size_t i = 0; i < many.size(); ++i) {
+    many[i].checkpoint = "xxh3-128:m" + std::to_string(i);
+    many[i].device = "host";
   }
-  EXPECT_EQ(r.Acquire(want, "", {}, "/models/mine").reason, "no resident model matches");
-  EXPECT_NE(r.Acquire(want, "", {}, "/models/m0").reason.find("failed: failed"), std::string::npos);
+  r.NoteFailedLoad({want}, "older");
+  r.NoteFailedLoad(many, std::string(100'000, 'x'));
+  EXPECT_EQ(r.Acquire(want, "", {}, "/models/mine").reason, "no model is resident");
+  const std::string cut = r.Acquire(many[0], "", {}, "/models/m0").reason;
+  EXPECT_EQ(cut.size(), std::string("the daemon's last preload of this model failed: ").size() +
+                            Registry::kFailedLoadReasonBytes + 3);
 }
 
 }  // namespace

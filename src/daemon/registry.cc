@@ -140,6 +140,7 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
     with_own.push_back(model->key);
     TakeNameLocked(model->name, with_own, taken_from);
   }
+  std::erase_if(failed_loads_, [&](const auto& f) { return f.first == model->key; });
   model->id = next_id_++;
   model->last_used = std::chrono::steady_clock::now();
   a.used += model->segment->reserved_bytes();
@@ -187,26 +188,27 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
   return after;
 }
 
-void Registry::NoteFailedLoad(const std::string& path, const std::string& why) {
+void Registry::NoteFailedLoad(const std::vector<protocol::CacheKey>& keys, const std::string& why) {
+  std::string reason = why;
+  if (reason.size() > kFailedLoadReasonBytes) {
+    reason.resize(kFailedLoadReasonBytes);
+    reason += "...";
+  }
   std::lock_guard lock(mu_);
-  std::erase_if(failed_loads_, [&](const auto& f) { return f.first == path; });
-  failed_loads_.emplace_back(path, why);
-  if (failed_loads_.size() > kFailedLoadsKept) failed_loads_.pop_front();
-}
-
-void Registry::ForgetFailedLoad(const std::string& path) {
-  std::lock_guard lock(mu_);
-  std::erase_if(failed_loads_, [&](const auto& f) { return f.first == path; });
+  for (const protocol::CacheKey& key : keys) {
+    std::erase_if(failed_loads_, [&](const auto& f) { return f.first == key; });
+    failed_loads_.emplace_back(key, reason);
+  }
+  while (failed_loads_.size() > kFailedLoadsKept) failed_loads_.pop_front();
 }
 
 Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const std::string& trust,
                                          const std::string& path) {
   Lookup out;
-  // The engine's checkpoint failed to load here: that is why, first.
+  // The engine's model failed to load here: that is why, first.
   std::string failed;
-  for (const auto& [p, why] : failed_loads_) {
-    if (!path.empty() && p == path)
-      failed = "the daemon's last preload of this checkpoint failed: " + why;
+  for (const auto& [k, why] : failed_loads_) {
+    if (k == key) failed = "the daemon's last preload of this model failed: " + why;
   }
   if (models_.empty()) {
     out.reason = failed.empty() ? "no model is resident" : failed;
@@ -237,16 +239,18 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
     return out;
   }
   if (!best_diff.empty()) {
-    // Differences from another checkpoint's model are no older version of
-    // the engine's: say whose they are, or say nothing of them when the
-    // engine's own failed to load.
-    if (trust.empty() && !path.empty() && models_[best]->path != path) {
+    // Another checkpoint's model (other content, from elsewhere) is no
+    // older version of the engine's: say whose it is, or, when the
+    // engine's own failed to load, say nothing of it.
+    const ResidentModel& nearest = *models_[best];
+    if (trust.empty() && !path.empty() && nearest.path != path &&
+        nearest.key.checkpoint != key.checkpoint) {
       if (!failed.empty()) {
         out.reason = failed;
         return out;
       }
-      out.reason = "no model from this checkpoint is resident; the nearest, from " +
-                   models_[best]->path + ", differs";
+      out.reason = "no model from this checkpoint is resident; the nearest, from " + nearest.path +
+                   ", differs";
     } else {
       out.reason =
           failed.empty() ? "no resident model matches" : failed + "; what is resident differs";

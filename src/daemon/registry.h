@@ -142,12 +142,14 @@ class Registry {
   void Unqueue(const std::vector<protocol::CacheKey>& keys);
   void DropExpected(size_t n = SIZE_MAX);
 
-  // A preload of `path` that failed, and why: told to engines that then
-  // miss asking for a model from that path, until a preload of it
-  // succeeds (Forget). The last kFailedLoadsKept paths are kept.
-  void NoteFailedLoad(const std::string& path, const std::string& why);
-  void ForgetFailedLoad(const std::string& path);
-  static constexpr size_t kFailedLoadsKept = 32;
+  // A preload that failed once its keys were known (out of budget, a read
+  // error, the files changed), and why: told to engines that then miss
+  // asking for exactly one of those keys, until a model with that key is
+  // published. The newest kFailedLoadsKept keys are kept, each reason cut
+  // to kFailedLoadReasonBytes.
+  void NoteFailedLoad(const std::vector<protocol::CacheKey>& keys, const std::string& why);
+  static constexpr size_t kFailedLoadsKept = 64;
+  static constexpr size_t kFailedLoadReasonBytes = 1024;
 
   // Evicts models matching `what`: "all", a pinned name, a prefix (at
   // least 8 characters) of the checkpoint digest, or "#ID" (one model, as
@@ -195,8 +197,8 @@ class Registry {
   mutable std::mutex mu_;
   std::condition_variable load_done_;
   std::vector<protocol::CacheKey> loading_;
-  std::deque<std::pair<std::string, std::string>> failed_loads_;  // path, why; newest last
-  size_t expected_ = 0;                                           // announced loads not keyed yet
+  std::deque<std::pair<protocol::CacheKey, std::string>> failed_loads_;  // key, why; newest last
+  size_t expected_ = 0;                     // announced loads not keyed yet
   std::vector<protocol::CacheKey> queued_;  // keys of announced loads waiting for their turn
   struct Account {
     uint64_t budget = 0;

@@ -244,21 +244,17 @@ struct Server::State {
                        const std::function<void(uint64_t, uint64_t)>& progress,
                        std::optional<size_t> config_order = std::nullopt) {
     LoadMarks marks{*this, config_order, config_order.has_value(), {}, {}};
-    Result<json> r = [&]() -> Result<json> {
-      try {
-        return PreloadUnguarded(path, processing, pin, only, progress, marks);
-      } catch (const std::exception& e) {
-        return Error(path + ": the preload failed: " + e.what() + "; nothing was published");
+    try {
+      Result<json> r = PreloadUnguarded(path, processing, pin, only, progress, marks);
+      // Before the marks come off: engines waiting for this model, woken
+      // then, hear why it did not come.
+      if (!r.ok() && !marks.loading.empty()) {
+        registry.NoteFailedLoad(marks.loading, r.error().message());
       }
-    }();
-    // Before the marks come off: engines waiting for this model, woken
-    // then, hear why it did not come.
-    if (r.ok()) {
-      registry.ForgetFailedLoad(path);
-    } else {
-      registry.NoteFailedLoad(path, r.error().message());
+      return r;
+    } catch (const std::exception& e) {
+      return Error(path + ": the preload failed: " + e.what() + "; nothing was published");
     }
-    return r;
   }
   Result<json> PreloadUnguarded(const std::string& path, const protocol::Processing& processing,
                                 const std::string& pin, const std::vector<int>& only,
@@ -552,7 +548,6 @@ void Server::State::Serve(uint64_t id, memory::UniqueFd fd, ucred peer) {
         break;
       }
     }
-    for (const auto& model : leases) registry.Release(model);
     if (!leases.empty()) {
       const std::string n = std::to_string(leases.size()) + " lease(s)";
       // A stop closes every connection: the engine is still there, and what
@@ -562,6 +557,8 @@ void Server::State::Serve(uint64_t id, memory::UniqueFd fd, ucred peer) {
                     n + " with it (what it mapped stays valid)"
               : "pid " + std::to_string(peer.pid) + " closed its connection; " + n + " released");
     }
+    // Logged first: whoever sees the leases gone finds the line.
+    for (const auto& model : leases) registry.Release(model);
     std::lock_guard lock(conn_mu);
     open_sockets.erase(raw);  // before the channel closes the descriptor
   }

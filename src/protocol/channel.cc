@@ -203,7 +203,7 @@ Result<Channel> Connect(const std::string& socket_path) {
   if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     if (errno == ECONNREFUSED) {
       return Error("cannot connect to " + socket_path +
-                   ": no daemon is listening there (the socket of one that ended)");
+                   ": no daemon is listening there (one that ended left it, or one is starting)");
     }
     return Error(Errno("cannot connect to " + socket_path));
   }
