@@ -996,10 +996,15 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   beside.Signal(SIGTERM);
   EXPECT_EQ(beside.Wait(), 0) << beside.err();
 
+  // Processing is checked at start, as preload's flags are.
   testing::WriteFileText(config, "[[model]]\npath = \"" + a + "\"\ntp_size = 2\n");
   CommandResult bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
   EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.err.find("tp_size"), std::string::npos) << bad.err;
+  EXPECT_NE(bad.err.find("[[model]] " + a + ": name a --shard-plan"), std::string::npos) << bad.err;
+  testing::WriteFileText(config, "[[model]]\npath = \"a\"\ntp_rank = 1\n");
+  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("not `tp_rank`"), std::string::npos) << bad.err;
   // A name pins one model.
   testing::WriteFileText(config,
                          "[[model]]\npath = \"a\"\npin = \"p\"\n[[model]]\npath = "
@@ -1028,6 +1033,34 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
     EXPECT_EQ(bad.exit_code, 2);
     EXPECT_NE(bad.err.find("not a regular file"), std::string::npos) << bad.err;
   }
+}
+
+// A config's model may be processed as `weightd preload` would: every rank
+// resident at start, found by the engines of each rank.
+TEST_F(DaemonTest, AConfigModelIsPreloadedProcessedIntoEveryRank) {
+  const std::string a = MakeModel("a");
+  const std::string config = dir_.Join("weightd.toml");
+  testing::WriteFileText(config,
+                         "[[model]]\npath = \"a\"\ntp_size = 2\nshard_plan = \"llama\"\n"
+                         "quant = \"fp8-block\"\ndevice = \"cpu,cpu\"\n");
+  auto daemon = StartDaemon({"--config", config});
+  ASSERT_TRUE(Eventually([&] { return Status()["models"].size() == 2; })) << daemon->err();
+  for (const json& m : Status()["models"]) {
+    EXPECT_EQ(m["key"]["tp_size"], 2);
+    EXPECT_EQ(m["key"]["quant"], "fp8-block");
+  }
+  const std::vector<std::string> rank1 = {"--tp-size",    "2",         "--tp-rank",    "1",
+                                          "--quant",      "fp8-block", "--shard-plan", "llama",
+                                          "--no-fallback"};
+  json hit = Load(a, rank1);
+  EXPECT_EQ(hit["source"], "daemon") << hit.dump();
+  // The same bytes as that rank's own disk load.
+  std::vector<std::string> disk = {
+      "load", a, "--json", "--checksum", "--socket-dir", dir_.Join("no-daemon-here")};
+  disk.insert(disk.end(), rank1.begin(), rank1.end() - 1);
+  CommandResult cold = RunWeightd(disk);
+  ASSERT_EQ(cold.exit_code, 0) << cold.err;
+  EXPECT_EQ(json::parse(cold.out)["checksum"], hit["checksum"]);
 }
 
 // The config's models load in turn: one that fails before its turn (its
@@ -1199,10 +1232,8 @@ TEST(Server, ConfigModelsPassOverOneThatWillNotCome) {
   ASSERT_TRUE(server.Start().ok());
   std::thread runner([&] { server.Run(); });
   server.SkipPreload(1);
-  auto last = std::async(std::launch::async, [&] { return server.Preload({b, "", "cpu", 2}, {}); });
-  auto first = std::async(std::launch::async, [&] {
-    return server.Preload({a, "", "cpu", 0}, {});
-  });
+  auto last = std::async(std::launch::async, [&] { return server.Preload({b, "", {}, 2}, {}); });
+  auto first = std::async(std::launch::async, [&] { return server.Preload({a, "", {}, 0}, {}); });
   // Not a timing: a turn never passed would wait forever; a stop ends it.
   if (last.wait_for(std::chrono::seconds(120)) != std::future_status::ready) {
     ADD_FAILURE() << "the model after the skipped one never got its turn";

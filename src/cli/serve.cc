@@ -25,6 +25,7 @@
 #include "memory/cuda.h"
 #include "protocol/cache_key.h"
 #include "protocol/paths.h"
+#include "transform/plan.h"
 
 namespace weightd::cli {
 namespace {
@@ -84,7 +85,7 @@ struct ServeOptions {
 struct ConfigModel {
   std::string path;
   std::string pin;
-  std::string device = "cpu";
+  protocol::Processing processing;  // as `weightd preload`'s flags give it
 };
 
 // The --config file:
@@ -97,6 +98,8 @@ struct ConfigModel {
 //   path = "/models/llama-3-8b"
 //   pin = "llama3"                       # optional
 //   device = "cuda:0"                    # optional; default: host memory
+//   tp_size = 2                          # optional, with shard_plan, dtype,
+//   shard_plan = "llama"                 # quant: as preload's flags
 //
 // Unknown keys are errors, so a typo does not silently do nothing.
 Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigModel>& models) {
@@ -147,24 +150,56 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
       if (!value.is_array_of_tables()) return fail("model must be [[model]] tables");
       for (const auto& entry : *value.as_array()) {
         ConfigModel m;
+        protocol::Processing& p = m.processing;
         for (const auto& [field, v] : *entry.as_table()) {
           const std::string f(field.str());
-          if ((f != "path" && f != "pin" && f != "device") || !v.is_string()) {
-            return fail("[[model]] takes path, pin and device (strings), not `" + f + "`");
+          if (f == "tp_size") {
+            const std::optional<int64_t> n = v.value<int64_t>();
+            // The range is checked with the rest of the processing below.
+            if (!v.is_integer() || !n || *n < 1 || *n > 1 << 20) {
+              return fail("[[model]] tp_size must be a positive whole number");
+            }
+            p.tp_size = static_cast<int>(*n);
+            continue;
           }
-          (f == "path" ? m.path : f == "pin" ? m.pin : m.device) = *v.value<std::string>();
+          std::string* into = f == "path"         ? &m.path
+                              : f == "pin"        ? &m.pin
+                              : f == "device"     ? &p.device
+                              : f == "dtype"      ? &p.dtype
+                              : f == "quant"      ? &p.quant
+                              : f == "shard_plan" ? &p.shard_plan
+                                                  : nullptr;
+          if (into == nullptr || !v.is_string()) {
+            return fail(
+                "[[model]] takes path, pin, device, dtype, quant and shard_plan "
+                "(strings) and tp_size (a number), not `" +
+                f + "`");
+          }
+          *into = *v.value<std::string>();
         }
         if (m.path.empty()) return fail("a [[model]] without a path");
-        // Its form now, not after `ready`: which GPU an ordinal names is
-        // known once the driver answers.
-        if (auto spec = memory::ParseDevice(m.device); !spec.ok()) {
-          return fail("[[model]] " + m.path + ": " + spec.error().message());
+        // Relative to the config file, wherever the daemon was started:
+        // the model, and a plan file.
+        auto beside_config = [&](std::string& relative) -> Status {
+          if (relative.empty() || relative.front() == '/') return OkStatus();
+          WEIGHTD_ASSIGN_OR_RETURN(const std::string dir,
+                                   io::PosixFileSystem().RealPath(io::DirName(file)));
+          relative = io::JoinPath(dir, relative);
+          return OkStatus();
+        };
+        if (Status s = beside_config(m.path); !s.ok()) return fail(s.error().message());
+        if (transform::IsPlanFile(p.shard_plan)) {
+          if (Status s = beside_config(p.shard_plan); !s.ok()) return fail(s.error().message());
         }
-        // Relative to the config file, wherever the daemon was started.
-        if (m.path.front() != '/') {
-          auto dir = io::PosixFileSystem().RealPath(io::DirName(file));
-          if (!dir.ok()) return fail(dir.error().message());
-          m.path = io::JoinPath(*dir, m.path);
+        // The processing and the devices' form now, not after `ready`
+        // (which GPU an ordinal names is known once the driver answers).
+        if (Status s = FinishProcessingFlags(p); !s.ok()) {
+          return fail("[[model]] " + m.path + ": " + s.error().message());
+        }
+        for (const std::string& named : protocol::SplitDevices(p.device)) {
+          if (auto spec = memory::ParseDevice(named); !spec.ok()) {
+            return fail("[[model]] " + m.path + ": " + spec.error().message());
+          }
         }
         // Shown in logs and `status` as `weightd preload` shows its paths:
         // real, or at least without `..` where it does not exist (yet).
@@ -277,7 +312,7 @@ int RunServe(ServeOptions o) {
   for (size_t i = 0; i < preloads.size(); ++i) {
     try {
       preloaders.emplace_back([&server, &so, m = preloads[i], i] {
-        auto r = server.Preload({m.path, m.pin, m.device, i}, {});
+        auto r = server.Preload({m.path, m.pin, m.processing, i}, {});
         if (server.stopping()) return;  // cancelled, or refused: nothing to report
         if (!r.ok())
           so.log("preload of " + m.path + " from the config failed: " + r.error().message());
@@ -363,8 +398,8 @@ Command AddServeCommand(CLI::App& root) {
                    "hung network file system) before the daemon exits without them (default 10)",
                    3600);
   app->add_option("--config", o->config,
-                  "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path/pin/device to "
-                  "preload at start, unprocessed (see docs/cli.md)");
+                  "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path, pin, device and "
+                  "tp_size/shard_plan/dtype/quant to preload at start (see docs/cli.md)");
   return {app, [o] { return RunServe(*o); }};
 }
 

@@ -1205,9 +1205,7 @@ Result<std::string> Server::Preload(const PreloadRequest& request,
     ++s.live_preloads;
   }
   s.Log("preload of " + request.path + " requested by the config");
-  protocol::Processing processing;
-  processing.device = request.device;
-  auto r = s.Preload(request.path, processing, request.pin, {}, progress, request.order);
+  auto r = s.Preload(request.path, request.processing, request.pin, {}, progress, request.order);
   {
     std::lock_guard lock(s.conn_mu);
     --s.live_preloads;

@@ -26,6 +26,7 @@
 #include <utility>
 #include <vector>
 
+#include "protocol/cache_key.h"
 #include "weightd/result.h"
 
 namespace weightd::daemon {
@@ -87,7 +88,10 @@ class Server {
   struct PreloadRequest {
     std::string path;
     std::string pin;
-    std::string device = "cpu";  // cpu, cuda:N (this daemon's numbering), cuda:GPU-<uuid>
+    // As `weightd preload` sends it, but devices as cpu, cuda:N (this
+    // daemon's numbering) or cuda:GPU-<uuid>; tp_rank is ignored (every
+    // rank is made).
+    protocol::Processing processing;
     // The config's models (announced by ExpectPreloads) load one after
     // another, in this order: 0, 1, ..., every one of them called. Without
     // it, a preload like any other.
