@@ -1045,7 +1045,8 @@ TEST_F(DaemonTest, AConfigModelIsPreloadedProcessedIntoEveryRank) {
                          "quant = \"fp8-block\"\ndevice = \"cpu,cpu\"\n");
   auto daemon = StartDaemon({"--config", config});
   ASSERT_TRUE(Eventually([&] { return Status()["models"].size() == 2; })) << daemon->err();
-  for (const json& m : Status()["models"]) {
+  const json status = Status();
+  for (const json& m : status["models"]) {
     EXPECT_EQ(m["key"]["tp_size"], 2);
     EXPECT_EQ(m["key"]["quant"], "fp8-block");
   }
