@@ -196,11 +196,6 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
         if (Status s = FinishProcessingFlags(p); !s.ok()) {
           return fail("[[model]] " + m.path + ": " + s.error().message());
         }
-        for (const std::string& named : protocol::SplitDevices(p.device)) {
-          if (auto spec = memory::ParseDevice(named); !spec.ok()) {
-            return fail("[[model]] " + m.path + ": " + spec.error().message());
-          }
-        }
         // Shown in logs and `status` as `weightd preload` shows its paths:
         // real, or at least without `..` where it does not exist (yet).
         if (auto real = io::PosixFileSystem().RealPath(m.path); real.ok()) {
@@ -337,7 +332,6 @@ int RunServe(ServeOptions o) {
   return kExitOk;
 }
 
-// A progress line per 10% when not on a terminal, a bar that redraws when on one.
 // A name pins one model: the ones `pin` named until this preload.
 void PrintPinTakenFrom(const json& reply, const std::string& pin) {
   for (const json& p : reply.value("pin_taken_from", json::array())) {
@@ -347,6 +341,7 @@ void PrintPinTakenFrom(const json& reply, const std::string& pin) {
   }
 }
 
+// A progress line per 10% when not on a terminal, a bar that redraws when on one.
 std::function<void(const json&)> ProgressPrinter() {
   const bool tty = ::isatty(2) != 0;
   auto last_decile = std::make_shared<int>(-1);

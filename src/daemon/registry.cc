@@ -205,12 +205,15 @@ void Registry::NoteFailedLoad(const std::vector<protocol::CacheKey>& keys, const
 Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const std::string& trust,
                                          const std::string& path) {
   Lookup out;
-  // The engine's model failed to load here: that is why, first.
-  std::string failed;
-  for (const auto& [k, why] : failed_loads_) {
-    if (k == key) failed = "the daemon's last preload of this model failed: " + why;
-  }
+  // On a miss: the engine's model failed to load here, that is why, first.
+  auto failed_to_load = [&]() -> std::string {
+    for (auto it = failed_loads_.rbegin(); it != failed_loads_.rend(); ++it) {
+      if (it->first == key) return "the daemon's last preload of this model failed: " + it->second;
+    }
+    return "";
+  };
   if (models_.empty()) {
+    const std::string failed = failed_to_load();
     out.reason = failed.empty() ? "no model is resident" : failed;
     return out;
   }
@@ -239,6 +242,7 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
     return out;
   }
   if (!best_diff.empty()) {
+    const std::string failed = failed_to_load();
     // Another checkpoint's model (other content, from elsewhere) is no
     // older version of the engine's: say whose it is, or, when the
     // engine's own failed to load, say nothing of it.

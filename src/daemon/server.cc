@@ -195,12 +195,13 @@ struct Server::State {
   Status Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id, const ucred& peer,
                 std::vector<std::shared_ptr<ResidentModel>>& leases);
   // What a preload has marked in the registry, taken off when it ends
-  // (after its failure, if any, is noted). A config's model: announced (Registry::ExpectLoads)
-  // until its keys are known, then queued (acquires wait for it) until its turn, then loaded;
-  // whatever happens, the marks come off and the turn passes on, in order.
-  // Its turn is waited for queued, not loading: another load of the same
-  // key (the same model named twice, an engine's --populate) is never held
-  // up by one that waits for its turn behind it.
+  // (after its failure, if any, is noted). A config's model: announced
+  // (Registry::ExpectLoads) until its keys are known, then queued (acquires
+  // wait for it) until its turn, then loaded; whatever happens, the marks
+  // come off and the turn passes on, in order. Its turn is waited for
+  // queued, not loading: another load of the same key (the same model named
+  // twice, an engine's --populate) is never held up by one that waits for
+  // its turn behind it.
   struct LoadMarks {
     State& s;
     std::optional<size_t> order;
