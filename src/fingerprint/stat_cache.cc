@@ -437,22 +437,18 @@ Status StatCache::Save() {
   const std::string path = dir_ + "/" + kFileName;
   std::map<Key, Stored> merged;
   std::string dropped;
-  if (const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
-      fd >= 0) {
-    struct stat st;
-    const uint64_t most = kHeaderBytes + uint64_t{kMaxEntries} * kRecordBytes + kMaxValuesBytes;
-    if (::fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && st.st_uid == ::geteuid() &&
-        static_cast<uint64_t>(st.st_size) <= most) {
-      std::string data(static_cast<size_t>(st.st_size), '\0');
-      std::string why;
-      auto sound = ReadAt(fd, 0, data.data(), data.size()) ? ParseAll(data, &why, /*salvage=*/true)
-                                                           : std::nullopt;
-      if (sound) {
-        merged = std::move(*sound);
-        dropped = why;  // what salvaging left out, if anything
-      }
+  std::string unsound;
+  if (const auto old = OpenFile(path, &unsound)) {  // checked as a lookup checks it; bounded
+    std::string data(
+        static_cast<size_t>(kHeaderBytes + uint64_t{old->count} * kRecordBytes + old->values_bytes),
+        '\0');
+    auto sound = ReadAt(old->fd, 0, data.data(), data.size())
+                     ? ParseAll(data, &unsound, /*salvage=*/true)
+                     : std::nullopt;
+    if (sound) {
+      merged = std::move(*sound);
+      dropped = unsound;  // what salvaging left out, if anything
     }
-    ::close(fd);
   }
   // A time ahead of the clock (the clock set back, another host's clock)
   // counts as now: it must not outrank what this save adds.
