@@ -35,6 +35,7 @@
 #include <string>
 #include <vector>
 
+#include "attach_rounds.h"
 #include "bench_util.h"
 #include "fingerprint/stat_cache.h"
 #include "format/synthetic.h"
@@ -104,40 +105,6 @@ PreloadTimes Preload(const std::string& model, const std::vector<std::string>& f
 
 double PreloadSeconds(const std::string& model, const std::vector<std::string>& flags = {}) {
   return Preload(model, flags).seconds;
-}
-
-// CPU time (user and system) the process has used so far, every thread
-// of it, ended ones too. /proc counts it in clock ticks (10 ms): callers sum
-// it over several preloads.
-double ProcessCpuSeconds(pid_t pid) {
-  FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
-  if (f == nullptr) Die("cannot read the daemon's /proc stat");
-  char buf[1024] = {};
-  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
-  std::fclose(f);
-  // After the command name's closing parenthesis: state is field 3,
-  // utime and stime are fields 14 and 15.
-  const char* at = std::strrchr(buf, ')');
-  unsigned long long utime = 0, stime = 0;
-  if (n == 0 || at == nullptr ||
-      std::sscanf(at + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
-                  &stime) != 2) {
-    Die("cannot parse the daemon's /proc stat");
-  }
-  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
-}
-
-// CPU time the hypervisor has taken from this machine's CPUs so far (steal,
-// /proc/stat's eighth figure of the `cpu` line; 0 on bare metal).
-double StolenSeconds() {
-  FILE* f = std::fopen("/proc/stat", "r");
-  if (f == nullptr) return 0;
-  unsigned long long v[8] = {};
-  const int n = std::fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2],
-                            &v[3], &v[4], &v[5], &v[6], &v[7]);
-  std::fclose(f);
-  if (n != 8) return 0;
-  return static_cast<double>(v[7]) / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
 // CPU time of every child waited for so far (cp's, here).
@@ -365,53 +332,15 @@ int main(int argc, char** argv) {
   // together, so what is timed is the attach and not 64 process start-ups.
   // Run right after the 1 GB model's own figures, while it is resident and
   // before the big model's stage leaves the machine reclaiming memory.
-  std::vector<double> alone, together;
-  // The rounds of 64: their times, and the CPU time the hypervisor took
-  // while they ran.
-  struct Round {
-    std::vector<double> seconds;
-    double stolen;
-    double wall;  // from the release to the last engine's answer
-  };
-  std::vector<Round> rounds;
-  double stolen = 0, wall = 0;  // of the last attach_all
-  auto attach_all = [&](const std::string& model, int n) {
-    int go[2];
-    if (::pipe2(go, O_CLOEXEC) != 0) Die("pipe");
-    std::vector<bench::Child> engines;
-    for (int i = 0; i < n; ++i) {
-      engines.push_back(bench::SpawnWithStdin({probe_bin, model, socket_dir}, go[0]));
-    }
-    ::close(go[0]);
-    ::usleep(500'000);  // every engine started and waiting
-    const std::string bytes(static_cast<size_t>(n), 'x');
-    const double stolen_before = StolenSeconds();
-    const auto released = std::chrono::steady_clock::now();
-    if (::write(go[1], bytes.data(), bytes.size()) != n) Die("cannot release the engines");
-    std::vector<double> seconds;
-    for (auto& e : engines) {
-      const std::string out = bench::ReadOutput(e);
-      if (out.find("daemon") == std::string::npos) Die("an engine did not attach: " + out);
-      seconds.push_back(std::stod(out));
-    }
-    stolen = StolenSeconds() - stolen_before;
-    wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - released).count();
-    // All attached and holding their weights; now let them go.
-    ::close(go[1]);
-    for (const auto& e : engines) {
-      ::kill(e.pid, SIGTERM);
-      ::waitpid(e.pid, nullptr, 0);
-    }
-    return seconds;
-  };
+  std::vector<double> alone;
+  std::vector<bench::AttachRound> rounds;
   // Several rounds, each one alone and then 64 at once, percentiles over
   // all rounds' engines: one round is one roll of the scheduler's dice.
   auto measure_concurrent = [&](const std::string& model) {
     std::cerr << "64 engines\n";
     for (int i = 0; i < kConcurrentRounds; ++i) {
-      alone.push_back(attach_all(model, 1)[0]);
-      rounds.push_back({attach_all(model, 64), stolen, wall});
-      together.insert(together.end(), rounds.back().seconds.begin(), rounds.back().seconds.end());
+      alone.push_back(bench::AttachAll(probe_bin, model, socket_dir, 1, daemon.pid).seconds[0]);
+      rounds.push_back(bench::AttachAll(probe_bin, model, socket_dir, 64, daemon.pid));
     }
   };
 
@@ -435,9 +364,9 @@ int main(int argc, char** argv) {
       // Emptied first, so that freeing the last round's segment is not in
       // this preload's CPU time (cp's time has no removal in it either).
       Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
-      const double daemon_before = ProcessCpuSeconds(daemon.pid);
+      const double daemon_before = bench::ProcessCpuSeconds(daemon.pid);
       const PreloadTimes warm = Preload(m.path);
-      preload_cpu += ProcessCpuSeconds(daemon.pid) - daemon_before;
+      preload_cpu += bench::ProcessCpuSeconds(daemon.pid) - daemon_before;
       pre_warm.push_back(warm.seconds);
       plan_warm.push_back(warm.plan);
       read_warm.push_back(warm.read);
@@ -529,48 +458,47 @@ int main(int argc, char** argv) {
                 Ms(t.cp_cpu).c_str(), Ms(floor).c_str(), best);
   }
 
-  const double single = bench::Median(alone);
+  const bench::AttachSummary attach = bench::Summarize(alone, rounds, cores);
+  const double single = attach.alone;
   std::printf("\n### 64 engines attaching at once\n\n");
   std::printf(
-      "Each engine (bench/attach_probe, the C++ API) is started first and waits; all are then\n"
-      "released at once, so the times are attaches, not process start-ups. On %ld cores;\n"
-      "%d rounds, each one engine alone and then 64 at once; percentiles over all %zu.\n\n",
-      cores, kConcurrentRounds, together.size());
+      "Each engine (bench/attach_probe, the C++ API) is started first and waits on a pipe;\n"
+      "all are then woken together (the pipe is closed), so the times are attaches, not\n"
+      "process start-ups, each timed by the engine itself from its wake-up. On %ld cores;\n"
+      "%d rounds, each one engine alone and then 64 at once; percentiles over all %d.\n\n",
+      cores, kConcurrentRounds, kConcurrentRounds * 64);
   std::printf("| | time | vs one alone |\n| --- | ---: | ---: |\n");
   std::printf("| one engine alone (median) | %s | 1.0x |\n", Ms(single).c_str());
-  std::printf("| 64 at once, p50 | %s | %.1fx |\n", Ms(bench::Percentile(together, 50)).c_str(),
-              bench::Percentile(together, 50) / single);
-  std::printf("| 64 at once, p99 | %s | %.1fx |\n", Ms(bench::Percentile(together, 99)).c_str(),
-              bench::Percentile(together, 99) / single);
+  std::printf("| 64 at once, p50 | %s | %.1fx |\n", Ms(attach.p50).c_str(), attach.p50 / single);
+  std::printf("| 64 at once, p99 | %s | %.1fx |\n", Ms(attach.p99).c_str(), attach.p99 / single);
   // The same, without the rounds the hypervisor took CPU time in: what
   // weightd and this kernel do, apart from the machine's neighbours.
-  std::vector<double> undisturbed;
-  int disturbed = 0;
-  double stolen_total = 0;
-  for (const Round& r : rounds) {
-    stolen_total += r.stolen;
-    if (r.stolen > 0) {
-      ++disturbed;
-    } else {
-      undisturbed.insert(undisturbed.end(), r.seconds.begin(), r.seconds.end());
-    }
-  }
-  if (disturbed > 0 && !undisturbed.empty()) {
+  if (attach.p99_undisturbed > 0) {
     std::printf("| 64 at once, p99 of the %d rounds with no CPU time stolen | %s | %.1fx |\n",
-                kConcurrentRounds - disturbed, Ms(bench::Percentile(undisturbed, 99)).c_str(),
-                bench::Percentile(undisturbed, 99) / single);
+                kConcurrentRounds - attach.disturbed, Ms(attach.p99_undisturbed).c_str(),
+                attach.p99_undisturbed / single);
   }
+  std::printf("| a round's CPU time spread over the %ld cores | %s | %.1fx |\n", cores,
+              Ms(attach.share).c_str(), attach.share / single);
   std::printf(
-      "\nAll 64 were served by the daemon. The 64 engines and the daemon (a thread per\n"
-      "connection, each accepting its own) share %ld cores here. The hypervisor took CPU\n"
-      "time from this machine (steal time in /proc/stat, counted in 10 ms ticks) during %d\n"
-      "of the %d rounds, %s in all. Each round:\n\n",
-      cores, disturbed, kConcurrentRounds, Ms(stolen_total).c_str());
+      "\nA round of 64 attaches took %s of CPU time (means of the rounds): the engines' own\n"
+      "%s, the daemon's %s (from /proc, in 10 ms ticks). Spread over the %ld cores that is\n"
+      "%s: no order of the work ends all 64 sooner, and an engine sharing the cores fairly\n"
+      "with the other 63 from its start to its end takes about that long. A p99 near it is\n"
+      "the engines waiting for a core; one far above it would be a queue of weightd's own.\n"
+      "That share comes within 5x one alone from about %.0f cores.\n",
+      Ms(attach.engines_cpu + attach.daemon_cpu).c_str(), Ms(attach.engines_cpu).c_str(),
+      Ms(attach.daemon_cpu).c_str(), cores, Ms(attach.share).c_str(), attach.cores_for_5x);
+  std::printf(
+      "\nAll 64 were served by the daemon (a thread per connection, each accepting its own).\n"
+      "The hypervisor took CPU time from this machine (steal time in /proc/stat, counted in\n"
+      "10 ms ticks) during %d of the %d rounds, %s in all. Each round:\n\n",
+      attach.disturbed, kConcurrentRounds, Ms(attach.stolen).c_str());
   std::printf(
       "| round | release to last answer | CPU time stolen | p50 | slowest |\n"
       "| ---: | ---: | ---: | ---: | ---: |\n");
   for (size_t i = 0; i < rounds.size(); ++i) {
-    const Round& r = rounds[i];
+    const bench::AttachRound& r = rounds[i];
     std::printf("| %zu | %s | %s | %s | %s |\n", i + 1, Ms(r.wall).c_str(), Ms(r.stolen).c_str(),
                 Ms(bench::Percentile(r.seconds, 50)).c_str(),
                 Ms(*std::max_element(r.seconds.begin(), r.seconds.end())).c_str());

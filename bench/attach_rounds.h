@@ -1,0 +1,148 @@
+// Many engines attaching at once, against one alone: the rounds that
+// cache_bench reports and attach_burst runs on another machine (the GPU
+// machine's many cores, by scripts/gpu-check). Each engine is
+// bench/attach_probe: started first, waiting on a pipe, then woken with the
+// others, so what is timed is the attach and not a process start-up.
+#pragma once
+
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "bench_util.h"
+
+namespace bench {
+
+// CPU time (user and system) a process has used so far, every thread of it,
+// ended ones too. /proc counts it in clock ticks (10 ms): callers sum it
+// over several rounds.
+inline double ProcessCpuSeconds(pid_t pid) {
+  FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
+  if (f == nullptr) Die("bench", "cannot read /proc/" + std::to_string(pid) + "/stat");
+  char buf[1024] = {};
+  const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  // After the command name's closing parenthesis: state is field 3,
+  // utime and stime are fields 14 and 15.
+  const char* at = std::strrchr(buf, ')');
+  unsigned long long utime = 0, stime = 0;
+  if (n == 0 || at == nullptr ||
+      std::sscanf(at + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
+                  &stime) != 2) {
+    Die("bench", "cannot parse /proc/" + std::to_string(pid) + "/stat");
+  }
+  return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+// CPU time the hypervisor has taken from this machine's CPUs so far (steal,
+// /proc/stat's eighth figure of the `cpu` line; 0 on bare metal).
+inline double StolenSeconds() {
+  FILE* f = std::fopen("/proc/stat", "r");
+  if (f == nullptr) return 0;
+  unsigned long long v[8] = {};
+  const int n = std::fscanf(f, "cpu %llu %llu %llu %llu %llu %llu %llu %llu", &v[0], &v[1], &v[2],
+                            &v[3], &v[4], &v[5], &v[6], &v[7]);
+  std::fclose(f);
+  if (n != 8) return 0;
+  return static_cast<double>(v[7]) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+struct AttachRound {
+  std::vector<double> seconds;  // each engine's attach, timed by itself
+  double wall = 0;              // from the release to the last engine's answer
+  double engines_cpu = 0;       // the engines' own, in their attaches
+  double daemon_cpu = 0;        // the daemon's meanwhile (10 ms ticks)
+  double stolen = 0;            // by the hypervisor meanwhile
+};
+
+// Starts `n` engines (`probe` MODEL SOCKET_DIR), lets them settle, wakes
+// them all at once, and collects what each says; every one must have been
+// served by the daemon (pid `daemon`).
+inline AttachRound AttachAll(const std::string& probe, const std::string& model,
+                             const std::string& socket_dir, int n, pid_t daemon) {
+  int go[2];
+  if (::pipe2(go, O_CLOEXEC) != 0) Die("bench", "pipe");
+  std::vector<Child> engines;
+  for (int i = 0; i < n; ++i) engines.push_back(SpawnWithStdin({probe, model, socket_dir}, go[0]));
+  ::close(go[0]);
+  ::usleep(500'000);  // every engine started and waiting
+  AttachRound round;
+  const std::string bytes(static_cast<size_t>(n), 'x');
+  const double stolen_before = StolenSeconds();
+  const double daemon_before = ProcessCpuSeconds(daemon);
+  const auto released = std::chrono::steady_clock::now();
+  // A byte each, then the pipe closed: closing wakes every reader at once.
+  // (A write alone wakes one reader, which wakes the next only once it has
+  // read: the engines would start one after another, not together.)
+  if (::write(go[1], bytes.data(), bytes.size()) != n) Die("bench", "cannot release the engines");
+  ::close(go[1]);
+  for (Child& e : engines) {
+    // "SECONDS CPU_SECONDS SOURCE"
+    const std::string out = ReadOutput(e);
+    if (out.find("daemon") == std::string::npos) Die("bench", "an engine did not attach: " + out);
+    size_t used = 0;
+    round.seconds.push_back(std::stod(out, &used));
+    round.engines_cpu += std::stod(out.substr(used));
+  }
+  round.wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - released).count();
+  round.stolen = StolenSeconds() - stolen_before;
+  round.daemon_cpu = ProcessCpuSeconds(daemon) - daemon_before;
+  // All attached and holding their weights; now let them go.
+  for (const Child& e : engines) {
+    ::kill(e.pid, SIGTERM);
+    ::waitpid(e.pid, nullptr, 0);
+  }
+  return round;
+}
+
+// What rounds of one engine alone and of many at once come to.
+struct AttachSummary {
+  double alone = 0;  // median
+  double p50 = 0, p99 = 0;
+  // The same p99 without the rounds the hypervisor took CPU time in; 0 when
+  // every round or none lost some.
+  double p99_undisturbed = 0;
+  int disturbed = 0;
+  double stolen = 0;
+  // A round's CPU time, engines' and daemon's (means), and that spread over
+  // the cores: no order of the work ends all attaches sooner, and an engine
+  // sharing the cores fairly with all the others takes about that long.
+  double engines_cpu = 0, daemon_cpu = 0, share = 0;
+  // Cores from which that share would be within 5x one alone.
+  double cores_for_5x = 0;
+};
+
+inline AttachSummary Summarize(const std::vector<double>& alone,
+                               const std::vector<AttachRound>& rounds, long cores) {
+  AttachSummary s;
+  s.alone = Median(alone);
+  std::vector<double> all, undisturbed;
+  for (const AttachRound& r : rounds) {
+    all.insert(all.end(), r.seconds.begin(), r.seconds.end());
+    s.stolen += r.stolen;
+    s.engines_cpu += r.engines_cpu / static_cast<double>(rounds.size());
+    s.daemon_cpu += r.daemon_cpu / static_cast<double>(rounds.size());
+    if (r.stolen > 0) {
+      ++s.disturbed;
+    } else {
+      undisturbed.insert(undisturbed.end(), r.seconds.begin(), r.seconds.end());
+    }
+  }
+  s.p50 = Percentile(all, 50);
+  s.p99 = Percentile(all, 99);
+  if (s.disturbed > 0 && !undisturbed.empty()) s.p99_undisturbed = Percentile(undisturbed, 99);
+  const double round_cpu = s.engines_cpu + s.daemon_cpu;
+  s.share = round_cpu / static_cast<double>(std::max(cores, 1L));
+  if (s.alone > 0) s.cores_for_5x = std::ceil(round_cpu / (5 * s.alone));
+  return s;
+}
+
+}  // namespace bench
