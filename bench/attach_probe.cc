@@ -1,11 +1,16 @@
 // One engine for the concurrent-attach benchmark: starts, waits until it
 // reads a byte on stdin (its parent writes one per engine and then closes
-// the pipe, which wakes all of them together: 64 attach at the same moment,
-// with process start-up out of the picture), acquires the model through the
-// C++ API and prints the seconds the acquire took and where the weights came
-// from, then holds the weights until it is sent SIGTERM. Beside the seconds,
-// the CPU time this process spent in the acquire (user and system): what the
-// engine side of an attach costs the machine.
+// the pipe, which wakes all of them together: 64 become runnable at the
+// same moment, with process start-up out of the picture), acquires the
+// model through the C++ API, and prints one line:
+//
+//   SECONDS CPU_SECONDS END SOURCE
+//
+// the seconds the acquire took from its read returning, the CPU time this
+// process spent in it (user and system: the engine side of an attach), the
+// monotonic clock when it ended (every process shares that clock, so the
+// parent can time it from the release), and where the weights came from.
+// Then it holds the weights until it is sent SIGTERM.
 //
 //   attach_probe MODEL SOCKET_DIR
 #include <unistd.h>
@@ -34,14 +39,16 @@ int main(int argc, char** argv) {
   options.socket_dir = argv[2];
   options.log = [](const std::string&) {};
   auto weights = weightd::Acquire({.path = argv[1]}, options);
-  const double seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const auto end = std::chrono::steady_clock::now();
+  const double seconds = std::chrono::duration<double>(end - start).count();
   const double cpu = cpu_seconds() - cpu_start;
   if (!weights.ok()) {
     std::fprintf(stderr, "attach_probe: %s\n", weights.error().message().c_str());
     return 1;
   }
-  std::printf("%.9f %.9f %s\n", seconds, cpu, std::string((*weights)->source()).c_str());
+  std::printf("%.9f %.9f %.9f %s\n", seconds, cpu,
+              std::chrono::duration<double>(end.time_since_epoch()).count(),
+              std::string((*weights)->source()).c_str());
   // Stay attached, as an engine does, until the parent ends us (SIGTERM):
   // the others' attaches should not share the cores with 63 process exits.
   // (Reading stdin again would take the start bytes meant for the others.)

@@ -5,8 +5,11 @@
 // others, so what is timed is the attach and not a process start-up.
 #pragma once
 
+#include <fcntl.h>
+#include <sched.h>
 #include <signal.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -14,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <sstream>
 #include <string>
 #include <vector>
 
@@ -22,9 +26,14 @@
 namespace bench {
 
 // CPU time (user and system) a process has used so far, every thread of it,
-// ended ones too. /proc counts it in clock ticks (10 ms): callers sum it
-// over several rounds.
+// ended ones too: its CPU clock, or /proc's count in clock ticks (10 ms)
+// where the clock cannot be read.
 inline double ProcessCpuSeconds(pid_t pid) {
+  clockid_t clock;
+  timespec t{};
+  if (::clock_getcpuclockid(pid, &clock) == 0 && ::clock_gettime(clock, &t) == 0) {
+    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) / 1e9;
+  }
   FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
   if (f == nullptr) Die("bench", "cannot read /proc/" + std::to_string(pid) + "/stat");
   char buf[1024] = {};
@@ -55,51 +64,81 @@ inline double StolenSeconds() {
   return static_cast<double>(v[7]) / static_cast<double>(::sysconf(_SC_CLK_TCK));
 }
 
+// The cores this process may run on (its affinity: a container's cpuset,
+// not the machine's count).
+inline long UsableCores() {
+  cpu_set_t set;
+  if (::sched_getaffinity(0, sizeof set, &set) == 0) return std::max(CPU_COUNT(&set), 1);
+  return std::max(::sysconf(_SC_NPROCESSORS_ONLN), 1L);
+}
+
+// Seconds on the monotonic clock, which every process on the machine shares
+// (steady_clock is CLOCK_MONOTONIC on Linux).
+inline double MonotonicSeconds() {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+}
+
 struct AttachRound {
-  std::vector<double> seconds;  // each engine's attach, timed by itself
-  double wall = 0;              // from the release to the last engine's answer
-  double engines_cpu = 0;       // the engines' own, in their attaches
-  double daemon_cpu = 0;        // the daemon's meanwhile (10 ms ticks)
-  double stolen = 0;            // by the hypervisor meanwhile
+  // Each engine's attach as it timed it, from its own wake-up (its read
+  // returning) to its weights; and from the release to its weights, the
+  // wait for a first turn on a core included.
+  std::vector<double> seconds;
+  std::vector<double> since_release;
+  double wall = 0;         // from the release to the last engine's answer
+  double engines_cpu = 0;  // the engines' own, in their attaches
+  double daemon_cpu = 0;   // the daemon's meanwhile
+  double stolen = 0;       // by the hypervisor meanwhile
 };
 
 // Starts `n` engines (`probe` MODEL SOCKET_DIR), lets them settle, wakes
 // them all at once, and collects what each says; every one must have been
-// served by the daemon (pid `daemon`).
+// served by the daemon (pid `daemon`). On any failure every engine is
+// ended before the error.
 inline AttachRound AttachAll(const std::string& probe, const std::string& model,
                              const std::string& socket_dir, int n, pid_t daemon) {
   int go[2];
   if (::pipe2(go, O_CLOEXEC) != 0) Die("bench", "pipe");
   std::vector<Child> engines;
-  for (int i = 0; i < n; ++i) engines.push_back(SpawnWithStdin({probe, model, socket_dir}, go[0]));
+  for (int i = 0; i < n; ++i) {
+    engines.push_back(SpawnWithStdin({probe, model, socket_dir}, go[0], /*keep_stderr=*/true));
+  }
   ::close(go[0]);
   ::usleep(500'000);  // every engine started and waiting
   AttachRound round;
   const std::string bytes(static_cast<size_t>(n), 'x');
   const double stolen_before = StolenSeconds();
   const double daemon_before = ProcessCpuSeconds(daemon);
-  const auto released = std::chrono::steady_clock::now();
-  // A byte each, then the pipe closed: closing wakes every reader at once.
-  // (A write alone wakes one reader, which wakes the next only once it has
-  // read: the engines would start one after another, not together.)
-  if (::write(go[1], bytes.data(), bytes.size()) != n) Die("bench", "cannot release the engines");
+  const double released = MonotonicSeconds();
+  // A byte each, then the pipe closed. Linux's pipe readers wait in turn
+  // (since 5.5): a write wakes one, which wakes the next only once it has
+  // read, so the engines would start one after another. The last write end
+  // closing (ours: the engines' copies are closed on exec) wakes them all.
+  const bool written = ::write(go[1], bytes.data(), bytes.size()) == n;
   ::close(go[1]);
+  std::string failure = written ? "" : "cannot release the engines";
   for (Child& e : engines) {
-    // "SECONDS CPU_SECONDS SOURCE"
+    // "SECONDS CPU_SECONDS END_MONOTONIC_SECONDS SOURCE"
     const std::string out = ReadOutput(e);
-    if (out.find("daemon") == std::string::npos) Die("bench", "an engine did not attach: " + out);
-    size_t used = 0;
-    round.seconds.push_back(std::stod(out, &used));
-    round.engines_cpu += std::stod(out.substr(used));
+    std::istringstream fields(out);
+    double seconds = 0, cpu = 0, end = 0;
+    std::string source;
+    if (!(fields >> seconds >> cpu >> end >> source) || source != "daemon") {
+      if (failure.empty()) failure = "an engine did not attach from the daemon: `" + out + "`";
+      continue;
+    }
+    round.seconds.push_back(seconds);
+    round.since_release.push_back(end - released);
+    round.engines_cpu += cpu;
   }
-  round.wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - released).count();
+  round.wall = MonotonicSeconds() - released;
   round.stolen = StolenSeconds() - stolen_before;
   round.daemon_cpu = ProcessCpuSeconds(daemon) - daemon_before;
-  // All attached and holding their weights; now let them go.
+  // All attached and holding their weights (or failed); now let them go.
   for (const Child& e : engines) {
     ::kill(e.pid, SIGTERM);
     ::waitpid(e.pid, nullptr, 0);
   }
+  if (!failure.empty()) Die("bench", failure);
   return round;
 }
 
@@ -112,11 +151,15 @@ struct AttachSummary {
   double p99_undisturbed = 0;
   int disturbed = 0;
   double stolen = 0;
-  // A round's CPU time, engines' and daemon's (means), and that spread over
-  // the cores: no order of the work ends all attaches sooner, and an engine
-  // sharing the cores fairly with all the others takes about that long.
+  // From the release: p99 of when each engine had its weights.
+  double p99_since_release = 0;
+  // A round's CPU time, engines' and daemon's (means), and that spread
+  // over the cores: a lower bound on the time the round's work took, and
+  // about what an engine sharing the cores fairly with all the others,
+  // from the release to its end, would take.
   double engines_cpu = 0, daemon_cpu = 0, share = 0;
-  // Cores from which that share would be within 5x one alone.
+  // Cores from which that share would be within 5x one alone, if an attach
+  // cost there what it cost here.
   double cores_for_5x = 0;
 };
 
@@ -124,9 +167,11 @@ inline AttachSummary Summarize(const std::vector<double>& alone,
                                const std::vector<AttachRound>& rounds, long cores) {
   AttachSummary s;
   s.alone = Median(alone);
-  std::vector<double> all, undisturbed;
+  if (rounds.empty()) return s;
+  std::vector<double> all, undisturbed, since_release;
   for (const AttachRound& r : rounds) {
     all.insert(all.end(), r.seconds.begin(), r.seconds.end());
+    since_release.insert(since_release.end(), r.since_release.begin(), r.since_release.end());
     s.stolen += r.stolen;
     s.engines_cpu += r.engines_cpu / static_cast<double>(rounds.size());
     s.daemon_cpu += r.daemon_cpu / static_cast<double>(rounds.size());
@@ -138,6 +183,7 @@ inline AttachSummary Summarize(const std::vector<double>& alone,
   }
   s.p50 = Percentile(all, 50);
   s.p99 = Percentile(all, 99);
+  s.p99_since_release = Percentile(since_release, 99);
   if (s.disturbed > 0 && !undisturbed.empty()) s.p99_undisturbed = Percentile(undisturbed, 99);
   const double round_cpu = s.engines_cpu + s.daemon_cpu;
   s.share = round_cpu / static_cast<double>(std::max(cores, 1L));

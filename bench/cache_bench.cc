@@ -204,7 +204,7 @@ void MeasureProcessing(const std::string& work, int gb) {
       "segment in one pass (each file byte read once), column and row layers quantized to\n"
       "F8_E4M3 with 128x128 block scales, on %ld cores. Reference: a plain read of the same\n"
       "files (`dd` to /dev/null). Medians of %d.\n\n",
-      ::sysconf(_SC_NPROCESSORS_ONLN), n);
+      bench::UsableCores(), n);
   std::printf("| | plain read | preload, 4 ranks, fp8-block | preload / read |\n");
   std::printf("| --- | ---: | ---: | ---: |\n");
   std::printf("| page cache warm | %.2f s (%s) | %.2f s | %.2fx |\n", bench::Median(cat_warm),
@@ -439,10 +439,10 @@ int main(int argc, char** argv) {
                 t.cp_warm / t.phases_warm.read);
   }
 
-  const long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+  const long cores = bench::UsableCores();
   std::printf(
       "\nCPU time each took, page cache warm (user and system, every thread; the daemon's\n"
-      "from /proc in 10 ms ticks, summed over the runs; its request and reply are in it).\n"
+      "from its process CPU clock, summed over the runs; its request and reply are in it).\n"
       "Spread perfectly over the %ld cores, the preload's CPU time alone is a\n"
       "floor on its wall time; against cp's wall time, that is the best ratio this machine\n"
       "allows whatever the order of the work.\n\n",
@@ -464,8 +464,10 @@ int main(int argc, char** argv) {
   std::printf(
       "Each engine (bench/attach_probe, the C++ API) is started first and waits on a pipe;\n"
       "all are then woken together (the pipe is closed), so the times are attaches, not\n"
-      "process start-ups, each timed by the engine itself from its wake-up. On %ld cores;\n"
-      "%d rounds, each one engine alone and then 64 at once; percentiles over all %d.\n\n",
+      "process start-ups. Each engine times its attach itself, from its read of the pipe\n"
+      "returning, which is when it first runs after the wake-up; the row from the release\n"
+      "also counts its wait for that first turn on a core. On %ld cores; %d rounds, each one\n"
+      "engine alone and then 64 at once; percentiles over all %d.\n\n",
       cores, kConcurrentRounds, kConcurrentRounds * 64);
   std::printf("| | time | vs one alone |\n| --- | ---: | ---: |\n");
   std::printf("| one engine alone (median) | %s | 1.0x |\n", Ms(single).c_str());
@@ -478,15 +480,19 @@ int main(int argc, char** argv) {
                 kConcurrentRounds - attach.disturbed, Ms(attach.p99_undisturbed).c_str(),
                 attach.p99_undisturbed / single);
   }
+  std::printf("| 64 at once, p99 from the release | %s | %.1fx |\n",
+              Ms(attach.p99_since_release).c_str(), attach.p99_since_release / single);
   std::printf("| a round's CPU time spread over the %ld cores | %s | %.1fx |\n", cores,
               Ms(attach.share).c_str(), attach.share / single);
   std::printf(
       "\nA round of 64 attaches took %s of CPU time (means of the rounds): the engines' own\n"
-      "%s, the daemon's %s (from /proc, in 10 ms ticks). Spread over the %ld cores that is\n"
-      "%s: no order of the work ends all 64 sooner, and an engine sharing the cores fairly\n"
-      "with the other 63 from its start to its end takes about that long. A p99 near it is\n"
-      "the engines waiting for a core; one far above it would be a queue of weightd's own.\n"
-      "That share comes within 5x one alone from about %.0f cores.\n",
+      "%s, the daemon's %s (each process's CPU clock). Spread over the %ld cores that is\n"
+      "%s, a lower bound on the time the round's work took: the last engine cannot have its\n"
+      "weights sooner after the release. An engine whose attach shares the cores with the\n"
+      "others from start to end stretches toward it; how far each one does depends on how\n"
+      "the kernel interleaves the 64, which no unprivileged process controls. The share\n"
+      "would come within 5x one alone from about %.0f cores, if an attach cost there what it\n"
+      "costs here.\n",
       Ms(attach.engines_cpu + attach.daemon_cpu).c_str(), Ms(attach.engines_cpu).c_str(),
       Ms(attach.daemon_cpu).c_str(), cores, Ms(attach.share).c_str(), attach.cores_for_5x);
   std::printf(

@@ -9,10 +9,14 @@ weightd=$1 burst=$2 probe=$3
 work=$(mktemp -d)
 pid=""
 cleanup() {
-  [ -n "$pid" ] && kill "$pid" 2>/dev/null && wait "$pid" 2>/dev/null
+  if [ -n "$pid" ]; then
+    kill "$pid" 2>/dev/null || :
+    wait "$pid" 2>/dev/null || :
+  fi
   rm -rf "$work"
 }
 trap cleanup EXIT
+trap 'exit 1' INT TERM
 mkdir -m 700 "$work/sock"
 export WEIGHTD_CACHE_DIR="$work/cache"
 "$weightd" make-checkpoint --preset tiny "$work/model" >/dev/null
@@ -25,11 +29,21 @@ until grep -q ready "$work/serve.out"; do
   sleep 0.1
 done
 "$weightd" preload "$work/model" --socket-dir "$work/sock" >/dev/null
-"$burst" "$probe" "$work/model" "$work/sock" "$pid" 1 | tee "$work/out.txt"
-for key in cores engines rounds attach_alone_ms attach_p50_ms attach_p99_ms \
-           attach_round_cpu_ms attach_share_ms attach_cores_for_5x; do
+if ! "$burst" "$probe" "$work/model" "$work/sock" "$pid" 1 >"$work/out.txt"; then
+  cat "$work/out.txt"
+  echo "attach_burst failed"
+  exit 1
+fi
+cat "$work/out.txt"
+for key in attach_cores attach_rounds attach_alone_ms attach_p50_ms attach_p99_ms \
+           attach_p99_since_release_ms attach_round_cpu_ms attach_share_ms attach_cores_for_5x; do
   grep -q "^$key: [0-9]" "$work/out.txt" || { echo "no $key"; exit 1; }
 done
-grep -q '^engines: 64$' "$work/out.txt"
-# A usage error is said, not a crash.
-if "$burst" "$probe" 2>/dev/null; then echo "usage error not refused"; exit 1; fi
+grep -q '^attach_engines: 64$' "$work/out.txt"
+# 64 engines' attaches take some CPU time; a zero would be a parse gone wrong.
+awk '/^attach_round_cpu_ms:/ { exit !($2 > 0) }' "$work/out.txt" || { echo "no CPU time counted"; exit 1; }
+# Usage errors are said, not crashes.
+if "$burst" "$probe" 2>/dev/null; then echo "a missing argument was not refused"; exit 1; fi
+if "$burst" "$probe" "$work/model" "$work/sock" "$pid" 10abc 2>/dev/null; then
+  echo "ROUNDS 10abc was not refused"; exit 1
+fi
