@@ -69,6 +69,8 @@ int main(int argc, char** argv) {
     std::printf("attach_p99_without_stolen_rounds_ms: %.3f\n", s.p99_undisturbed * 1e3);
   }
   std::printf("attach_round_cpu_ms: %.3f\n", (s.engines_cpu + s.daemon_cpu) * 1e3);
+  std::printf("attach_round_engines_cpu_ms: %.3f\n", s.engines_cpu * 1e3);
+  std::printf("attach_round_daemon_cpu_ms: %.3f\n", s.daemon_cpu * 1e3);
   std::printf("attach_share_ms: %.3f\n", s.share * 1e3);
   std::printf("attach_cores_for_5x: %.0f\n", s.cores_for_5x);
   return 0;

@@ -38,6 +38,8 @@ int main(int argc, char** argv) {
   weightd::AcquireOptions options;
   options.socket_dir = argv[2];
   options.log = [](const std::string&) {};
+  // A miss is a failed round, not a disk load held by 64 engines.
+  options.fallback = false;
   auto weights = weightd::Acquire({.path = argv[1]}, options);
   const auto end = std::chrono::steady_clock::now();
   const double seconds = std::chrono::duration<double>(end - start).count();

@@ -17,6 +17,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -27,15 +28,15 @@ namespace bench {
 
 // CPU time (user and system) a process has used so far, every thread of it,
 // ended ones too: its CPU clock, or /proc's count in clock ticks (10 ms)
-// where the clock cannot be read.
-inline double ProcessCpuSeconds(pid_t pid) {
+// where the clock cannot be read; nullopt when neither can (it is gone).
+inline std::optional<double> TryProcessCpuSeconds(pid_t pid) {
   clockid_t clock;
   timespec t{};
   if (::clock_getcpuclockid(pid, &clock) == 0 && ::clock_gettime(clock, &t) == 0) {
     return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) / 1e9;
   }
   FILE* f = std::fopen(("/proc/" + std::to_string(pid) + "/stat").c_str(), "r");
-  if (f == nullptr) Die("bench", "cannot read /proc/" + std::to_string(pid) + "/stat");
+  if (f == nullptr) return std::nullopt;
   char buf[1024] = {};
   const size_t n = std::fread(buf, 1, sizeof buf - 1, f);
   std::fclose(f);
@@ -46,9 +47,15 @@ inline double ProcessCpuSeconds(pid_t pid) {
   if (n == 0 || at == nullptr ||
       std::sscanf(at + 2, "%*c %*d %*d %*d %*d %*d %*u %*u %*u %*u %*u %llu %llu", &utime,
                   &stime) != 2) {
-    Die("bench", "cannot parse /proc/" + std::to_string(pid) + "/stat");
+    return std::nullopt;
   }
   return static_cast<double>(utime + stime) / static_cast<double>(::sysconf(_SC_CLK_TCK));
+}
+
+inline double ProcessCpuSeconds(pid_t pid) {
+  const std::optional<double> seconds = TryProcessCpuSeconds(pid);
+  if (!seconds) Die("bench", "cannot read the CPU time of process " + std::to_string(pid));
+  return *seconds;
 }
 
 // CPU time the hypervisor has taken from this machine's CPUs so far (steal,
@@ -107,7 +114,7 @@ inline AttachRound AttachAll(const std::string& probe, const std::string& model,
   AttachRound round;
   const std::string bytes(static_cast<size_t>(n), 'x');
   const double stolen_before = StolenSeconds();
-  const double daemon_before = ProcessCpuSeconds(daemon);
+  const std::optional<double> daemon_before = TryProcessCpuSeconds(daemon);
   const double released = MonotonicSeconds();
   // A byte each, then the pipe closed. Linux's pipe readers wait in turn
   // (since 5.5): a write wakes one, which wakes the next only once it has
@@ -132,9 +139,15 @@ inline AttachRound AttachAll(const std::string& probe, const std::string& model,
   }
   round.wall = MonotonicSeconds() - released;
   round.stolen = StolenSeconds() - stolen_before;
-  round.daemon_cpu = ProcessCpuSeconds(daemon) - daemon_before;
+  const std::optional<double> daemon_after = TryProcessCpuSeconds(daemon);
+  if (daemon_before && daemon_after) {
+    round.daemon_cpu = *daemon_after - *daemon_before;
+  } else if (failure.empty()) {
+    failure = "cannot read the daemon's CPU time (process " + std::to_string(daemon) + ")";
+  }
   // All attached and holding their weights (or failed); now let them go.
   for (const Child& e : engines) {
+    if (e.pid <= 0) continue;
     ::kill(e.pid, SIGTERM);
     ::waitpid(e.pid, nullptr, 0);
   }

@@ -54,6 +54,7 @@ inline Child SpawnWithStdin(const std::vector<std::string>& argv, int stdin_fd,
   if (::pipe2(pipe_fds, O_CLOEXEC) != 0) Die("bench", "pipe");
   Child c;
   c.pid = ::fork();
+  if (c.pid < 0) Die("bench", "cannot start " + argv[0] + ": fork failed");
   if (c.pid == 0) {
     if (stdin_fd >= 0) ::dup2(stdin_fd, 0);
     ::dup2(pipe_fds[1], 1);

@@ -452,7 +452,7 @@ int main(int argc, char** argv) {
   std::printf("| --- | ---: | ---: | ---: | ---: |\n");
   for (const Throughput& t : throughput) {
     const double floor = t.preload_cpu / static_cast<double>(cores);
-    char best[32] = "-";  // under one clock tick: no floor to speak of
+    char best[32] = "-";  // no CPU time counted: no floor to speak of
     if (floor > 0) std::snprintf(best, sizeof best, "%.2fx", t.cp_warm / floor);
     std::printf("| %s | %s | %s | %s | %s |\n", t.label.c_str(), Ms(t.preload_cpu).c_str(),
                 Ms(t.cp_cpu).c_str(), Ms(floor).c_str(), best);
@@ -476,19 +476,19 @@ int main(int argc, char** argv) {
   // The same, without the rounds the hypervisor took CPU time in: what
   // weightd and this kernel do, apart from the machine's neighbours.
   if (attach.p99_undisturbed > 0) {
-    std::printf("| 64 at once, p99 of the %d rounds with no CPU time stolen | %s | %.1fx |\n",
+    std::printf("| 64 at once, p99 of the %d rounds with no steal recorded | %s | %.1fx |\n",
                 kConcurrentRounds - attach.disturbed, Ms(attach.p99_undisturbed).c_str(),
                 attach.p99_undisturbed / single);
   }
-  std::printf("| 64 at once, p99 from the release | %s | %.1fx |\n",
+  std::printf("| 64 at once, p99 from the release (all rounds) | %s | %.1fx |\n",
               Ms(attach.p99_since_release).c_str(), attach.p99_since_release / single);
   std::printf("| a round's CPU time spread over the %ld cores | %s | %.1fx |\n", cores,
               Ms(attach.share).c_str(), attach.share / single);
   std::printf(
       "\nA round of 64 attaches took %s of CPU time (means of the rounds): the engines' own\n"
       "%s, the daemon's %s (each process's CPU clock). Spread over the %ld cores that is\n"
-      "%s, a lower bound on the time the round's work took: the last engine cannot have its\n"
-      "weights sooner after the release. An engine whose attach shares the cores with the\n"
+      "%s: about the soonest the last engine could have its weights after the release, for\n"
+      "the work as it was done here. An engine whose attach shares the cores with the\n"
       "others from start to end stretches toward it; how far each one does depends on how\n"
       "the kernel interleaves the 64, which no unprivileged process controls. The share\n"
       "would come within 5x one alone from about %.0f cores, if an attach cost there what it\n"

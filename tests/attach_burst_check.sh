@@ -41,7 +41,8 @@ for key in attach_cores attach_rounds attach_alone_ms attach_p50_ms attach_p99_m
 done
 grep -q '^attach_engines: 64$' "$work/out.txt"
 # 64 engines' attaches take some CPU time; a zero would be a parse gone wrong.
-awk '/^attach_round_cpu_ms:/ { exit !($2 > 0) }' "$work/out.txt" || { echo "no CPU time counted"; exit 1; }
+awk '/^attach_round_engines_cpu_ms:/ { found = 1; ok = $2 > 0 } END { exit !(found && ok) }' \
+  "$work/out.txt" || { echo "no engine CPU time counted"; exit 1; }
 # Usage errors are said, not crashes.
 if "$burst" "$probe" 2>/dev/null; then echo "a missing argument was not refused"; exit 1; fi
 if "$burst" "$probe" "$work/model" "$work/sock" "$pid" 10abc 2>/dev/null; then
