@@ -15,10 +15,9 @@
 //   attach_probe MODEL SOCKET_DIR
 #include <unistd.h>
 
-#include <chrono>
 #include <cstdio>
-#include <ctime>
 
+#include "attach_rounds.h"
 #include "weightd/client.h"
 
 int main(int argc, char** argv) {
@@ -28,28 +27,22 @@ int main(int argc, char** argv) {
   }
   char go;
   if (::read(0, &go, 1) != 1) return 1;
-  auto cpu_seconds = [] {
-    timespec t{};
-    ::clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &t);
-    return static_cast<double>(t.tv_sec) + static_cast<double>(t.tv_nsec) / 1e9;
-  };
-  const auto start = std::chrono::steady_clock::now();
-  const double cpu_start = cpu_seconds();
+  // The parent's clock, so that it can time this attach from its release.
+  const double start = bench::MonotonicSeconds();
+  const double cpu_start = bench::ProcessCpuSeconds(::getpid());
   weightd::AcquireOptions options;
   options.socket_dir = argv[2];
   options.log = [](const std::string&) {};
   // A miss is a failed round, not a disk load held by 64 engines.
   options.fallback = false;
   auto weights = weightd::Acquire({.path = argv[1]}, options);
-  const auto end = std::chrono::steady_clock::now();
-  const double seconds = std::chrono::duration<double>(end - start).count();
-  const double cpu = cpu_seconds() - cpu_start;
+  const double end = bench::MonotonicSeconds();
+  const double cpu = bench::ProcessCpuSeconds(::getpid()) - cpu_start;
   if (!weights.ok()) {
     std::fprintf(stderr, "attach_probe: %s\n", weights.error().message().c_str());
     return 1;
   }
-  std::printf("%.9f %.9f %.9f %s\n", seconds, cpu,
-              std::chrono::duration<double>(end.time_since_epoch()).count(),
+  std::printf("%.9f %.9f %.9f %s\n", end - start, cpu, end,
               std::string((*weights)->source()).c_str());
   // Stay attached, as an engine does, until the parent ends us (SIGTERM):
   // the others' attaches should not share the cores with 63 process exits.
