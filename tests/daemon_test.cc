@@ -139,6 +139,12 @@ TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   }
   EXPECT_EQ(again["bytes"], 0);  // of the ranks loaded: none
   EXPECT_TRUE(again["loaded_ranks"].empty());
+  // Still a hit once the copy's own directory holds a model processed
+  // otherwise: that one only explains misses.
+  Preload(copy, {"--dtype", "bf16"});
+  j = Load(copy);
+  EXPECT_EQ(j["source"], "daemon") << j.dump();
+  EXPECT_EQ(j["mismatch"], json::array()) << j.dump();
   // The text status shows the #ID that `evict #ID` takes.
   const std::string id = "#" + std::to_string(Status()["models"][0]["id"].get<uint64_t>());
   CommandResult text = Run({"status"});

@@ -233,6 +233,33 @@ TEST(Registry, AMissIsExplainedAgainstTheEnginesOwnCheckpointAmongEquals) {
   EXPECT_EQ(reload.mismatch[0].field, "device");
 }
 
+// The model itself is a hit whatever else is resident: beside it, the same
+// model on another device and a model from the engine's own directory
+// (processed otherwise) are only what a miss would be explained against.
+TEST(Registry, TheModelItselfIsFoundBeforeAnyNearMiss) {
+  Registry r(64 * kMiB);
+  r.SetBudget(kGpu, 64 * kMiB);
+  // Published first: a key published again replaces its model.
+  auto processed = Publish(r, "host", 1, "xxh3-128:same");
+  processed->key.dtype = "bf16";
+  processed->path = "/models/mine";
+  auto on_host = Publish(r, "host", 1, "xxh3-128:same");
+  on_host->path = "/elsewhere/copy";
+  auto on_gpu = Publish(r, kGpu, 1, "xxh3-128:same");
+  on_gpu->path = "/models/mine";
+
+  protocol::CacheKey want;
+  want.checkpoint = "xxh3-128:same";
+  want.device = "host";
+  const Registry::Lookup host = r.Acquire(want, "", {}, "/models/mine");
+  EXPECT_EQ(host.model, on_host) << (host.mismatch.empty() ? "" : host.mismatch[0].Describe());
+  want.device = kGpu;
+  const Registry::Lookup gpu = r.Acquire(want, "", {}, "/models/mine");
+  EXPECT_EQ(gpu.model, on_gpu) << (gpu.mismatch.empty() ? "" : gpu.mismatch[0].Describe());
+  if (host.model) r.Release(host.model);
+  if (gpu.model) r.Release(gpu.model);
+}
+
 // The engine's own model, resident processed otherwise (two ranks): that is
 // what its miss names, not another model that differs in its checkpoint
 // alone.

@@ -219,14 +219,15 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
   }
   size_t best = models_.size();
   std::vector<protocol::FieldDifference> best_diff;
-  // The same model on another device first (which a GPU engine copies from
-  // the host); then a model loaded from the engine's own checkpoint
-  // directory, however many fields differ (its own model, processed
-  // otherwise or changed since, says more than some other model with fewer
-  // differences); then the fewest differing fields.
+  // The model itself first, wherever it was loaded from. Failing that, what
+  // a miss is explained against: the same model on another device (which a
+  // GPU engine copies from the host); then a model loaded from the engine's
+  // own checkpoint directory, however many fields differ (its own model,
+  // processed otherwise or changed since, says more than some other model
+  // with fewer differences); then the fewest differing fields.
   auto rank = [&](const std::vector<protocol::FieldDifference>& d, const ResidentModel& m) {
     const bool device_only = d.size() == 1 && d[0].field == "device";
-    return std::tuple(!device_only, path.empty() || m.path != path, d.size());
+    return std::tuple(!d.empty(), !device_only, path.empty() || m.path != path, d.size());
   };
   for (size_t i = 0; i < models_.size(); ++i) {
     const bool trusted = !trust.empty();
