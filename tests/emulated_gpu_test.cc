@@ -142,8 +142,8 @@ TEST_F(EmulatedGpuTest, TheWriteProbeReportsWhatTheDriverDidWithTheWrite) {
   auto daemon = StartDaemon();
   Preload(model, {"--device", "cuda:0"});
   auto probe = [&](const char* mode) {
-    const std::string command =
-        std::string(WEIGHTD_WRITE_PROBE) + " " + model + " cuda:0 " + sock_ + " 2>&1";
+    const std::string command = std::string(WEIGHTD_WRITE_PROBE) + " " + model + " cuda:0 " +
+                                sock_ + " " + WEIGHTD_BINARY + " 2>&1";
     return WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", mode}}, [&] {
       std::string text;
       FILE* p = ::popen(command.c_str(), "r");
@@ -168,11 +168,24 @@ TEST_F(EmulatedGpuTest, TheWriteProbeReportsWhatTheDriverDidWithTheWrite) {
   EXPECT_NE(out.find("write_probe_bytes_changed: unknown here"), std::string::npos) << out;
   EXPECT_EQ(shared_now(), disk);
 
-  // Not enforced: the write goes through, to every engine's weights.
+  EXPECT_EQ(out.find("write_probe_restored"), std::string::npos) << out;
+  EXPECT_EQ(out.find("write_probe_new_engine_checksum"), std::string::npos) << out;
+
+  // Not enforced: the write goes through, to every engine's weights (a new
+  // engine sees it meanwhile), and is undone before the probe ends.
   out = probe("ignore");
   EXPECT_NE(out.find("write_probe_copy: accepted"), std::string::npos) << out;
+  EXPECT_NE(out.find("write_probe_memset: accepted"), std::string::npos) << out;
   EXPECT_NE(out.find("write_probe_bytes_changed: YES"), std::string::npos) << out;
-  EXPECT_NE(shared_now(), disk);
+  const std::string seen_key = "write_probe_new_engine_checksum: ";
+  const size_t seen_at = out.find(seen_key);
+  ASSERT_NE(seen_at, std::string::npos) << out;
+  const std::string seen =
+      out.substr(seen_at + seen_key.size(), out.find('\n', seen_at) - seen_at - seen_key.size());
+  EXPECT_EQ(seen.rfind("xxh3", 0), 0u) << out;
+  EXPECT_NE(seen, disk) << out;
+  EXPECT_NE(out.find("write_probe_restored: yes"), std::string::npos) << out;
+  EXPECT_EQ(shared_now(), disk);
 }
 
 TEST_F(EmulatedGpuTest, AnEngineKeepsItsGpuWeightsWhenTheDaemonIsKilled) {

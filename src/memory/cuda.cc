@@ -839,7 +839,8 @@ Result<std::unique_ptr<Segment>> ImportedMapping::Copy() const {
   return copy;
 }
 
-Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, uint64_t bytes) {
+Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, uint64_t bytes,
+                                   const std::function<void()>& while_changed) {
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<GpuContext> gpu, GpuContext::Open(uuid));
   WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, gpu->Enter());
   const Driver& d = gpu->driver();
@@ -856,15 +857,29 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
   CUresult r = d.cuMemcpyHtoD(address, flipped.data(), flipped.size());
   if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
   out.copy = describe(r);
-  r = d.cuMemsetD8(address, 0xA5, before.size());
-  if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
-  out.memset = describe(r);
+  if (r != CUDA_SUCCESS) {
+    // A fault is sticky: every later call in this context would repeat
+    // the copy's error, and read as the memset's own.
+    out.memset = "not tried (the copy's error may have left the context unusable)";
+  } else {
+    r = d.cuMemsetD8(address, 0xA5, before.size());
+    if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
+    out.memset = describe(r);
+  }
   if (r = d.cuMemcpyDtoH(after.data(), address, after.size()); r != CUDA_SUCCESS) {
     out.read_back = d.Describe(r);
     return out;
   }
   out.read_back = "ok";
   out.changed = after != before;
+  if (!out.changed) return out;
+  if (while_changed) while_changed();
+  r = d.cuMemcpyHtoD(address, before.data(), before.size());
+  if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
+  if (r == CUDA_SUCCESS) r = d.cuMemcpyDtoH(after.data(), address, after.size());
+  out.restored = r != CUDA_SUCCESS ? "no (" + d.Describe(r) + ")"
+                 : after == before ? "yes"
+                                   : "no (the bytes read back still differ)";
   return out;
 }
 

@@ -22,6 +22,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <string>
 #include <string_view>
@@ -109,17 +110,23 @@ Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte> ho
 // What a write to memory mapped read-only did (a check, for tools).
 struct WriteAttempt {
   std::string copy;       // a host-to-device copy into it: "accepted" or the error
-  std::string memset;     // a device memset on it: "accepted" or the error
+  std::string memset;     // a device memset on it: "accepted", "not tried" or the error
   std::string read_back;  // "ok", or why the bytes could not be read after
   bool changed = false;   // whether the bytes read back differ from before
+  // Where they changed: "yes" once the bytes from before are written back,
+  // else why not; empty where nothing changed.
+  std::string restored;
 };
 
 // Tries to change `bytes` bytes at `address` on the GPU `uuid` (mapped in
 // this process, by the client, say), by a copy and by a memset, and reads
 // them back: what the driver does with writes to memory mapped read-only.
-// A refused write may leave this process's CUDA context unusable: call it
-// in a process that ends after.
-Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, uint64_t bytes);
+// Bytes that did change are written back as they were, after
+// `while_changed` (if given) has run: memory other processes share is left
+// as it was found. A refused write may leave this process's CUDA context
+// unusable: call it in a process that ends after.
+Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, uint64_t bytes,
+                                   const std::function<void()>& while_changed = {});
 
 // A segment another process exported, mapped into this process's address
 // space on the same GPU. The physical memory stays while any process maps
