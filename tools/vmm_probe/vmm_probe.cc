@@ -404,7 +404,6 @@ int main(int argc, char** argv) {
   const auto gb = static_cast<double>(size) / 1e9;
   std::printf("htod_pageable_gbps: %.2f\nhtod_pinned_gbps: %.2f\n", gb / pageable_s, gb / pinned_s);
   api.cuMemFreeHost(pinned);
-  HostTierReload(ptr, size, pageable, gb / pinned_s);
 
   int fd = -1;
   Check("cuMemExportToShareableHandle",
@@ -421,8 +420,11 @@ int main(int argc, char** argv) {
   // 2. Another importer maps; the exporter lets go of everything; the
   //    importer reads again (the pattern restored first, if 1 changed it).
   if (!unchanged) Check("cuMemcpyHtoD", api.cuMemcpyHtoD(ptr, pageable.data(), size));
+  // Close-on-exec: only the ends named below reach the survivor. Were it to
+  // inherit the write end of its own pipe, it would wait forever for an
+  // exporter that died, holding the output gpu-check reads.
   int to_parent[2], to_child[2];
-  if (::pipe(to_parent) != 0 || ::pipe(to_child) != 0) return 1;
+  if (::pipe2(to_parent, O_CLOEXEC) != 0 || ::pipe2(to_child, O_CLOEXEC) != 0) return 1;
   const pid_t survivor = Spawn(
       argv[0],
       {"--survive", fd_text, size_text, std::to_string(to_parent[1]), std::to_string(to_child[0])},
@@ -437,5 +439,17 @@ int main(int argc, char** argv) {
   ::close(fd);
   if (mapped && ::write(to_child[1], "r", 1) != 1) return 1;
   failed |= Wait(survivor, "surviving_importer");
+
+  // 5. Last, in an allocation of its own: registering host memory is what a
+  //    sandbox is likeliest to refuse, and a failure must not cost the
+  //    answers above.
+  CUmemGenericAllocationHandle reload;
+  Check("cuMemCreate", api.cuMemCreate(&reload, size, &prop, 0));
+  ptr = Map(reload, size, dev, CU_MEM_ACCESS_FLAGS_PROT_READWRITE, &access);
+  Check("cuMemSetAccess (host-tier reload)", access);
+  HostTierReload(ptr, size, pageable, gb / pinned_s);
+  Check("cuMemUnmap", api.cuMemUnmap(ptr, size));
+  Check("cuMemAddressFree", api.cuMemAddressFree(ptr, size));
+  Check("cuMemRelease", api.cuMemRelease(reload));
   return failed != 0 ? 1 : 0;
 }
