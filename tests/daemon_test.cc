@@ -554,9 +554,22 @@ TEST_F(DaemonTest, SocketDirectoryMustBeOursAlone) {
   const std::string link = dir_.Join("link");
   ::chmod(sock_.c_str(), 0700);
   ASSERT_EQ(::symlink(sock_.c_str(), link.c_str()), 0);
-  CommandResult linked = RunWeightd({"serve", "--socket-dir", link});
-  EXPECT_EQ(linked.exit_code, 1);
-  EXPECT_NE(linked.err.find("symlink"), std::string::npos) << linked.err;
+  // "link/" names the link's target: refused all the same, engines too.
+  // (A daemon that took it would serve on: ended when this test fails.)
+  for (const std::string& named : {link, link + "/", link + "//"}) {
+    testing::Process linked({"serve", "--socket-dir", named});
+    bool served = false;
+    try {
+      served = linked.WaitForOutput("ready", 30);
+    } catch (const std::runtime_error&) {  // it exited first, as it should
+    }
+    ASSERT_FALSE(served) << named << " was taken";
+    EXPECT_EQ(linked.Wait(), 1) << named;
+    EXPECT_NE(linked.err().find("symlink"), std::string::npos) << named << ": " << linked.err();
+  }
+  CommandResult engine = RunWeightd({"status", "--socket-dir", link + "/"});
+  EXPECT_NE(engine.exit_code, 0);
+  EXPECT_NE(engine.err.find("symlink"), std::string::npos) << engine.err;
 }
 
 TEST_F(DaemonTest, SigtermRemovesTheSocket) {

@@ -51,8 +51,8 @@ class Process {
   ~Process();  // SIGKILL if still running
 
   int pid() const { return pid_; }
-  // Waits until stdout holds `text`; false if the process exited first or
-  // `seconds` passed.
+  // Waits until stdout holds `text`; false if `seconds` passed, and
+  // std::runtime_error if the process exited first.
   bool WaitForOutput(const std::string& text, double seconds = 60);
   void Signal(int sig);
   // Waits for the exit; the exit code, or 128 + signal.

@@ -10,18 +10,32 @@
 
 namespace weightd::protocol {
 
+namespace {
+
+// "dir/" names what "dir" points to, and lstat follows a symlink named
+// so: the directory is checked, and named, without them.
+std::string WithoutTrailingSlashes(std::string dir) {
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();
+  return dir;
+}
+
+}  // namespace
+
 std::string SocketDirectory(const std::string& flag) {
-  if (!flag.empty()) return flag;
-  if (const char* d = std::getenv("WEIGHTD_SOCKET_DIR"); d != nullptr && *d != '\0') return d;
+  if (!flag.empty()) return WithoutTrailingSlashes(flag);
+  if (const char* d = std::getenv("WEIGHTD_SOCKET_DIR"); d != nullptr && *d != '\0') {
+    return WithoutTrailingSlashes(d);
+  }
   if (const char* d = std::getenv("XDG_RUNTIME_DIR"); d != nullptr && *d != '\0') {
-    return std::string(d) + "/weightd";
+    return WithoutTrailingSlashes(d) + "/weightd";
   }
   return "/tmp/weightd-" + std::to_string(::getuid());
 }
 
 std::string SocketPath(const std::string& dir) { return dir + "/" + kSocketName; }
 
-Status CheckSocketDirectory(const std::string& dir) {
+Status CheckSocketDirectory(const std::string& named) {
+  const std::string dir = WithoutTrailingSlashes(named);
   struct stat st;
   if (::lstat(dir.c_str(), &st) != 0) {
     return Error("socket directory " + dir + ": " + std::strerror(errno));
