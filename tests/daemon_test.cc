@@ -729,6 +729,27 @@ TEST_F(DaemonTest, AStatusTooLongForOneReplyListsWhatFitsAndCountsTheRest) {
   EXPECT_NE(text.out.find("more models (the list is cut to fit one reply)"), std::string::npos);
 }
 
+// Evicting thousands of ranks at once: the reply lists what fits in one
+// frame and counts the rest, instead of failing to be sent (which told the
+// asker its eviction had failed when it had not).
+TEST_F(DaemonTest, AnEvictionTooLongForOneReplyListsWhatFitsAndCountsTheRest) {
+  auto daemon = StartDaemon();
+  for (int seed = 1; seed <= 5; ++seed) {
+    const std::string model = dir_.Join("tiny" + std::to_string(seed));
+    ASSERT_TRUE(format::WriteSyntheticCheckpoint(
+                    model, {.preset = "tiny", .seed = static_cast<uint64_t>(seed)})
+                    .ok());
+    Preload(model, {"--tp-size", "1024", "--shard-plan", "replicate"});
+  }
+  CommandResult r = Run({"evict", "all", "--json"});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json evicted = json::parse(r.out);
+  ASSERT_TRUE(evicted.contains("models_omitted")) << r.out.size();
+  EXPECT_GT(evicted["models"].size(), 0u);
+  EXPECT_EQ(evicted["models"].size() + evicted["models_omitted"].get<size_t>(), 5 * 1024u);
+  EXPECT_EQ(Status()["models"].size(), 0u);
+}
+
 TEST_F(DaemonTest, SixtyFourEnginesAtOnceGetTheSameBytes) {
   const std::string a = MakeModel("a");
   const std::string expected = DiskChecksum(a);

@@ -474,6 +474,9 @@ Command AddPreloadCommand(CLI::App& root) {
                 std::cout << "  evicted to make room: " << Printable(e.value("description", ""))
                           << "\n";
               }
+              if (const uint64_t more = reply->value("evicted_omitted", uint64_t{0}); more > 0) {
+                std::cout << "  and " << Count(more, "more model") << " evicted to make room\n";
+              }
               if (!o->pin.empty()) std::cout << "  pinned as `" << o->pin << "`\n";
               PrintPinTakenFrom(*reply, o->pin);
             }
@@ -564,9 +567,10 @@ Command AddEvictCommand(CLI::App& root) {
             auto reply = client::Request(o->socket_dir, {{"type", "evict"}, {"what", o->what}});
             if (!reply.ok()) return ReportError("evict", reply.error().message());
             const json models = reply->value("models", json::array());
+            const uint64_t more = reply->value("models_omitted", uint64_t{0});
             // `all` with nothing resident has nothing to miss. A miss is an
             // error alone: nothing on stdout a script could take for success.
-            if (models.empty() && o->what != "all") {
+            if (models.empty() && more == 0 && o->what != "all") {
               return ReportError("evict", "nothing resident matched `" + o->what +
                                               "` (a pinned name, 8 or more characters of a "
                                               "digest, #ID, or all; see `weightd status`)");
@@ -574,10 +578,11 @@ Command AddEvictCommand(CLI::App& root) {
             if (o->json) {
               std::cout << DumpJson(*reply, 2) << "\n";
             } else {
-              if (models.empty()) std::cout << "nothing was resident\n";
+              if (models.empty() && more == 0) std::cout << "nothing was resident\n";
               for (const auto& m : models) {
                 std::cout << "evicted " << Printable(m.value("description", "")) << "\n";
               }
+              if (more > 0) std::cout << "and " << Count(more, "more model") << " evicted\n";
             }
             return kExitOk;
           }};

@@ -94,6 +94,27 @@ json CudaJson(const std::shared_future<Result<std::vector<memory::CudaDevice>>>&
   return {{"available", true}, {"devices", list}};
 }
 
+// The models dropped, as `evict` and a preload's reply list them: within
+// half a frame (an `evict all` of thousands of ranks with long pinned
+// names), the rest counted in `omitted`. A reply too long to send would
+// tell the asker its eviction failed.
+json EvictionsJson(const std::vector<Eviction>& evicted, uint64_t* omitted) {
+  json list = json::array();
+  size_t listed_bytes = 0;
+  *omitted = 0;
+  for (const Eviction& e : evicted) {
+    json entry = {{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}};
+    const size_t bytes = entry.dump(-1, ' ', false, json::error_handler_t::replace).size() + 1;
+    if (listed_bytes + bytes > protocol::kMaxBodyBytes / 2) {
+      ++*omitted;
+      continue;
+    }
+    listed_bytes += bytes;
+    list.push_back(std::move(entry));
+  }
+  return list;
+}
+
 json DeviceJson(const Registry::Snapshot& s) {
   json out = json::array();
   for (const Registry::DeviceUse& d : s.devices) {
@@ -830,12 +851,12 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
 
   if (type == "evict") {
     if (!body.contains("what") || !body["what"].is_string()) return Error("evict without `what`");
-    json evicted = json::array();
-    for (const Eviction& e : registry.Evict(body["what"].get<std::string>())) {
-      Log("evicted " + e.description + " (asked by " + who + ")");
-      evicted.push_back({{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}});
-    }
-    return ch.Send({{"type", "evicted"}, {"models", evicted}});
+    const std::vector<Eviction> evicted = registry.Evict(body["what"].get<std::string>());
+    for (const Eviction& e : evicted) Log("evicted " + e.description + " (asked by " + who + ")");
+    uint64_t omitted = 0;
+    json reply = {{"type", "evicted"}, {"models", EvictionsJson(evicted, &omitted)}};
+    if (omitted > 0) reply["models_omitted"] = omitted;
+    return ch.Send(reply);
   }
 
   (void)id;
@@ -1055,6 +1076,7 @@ Result<json> Server::State::PreloadUnguarded(
                  std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
                 {"phases", phases_json({})},
                 {"evicted", json::array()},
+                {"evicted_omitted", 0},
                 {"unpinned", unpinned},
                 {"pin_taken_from", taken_json()}};
   }
@@ -1167,11 +1189,8 @@ Result<json> Server::State::PreloadUnguarded(
   // Ranks that stayed resident take a new name too.
   if (!pin.empty() && !held.empty()) pin_all(loaded->checkpoint_digest);
   log_taken();
-  json evicted_json = json::array();
-  // As `evict` lists what it dropped.
-  for (const Eviction& e : evicted) {
-    evicted_json.push_back({{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}});
-  }
+  uint64_t evicted_omitted = 0;
+  const json evicted_json = EvictionsJson(evicted, &evicted_omitted);
   return json{{"already_resident", false},
               {"key", protocol::ToJson(key_of(loaded->checkpoint_digest, 0))},
               {"ranks", ranks},
@@ -1181,6 +1200,7 @@ Result<json> Server::State::PreloadUnguarded(
               {"seconds", seconds},
               {"phases", phases_json(loaded->phases)},
               {"evicted", evicted_json},
+              {"evicted_omitted", evicted_omitted},
               {"unpinned", unpinned},
               {"pin_taken_from", taken_json()}};
 }
