@@ -133,6 +133,23 @@ TEST_F(EmulatedGpuTest, ARefusedReadOnlyMappingIsMadeReadWriteAndSaidSo) {
   EXPECT_EQ(engine["checksum"], DiskChecksum(model));
 }
 
+// A driver that accepts read-only but records read-write: engines are told
+// their mapping is read-write, as where it refuses.
+TEST_F(EmulatedGpuTest, ReadOnlyAcceptedButRecordedReadWriteIsSaidSo) {
+  const std::string model = MakeModel("m");
+  auto daemon = WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", "record-readwrite"}},
+                        [&] { return StartDaemon(); });
+  Preload(model, {"--device", "cuda:0"});
+  EXPECT_NE(Status()["cuda"]["devices"][0]["read_only_mapping"].get<std::string>().find("refused"),
+            std::string::npos);
+  json engine = WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", "record-readwrite"}}, [&] {
+    return Load(model, {"--device", "cuda:0", "--no-fallback"});
+  });
+  EXPECT_EQ(engine["source"], "daemon");
+  EXPECT_NE(engine["reason"].get<std::string>().find("READ-WRITE"), std::string::npos)
+      << engine["reason"];
+}
+
 // The write probe gpu-check runs, against each answer the emulated driver
 // can give: it reports what the writer saw, and a new engine's checksum
 // tells whether the weights other engines share changed.

@@ -163,6 +163,7 @@ struct Driver {
                        unsigned long long) = nullptr;
   CUresult (*cuMemUnmap)(CUdeviceptr, size_t) = nullptr;
   CUresult (*cuMemSetAccess)(CUdeviceptr, size_t, const CUmemAccessDesc*, size_t) = nullptr;
+  CUresult (*cuMemGetAccess)(unsigned long long*, const CUmemLocation*, CUdeviceptr) = nullptr;
   CUresult (*cuMemExportToShareableHandle)(void*, CUmemGenericAllocationHandle,
                                            CUmemAllocationHandleType, unsigned long long) = nullptr;
   CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle*, void*,
@@ -246,6 +247,7 @@ Result<const Driver*> LoadDriver() {
     load("cuMemMap", driver.cuMemMap);
     load("cuMemUnmap", driver.cuMemUnmap);
     load("cuMemSetAccess", driver.cuMemSetAccess);
+    load("cuMemGetAccess", driver.cuMemGetAccess);
     load("cuMemExportToShareableHandle", driver.cuMemExportToShareableHandle);
     load("cuMemImportFromShareableHandle", driver.cuMemImportFromShareableHandle);
     load("cuMemcpyHtoD", driver.cuMemcpyHtoD);
@@ -819,13 +821,23 @@ Result<std::unique_ptr<CudaMapping>> MapCudaSegment(const UniqueFd& fd, uint64_t
   }
   m->have_handle = true;
   // Read-only where the driver grants it; read-write (the caller warns)
-  // where it refuses.
+  // where it refuses, or where it accepts the request but records another
+  // access (what it recorded is what it would enforce, if anything).
   bool read_only = true;
   if (CUresult r = m->Map(CU_MEM_ACCESS_FLAGS_PROT_READ); r != CUDA_SUCCESS) {
     if (!m->mapped) return CudaError(d, "mapping an imported segment", r);
     read_only = false;
     if (CUresult rw = m->SetAccess(CU_MEM_ACCESS_FLAGS_PROT_READWRITE); rw != CUDA_SUCCESS) {
       return CudaError(d, "cuMemSetAccess", rw);
+    }
+  } else {
+    CUmemLocation where{};
+    where.type = CU_MEM_LOCATION_TYPE_DEVICE;
+    where.id = m->gpu->device();
+    unsigned long long recorded = 0;
+    if (d.cuMemGetAccess(&recorded, &where, m->address) == CUDA_SUCCESS &&
+        recorded != CU_MEM_ACCESS_FLAGS_PROT_READ) {
+      read_only = false;
     }
   }
   return std::unique_ptr<CudaMapping>(new ImportedMapping(std::move(m), size, uuid, read_only));

@@ -16,12 +16,13 @@
 //
 // It says nothing about what a real driver does where the documentation is
 // silent; above all whether an importer's read-only mapping is enforced.
-// WEIGHTD_EMULATED_CUDA_READ_ONLY picks one of the three answers so each
-// path of weightd can be run: `enforce` (default; a write into read-only
-// memory fails with CUDA_ERROR_ILLEGAL_ADDRESS, sticky for the process, as
-// a fault is), `refuse` (cuMemSetAccess will not grant read-only) or
-// `ignore` (the write goes through). Also: WEIGHTD_EMULATED_CUDA_DEVICES
-// (default 1), WEIGHTD_EMULATED_CUDA_MEMORY (per device, default 8G),
+// WEIGHTD_EMULATED_CUDA_READ_ONLY picks one of the answers so each path of
+// weightd can be run: `enforce` (default; a write into read-only memory
+// fails with CUDA_ERROR_ILLEGAL_ADDRESS, sticky for the process, as a
+// fault is), `refuse` (cuMemSetAccess will not grant read-only), `ignore`
+// (the write goes through) or `record-readwrite` (read-only is accepted
+// but read-write recorded, as cuMemGetAccess tells, and granted). Also:
+// WEIGHTD_EMULATED_CUDA_DEVICES (default 1), WEIGHTD_EMULATED_CUDA_MEMORY (per device, default 8G),
 // WEIGHTD_EMULATED_CUDA_GRANULARITY (a power of two, default 2M),
 // WEIGHTD_EMULATED_CUDA_HOST_REGISTER=refuse (cuMemHostRegister fails),
 // WEIGHTD_EMULATED_CUDA_FD_HANDLES=no (no POSIX file descriptor handles).
@@ -61,7 +62,7 @@ namespace {
 constexpr int kMaxDevices = 8;
 constexpr const char* kMemfdPrefix = "weightd-emulated-cuda-";
 
-enum class ReadOnly { kEnforce, kRefuse, kIgnore };
+enum class ReadOnly { kEnforce, kRefuse, kIgnore, kRecordReadWrite };
 
 std::string Env(const char* name) {
   const char* v = std::getenv(name);
@@ -221,9 +222,10 @@ CUresult Init(unsigned int flags) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   const std::string ro = Env("WEIGHTD_EMULATED_CUDA_READ_ONLY");
-  s.read_only = ro == "refuse"   ? ReadOnly::kRefuse
-                : ro == "ignore" ? ReadOnly::kIgnore
-                                 : ReadOnly::kEnforce;
+  s.read_only = ro == "refuse"             ? ReadOnly::kRefuse
+                : ro == "ignore"           ? ReadOnly::kIgnore
+                : ro == "record-readwrite" ? ReadOnly::kRecordReadWrite
+                                           : ReadOnly::kEnforce;
   s.refuse_host_register = Env("WEIGHTD_EMULATED_CUDA_HOST_REGISTER") == "refuse";
   s.fd_handles = Env("WEIGHTD_EMULATED_CUDA_FD_HANDLES") != "no";
   // CUDA_VISIBLE_DEVICES: ordinals or UUID prefixes, up to the first that
@@ -621,7 +623,11 @@ CUresult MemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc* desc,
       }
     }
   }
-  for (Mapping* m : covered) m->access = desc[count - 1].flags;
+  CUmemAccess_flags access = desc[count - 1].flags;
+  if (access == CU_MEM_ACCESS_FLAGS_PROT_READ && s.read_only == ReadOnly::kRecordReadWrite) {
+    access = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+  }
+  for (Mapping* m : covered) m->access = access;
   return CUDA_SUCCESS;
 }
 
