@@ -862,36 +862,55 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
   }
   WriteAttempt out;
   auto describe = [&](CUresult r) { return r == CUDA_SUCCESS ? "accepted" : d.Describe(r); };
-  // A copy engine's write, then a memset's, each synchronized: an error may
-  // come from the call or only from the synchronization.
+  // A write's error may come from the call or only from the
+  // synchronization; a fault is sticky: every later call returns it.
+  auto usable = [&] { return d.cuCtxSynchronize() == CUDA_SUCCESS; };
+  bool asked = false;
+  // After a write: reads the bytes back, and puts them back if they moved.
+  // False when this context can do no more.
+  auto check = [&]() -> bool {
+    if (CUresult r = d.cuMemcpyDtoH(after.data(), address, after.size()); r != CUDA_SUCCESS) {
+      out.read_back = d.Describe(r);
+      if (out.changed && out.restored.empty()) out.restored = "no (" + out.read_back + ")";
+      return false;
+    }
+    out.read_back = "ok";
+    if (after == before) return true;
+    out.changed = true;
+    if (while_changed && !asked) {
+      asked = true;
+      while_changed();
+    }
+    CUresult r = d.cuMemcpyHtoD(address, before.data(), before.size());
+    if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
+    if (r == CUDA_SUCCESS) r = d.cuMemcpyDtoH(after.data(), address, after.size());
+    out.restored = r != CUDA_SUCCESS ? "no (" + d.Describe(r) + ")"
+                   : after == before ? "yes"
+                                     : "no (the bytes read back still differ)";
+    return r == CUDA_SUCCESS && after == before;
+  };
   std::vector<std::byte> flipped(before.size());
   for (size_t i = 0; i < before.size(); ++i) flipped[i] = ~before[i];
   CUresult r = d.cuMemcpyHtoD(address, flipped.data(), flipped.size());
   if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
   out.copy = describe(r);
-  if (r != CUDA_SUCCESS) {
-    // A fault is sticky: every later call in this context would repeat
-    // the copy's error, and read as the memset's own.
-    out.memset = "not tried (the copy's error may have left the context unusable)";
-  } else {
-    r = d.cuMemsetD8(address, 0xA5, before.size());
-    if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
-    out.memset = describe(r);
-  }
-  if (r = d.cuMemcpyDtoH(after.data(), address, after.size()); r != CUDA_SUCCESS) {
-    out.read_back = d.Describe(r);
+  if (r != CUDA_SUCCESS && !usable()) {
+    out.memset = "not tried (the copy's error left the context unusable)";
+    check();  // fails, and says why: the bytes cannot be known here
     return out;
   }
-  out.read_back = "ok";
-  out.changed = after != before;
-  if (!out.changed) return out;
-  if (while_changed) while_changed();
-  r = d.cuMemcpyHtoD(address, before.data(), before.size());
+  if (!check()) {
+    out.memset = "not tried (the bytes the copy left could not be read back or put back)";
+    return out;
+  }
+  r = d.cuMemsetD8(address, 0xA5, before.size());
   if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
-  if (r == CUDA_SUCCESS) r = d.cuMemcpyDtoH(after.data(), address, after.size());
-  out.restored = r != CUDA_SUCCESS ? "no (" + d.Describe(r) + ")"
-                 : after == before ? "yes"
-                                   : "no (the bytes read back still differ)";
+  out.memset = describe(r);
+  if (r != CUDA_SUCCESS && !usable()) {
+    out.read_back = "not tried (the memset's error left the context unusable)";
+    return out;
+  }
+  check();
   return out;
 }
 

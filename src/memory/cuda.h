@@ -107,24 +107,28 @@ Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte> ho
                                                    const std::string& uuid,
                                                    std::string* staged_because = nullptr);
 
-// What a write to memory mapped read-only did (a check, for tools).
+// What writes to memory mapped read-only did (a check, for tools).
 struct WriteAttempt {
-  std::string copy;       // a host-to-device copy into it: "accepted" or the error
-  std::string memset;     // a device memset on it: "accepted", "not tried" or the error
-  std::string read_back;  // "ok", or why the bytes could not be read after
-  bool changed = false;   // whether the bytes read back differ from before
-  // Where they changed: "yes" once the bytes from before are written back,
-  // else why not; empty where nothing changed.
+  std::string copy;    // a host-to-device copy into it: "accepted" or the error
+  std::string memset;  // a device memset on it: "accepted", the error, or why not tried
+  // "ok", or why the bytes could not be read after a write (a refused
+  // write may leave the context unusable: every later call fails).
+  std::string read_back;
+  bool changed = false;  // whether a read back differed from the bytes before
+  // Where they changed: "yes" once the bytes from before are written back
+  // (after each write that changed them), else why not; empty where
+  // nothing changed.
   std::string restored;
 };
 
 // Tries to change `bytes` bytes at `address` on the GPU `uuid` (mapped in
-// this process, by the client, say), by a copy and by a memset, and reads
-// them back: what the driver does with writes to memory mapped read-only.
-// Bytes that did change are written back as they were, after
-// `while_changed` (if given) has run: memory other processes share is left
-// as it was found. A refused write may leave this process's CUDA context
-// unusable: call it in a process that ends after.
+// this process, by the client, say), by a copy and then by a memset,
+// reading them back after each: what the driver does with writes to memory
+// mapped read-only. Bytes a write did change are written back as they
+// were before the next is tried, after `while_changed` (if given) has run
+// the first time: memory other processes share is left as it was found.
+// A refused write may leave this process's CUDA context unusable: call it
+// in a process that ends after.
 Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, uint64_t bytes,
                                    const std::function<void()>& while_changed = {});
 

@@ -46,7 +46,7 @@ std::string Output(const std::vector<std::string>& args, int* exit_code) {
   for (const std::string& a : args) argv.push_back(const_cast<char*>(a.c_str()));
   argv.push_back(nullptr);
   pid_t pid = -1;
-  const int spawned = ::posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  const int spawned = ::posix_spawnp(&pid, argv[0], &actions, nullptr, argv.data(), environ);
   ::posix_spawn_file_actions_destroy(&actions);
   ::close(out[1]);
   std::string text;
@@ -118,7 +118,9 @@ int main(int argc, char** argv) {
     int code = -1;
     const std::string out = Output(load, &code);
     seen = ChecksumIn(out);
-    if (seen.empty()) seen = "failed (exit " + std::to_string(code) + ")";
+    if (seen.empty()) {
+      seen = code < 0 ? "failed " + out : "failed (exit " + std::to_string(code) + ")";
+    }
   };
   auto attempt =
       memory::TryWriteOnGpu(w.device().substr(5), largest->device_address, n, ask_a_new_engine);
@@ -133,9 +135,9 @@ int main(int argc, char** argv) {
   std::printf("write_probe_read_back: %s\n", attempt->read_back.c_str());
   // A fault may leave this process unable to read them back: then only
   // another process can tell (gpu-check loads the model again after).
-  std::printf("write_probe_bytes_changed: %s\n", attempt->read_back != "ok" ? "unknown here"
-                                                 : attempt->changed         ? "YES"
-                                                                            : "no");
+  std::printf("write_probe_bytes_changed: %s\n", attempt->changed             ? "YES"
+                                                 : attempt->read_back != "ok" ? "unknown here"
+                                                                              : "no");
   if (!seen.empty()) std::printf("write_probe_new_engine_checksum: %s\n", seen.c_str());
   if (!attempt->restored.empty()) {
     std::printf("write_probe_restored: %s\n", attempt->restored.c_str());
