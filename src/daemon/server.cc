@@ -101,17 +101,14 @@ json CudaJson(const std::shared_future<Result<std::vector<memory::CudaDevice>>>&
 json EvictionsJson(const std::vector<Eviction>& evicted, uint64_t* omitted) {
   json list = json::array();
   size_t listed_bytes = 0;
-  *omitted = 0;
   for (const Eviction& e : evicted) {
     json entry = {{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}};
     const size_t bytes = entry.dump(-1, ' ', false, json::error_handler_t::replace).size() + 1;
-    if (listed_bytes + bytes > protocol::kMaxBodyBytes / 2) {
-      ++*omitted;
-      continue;
-    }
+    if (listed_bytes + bytes > protocol::kMaxBodyBytes / 2) break;
     listed_bytes += bytes;
     list.push_back(std::move(entry));
   }
+  *omitted = evicted.size() - list.size();
   return list;
 }
 

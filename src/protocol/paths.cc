@@ -36,6 +36,12 @@ std::string SocketPath(const std::string& dir) { return dir + "/" + kSocketName;
 
 Status CheckSocketDirectory(const std::string& named) {
   const std::string dir = WithoutTrailingSlashes(named);
+  // lstat follows a symlink named before a last `.` or `..` too.
+  const std::string last = dir.substr(dir.find_last_of('/') + 1);
+  if (last == "." || last == "..") {
+    return Error("socket directory " + named + " ends in `" + last +
+                 "`; name the directory itself");
+  }
   struct stat st;
   if (::lstat(dir.c_str(), &st) != 0) {
     return Error("socket directory " + dir + ": " + std::strerror(errno));
