@@ -441,7 +441,7 @@ int main(int argc, char** argv) {
   failed |= Wait(survivor, "surviving_importer");
 
   // 5. Last, in an allocation of its own: registering host memory is what a
-  //    sandbox is likeliest to refuse, and a failure must not cost the
+  //    restricted runtime is likeliest to refuse, and a failure must not cost the
   //    answers above.
   CUmemGenericAllocationHandle reload;
   Check("cuMemCreate", api.cuMemCreate(&reload, size, &prop, 0));
