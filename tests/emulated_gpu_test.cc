@@ -117,37 +117,27 @@ TEST_F(EmulatedGpuTest, ProcessesThatNumberTheGpusDifferentlyAgreeOnTheOne) {
   EXPECT_NE(first.err.find(std::string("engine wants ") + kGpu0), std::string::npos) << first.err;
 }
 
+// A driver that refuses read-only access, or accepts it but records
+// read-write: engines map read-write and are told so.
 TEST_F(EmulatedGpuTest, ARefusedReadOnlyMappingIsMadeReadWriteAndSaidSo) {
   const std::string model = MakeModel("m");
-  auto daemon =
-      WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", "refuse"}}, [&] { return StartDaemon(); });
-  Preload(model, {"--device", "cuda:0"});
-  EXPECT_NE(Status()["cuda"]["devices"][0]["read_only_mapping"].get<std::string>().find("refused"),
-            std::string::npos);
-  json engine = WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", "refuse"}}, [&] {
-    return Load(model, {"--device", "cuda:0", "--no-fallback"});
-  });
-  EXPECT_EQ(engine["source"], "daemon");
-  EXPECT_NE(engine["reason"].get<std::string>().find("READ-WRITE"), std::string::npos)
-      << engine["reason"];
-  EXPECT_EQ(engine["checksum"], DiskChecksum(model));
-}
-
-// A driver that accepts read-only but records read-write: engines are told
-// their mapping is read-write, as where it refuses.
-TEST_F(EmulatedGpuTest, ReadOnlyAcceptedButRecordedReadWriteIsSaidSo) {
-  const std::string model = MakeModel("m");
-  auto daemon = WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", "record-readwrite"}},
-                        [&] { return StartDaemon(); });
-  Preload(model, {"--device", "cuda:0"});
-  EXPECT_NE(Status()["cuda"]["devices"][0]["read_only_mapping"].get<std::string>().find("refused"),
-            std::string::npos);
-  json engine = WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", "record-readwrite"}}, [&] {
-    return Load(model, {"--device", "cuda:0", "--no-fallback"});
-  });
-  EXPECT_EQ(engine["source"], "daemon");
-  EXPECT_NE(engine["reason"].get<std::string>().find("READ-WRITE"), std::string::npos)
-      << engine["reason"];
+  const std::string disk = DiskChecksum(model);
+  for (const char* answer : {"refuse", "record-readwrite"}) {
+    SCOPED_TRACE(answer);
+    auto daemon =
+        WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", answer}}, [&] { return StartDaemon(); });
+    Preload(model, {"--device", "cuda:0"});
+    EXPECT_NE(
+        Status()["cuda"]["devices"][0]["read_only_mapping"].get<std::string>().find("refused"),
+        std::string::npos);
+    json engine = WithEnv({{"WEIGHTD_EMULATED_CUDA_READ_ONLY", answer}}, [&] {
+      return Load(model, {"--device", "cuda:0", "--no-fallback"});
+    });
+    EXPECT_EQ(engine["source"], "daemon");
+    EXPECT_NE(engine["reason"].get<std::string>().find("READ-WRITE"), std::string::npos)
+        << engine["reason"];
+    EXPECT_EQ(engine["checksum"], disk);
+  }
 }
 
 // The write probe gpu-check runs, against each answer the emulated driver
