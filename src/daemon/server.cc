@@ -35,6 +35,10 @@
 namespace weightd::daemon {
 namespace {
 
+// What a reply lists of the models evicted (`evict all` of thousands of
+// ranks with long pinned names would not fit one frame): half a frame.
+constexpr size_t kEvictionListBytes = protocol::kMaxBodyBytes / 2;
+
 using nlohmann::json;
 
 constexpr auto kProgressEvery = std::chrono::milliseconds(100);
@@ -92,24 +96,6 @@ json CudaJson(const std::shared_future<Result<std::vector<memory::CudaDevice>>>&
                     {"read_only_mapping", ro == read_only.end() ? "not tried yet" : ro->second}});
   }
   return {{"available", true}, {"devices", list}};
-}
-
-// The models dropped, as `evict` and a preload's reply list them: within
-// half a frame (an `evict all` of thousands of ranks with long pinned
-// names), the rest counted in `omitted`. A reply too long to send would
-// tell the asker its eviction failed.
-json EvictionsJson(const std::vector<Eviction>& evicted, uint64_t* omitted) {
-  json list = json::array();
-  size_t listed_bytes = 0;
-  for (const Eviction& e : evicted) {
-    json entry = {{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}};
-    const size_t bytes = entry.dump(-1, ' ', false, json::error_handler_t::replace).size() + 1;
-    if (listed_bytes + bytes > protocol::kMaxBodyBytes / 2) break;
-    listed_bytes += bytes;
-    list.push_back(std::move(entry));
-  }
-  *omitted = evicted.size() - list.size();
-  return list;
 }
 
 json DeviceJson(const Registry::Snapshot& s) {
@@ -851,7 +837,8 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     const std::vector<Eviction> evicted = registry.Evict(body["what"].get<std::string>());
     for (const Eviction& e : evicted) Log("evicted " + e.description + " (asked by " + who + ")");
     uint64_t omitted = 0;
-    json reply = {{"type", "evicted"}, {"models", EvictionsJson(evicted, &omitted)}};
+    json reply = {{"type", "evicted"},
+                  {"models", EvictionsJson(evicted, kEvictionListBytes, &omitted)}};
     if (omitted > 0) reply["models_omitted"] = omitted;
     return ch.Send(reply);
   }
@@ -1187,7 +1174,7 @@ Result<json> Server::State::PreloadUnguarded(
   if (!pin.empty() && !held.empty()) pin_all(loaded->checkpoint_digest);
   log_taken();
   uint64_t evicted_omitted = 0;
-  const json evicted_json = EvictionsJson(evicted, &evicted_omitted);
+  const json evicted_json = EvictionsJson(evicted, kEvictionListBytes, &evicted_omitted);
   return json{{"already_resident", false},
               {"key", protocol::ToJson(key_of(loaded->checkpoint_digest, 0))},
               {"ranks", ranks},
