@@ -1239,6 +1239,32 @@ TEST_F(DaemonTest, AConfigModelWithNoThreadIsSkippedAndTheDaemonServesOn) {
 // The config's models load in turn; one that will not come (no thread for
 // it) is passed over, and the models after it load. In process, so that
 // the skipped turn is certain.
+// A reply's list of the daemon's choosing (an `evict all` of 1024-rank
+// preloads with long pinned names: 10,000 models, well over a frame) is
+// listed as far as the room given, in order, and the rest counted: a reply
+// over the frame limit would not be sent at all.
+TEST(Protocol, AListTooLongForAReplyIsCutAndTheRestCounted) {
+  std::vector<json> entries;
+  for (uint64_t i = 0; i < 10000; ++i) {
+    entries.push_back({{"id", i},
+                       {"description", "xxh3-128:0123456789abcdef… tp " + std::to_string(i) +
+                                           "/1024 dtype keep quant none on host, pinned as `" +
+                                           std::string(64, 'p') + "`"},
+                       {"bytes", 4096}});
+  }
+  uint64_t omitted = 0;
+  const json all = protocol::ListWithin(entries, SIZE_MAX, &omitted);
+  EXPECT_EQ(all.size(), entries.size());
+  EXPECT_EQ(omitted, 0u);
+  ASSERT_GT(all.dump().size(), protocol::kMaxBodyBytes);  // the case that failed
+
+  const json cut = protocol::ListWithin(entries, protocol::kMaxBodyBytes / 2, &omitted);
+  EXPECT_LE(cut.dump().size(), protocol::kMaxBodyBytes / 2);
+  EXPECT_GT(cut.size(), 0u);
+  EXPECT_EQ(cut.size() + omitted, entries.size());
+  for (size_t i = 0; i < cut.size(); ++i) EXPECT_EQ(cut[i], entries[i]);  // a prefix, as it came
+}
+
 TEST(Server, ConfigModelsPassOverOneThatWillNotCome) {
   testing::TempDir dir;
   const std::string a = dir.Join("a"), b = dir.Join("b");

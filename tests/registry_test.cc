@@ -6,8 +6,6 @@
 
 #include <thread>
 
-#include "protocol/channel.h"
-
 namespace weightd::daemon {
 namespace {
 
@@ -260,35 +258,6 @@ TEST(Registry, TheModelItselfIsFoundBeforeAnyNearMiss) {
   EXPECT_EQ(gpu.model, on_gpu) << (gpu.mismatch.empty() ? "" : gpu.mismatch[0].Describe());
   if (host.model) r.Release(host.model);
   if (gpu.model) r.Release(gpu.model);
-}
-
-// Thousands of evictions (an `evict all` of 1024-rank preloads with long
-// pinned names) are listed as far as the room given, in order, and the
-// rest counted: a reply over the frame limit would not be sent at all.
-TEST(Registry, EvictionsAreListedWithinTheirRoomAndTheRestCounted) {
-  std::vector<Eviction> evicted;
-  for (uint64_t i = 0; i < 10000; ++i) {
-    evicted.push_back({i,
-                       "xxh3-128:0123456789abcdef… tp " + std::to_string(i) +
-                           "/1024 dtype keep quant none on host, pinned as `" +
-                           std::string(64, 'p') + "`",
-                       4096});
-  }
-  uint64_t omitted = 0;
-  const nlohmann::json all = EvictionsJson(evicted, SIZE_MAX, &omitted);
-  EXPECT_EQ(all.size(), evicted.size());
-  EXPECT_EQ(omitted, 0u);
-  ASSERT_GT(all.dump().size(), protocol::kMaxBodyBytes);  // the case that failed
-
-  const nlohmann::json cut = EvictionsJson(evicted, protocol::kMaxBodyBytes / 2, &omitted);
-  EXPECT_LE(cut.dump().size(), protocol::kMaxBodyBytes / 2);
-  EXPECT_GT(cut.size(), 0u);
-  EXPECT_GT(omitted, 0u);
-  EXPECT_EQ(cut.size() + omitted, evicted.size());
-  for (size_t i = 0; i < cut.size(); ++i) {  // a prefix, as it came
-    EXPECT_EQ(cut[i]["id"], i);
-    EXPECT_EQ(cut[i]["description"], evicted[i].description);
-  }
 }
 
 // The engine's own model, resident processed otherwise (two ranks): that is

@@ -61,12 +61,6 @@ struct Eviction {
   uint64_t bytes;
 };
 
-// Evicted models as replies list them (`id`, `description`, `bytes`): in
-// order, those whose JSON fits in `max_bytes`; how many more in `omitted`.
-// A reply too long to send would tell the asker its eviction failed.
-nlohmann::json EvictionsJson(const std::vector<Eviction>& evicted, size_t max_bytes,
-                             uint64_t* omitted);
-
 class Registry {
  public:
   // Devices are named as keys name them ("host", "cuda:GPU-..."); the host

@@ -35,11 +35,19 @@
 namespace weightd::daemon {
 namespace {
 
-// What a reply lists of the models evicted (`evict all` of thousands of
-// ranks with long pinned names would not fit one frame): half a frame.
-constexpr size_t kEvictionListBytes = protocol::kMaxBodyBytes / 2;
-
 using nlohmann::json;
+
+// The models evicted, as `evict` and a preload's reply list them: within
+// half a frame (an `evict all` of thousands of ranks with long pinned
+// names would not fit one), the rest counted in `omitted`.
+json EvictionsJson(const std::vector<Eviction>& evicted, uint64_t* omitted) {
+  std::vector<json> entries;
+  entries.reserve(evicted.size());
+  for (const Eviction& e : evicted) {
+    entries.push_back({{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}});
+  }
+  return protocol::ListWithin(std::move(entries), protocol::kMaxBodyBytes / 2, omitted);
+}
 
 constexpr auto kProgressEvery = std::chrono::milliseconds(100);
 // A preload's asker hears from the daemon at least this often.
@@ -798,32 +806,27 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     if (type == "status") {
       // The list fits one frame: past about 3/4 of it (a thousand ranks
       // with long paths), the rest are counted, not listed.
-      json models = json::array();
-      size_t listed_bytes = 0, omitted = 0;
+      std::vector<json> entries;
+      entries.reserve(snap.models.size());
       for (size_t i = 0; i < snap.models.size(); ++i) {
         const ResidentModel& model = *snap.models[i];
-        json entry = {{"id", model.id},
-                      {"key", protocol::ToJson(model.key)},
-                      {"description", protocol::ShortDescription(model.key)},
-                      {"name", snap.names[i]},
-                      {"path", model.path},
-                      {"device", model.key.device},
-                      {"bytes", model.segment->size()},
-                      {"reserved_bytes", model.segment->reserved_bytes()},
-                      {"huge_pages", model.segment->huge_pages()},
-                      {"tensors", model.tensors},
-                      {"leases", snap.leases[i]},
-                      {"idle_seconds", snap.idle_seconds[i]},
-                      {"load_seconds", model.load_seconds}};
-        const size_t bytes = entry.dump(-1, ' ', false, json::error_handler_t::replace).size() + 1;
-        if (listed_bytes + bytes > protocol::kMaxBodyBytes / 4 * 3) {
-          ++omitted;
-          continue;
-        }
-        listed_bytes += bytes;
-        models.push_back(std::move(entry));
+        entries.push_back({{"id", model.id},
+                           {"key", protocol::ToJson(model.key)},
+                           {"description", protocol::ShortDescription(model.key)},
+                           {"name", snap.names[i]},
+                           {"path", model.path},
+                           {"device", model.key.device},
+                           {"bytes", model.segment->size()},
+                           {"reserved_bytes", model.segment->reserved_bytes()},
+                           {"huge_pages", model.segment->huge_pages()},
+                           {"tensors", model.tensors},
+                           {"leases", snap.leases[i]},
+                           {"idle_seconds", snap.idle_seconds[i]},
+                           {"load_seconds", model.load_seconds}});
       }
-      reply["models"] = models;
+      uint64_t omitted = 0;
+      reply["models"] =
+          protocol::ListWithin(std::move(entries), protocol::kMaxBodyBytes / 4 * 3, &omitted);
       if (omitted > 0) reply["models_omitted"] = omitted;
       reply["pid"] = ::getpid();
       std::lock_guard lock(conn_mu);
@@ -837,8 +840,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     const std::vector<Eviction> evicted = registry.Evict(body["what"].get<std::string>());
     for (const Eviction& e : evicted) Log("evicted " + e.description + " (asked by " + who + ")");
     uint64_t omitted = 0;
-    json reply = {{"type", "evicted"},
-                  {"models", EvictionsJson(evicted, kEvictionListBytes, &omitted)}};
+    json reply = {{"type", "evicted"}, {"models", EvictionsJson(evicted, &omitted)}};
     if (omitted > 0) reply["models_omitted"] = omitted;
     return ch.Send(reply);
   }
@@ -1174,7 +1176,7 @@ Result<json> Server::State::PreloadUnguarded(
   if (!pin.empty() && !held.empty()) pin_all(loaded->checkpoint_digest);
   log_taken();
   uint64_t evicted_omitted = 0;
-  const json evicted_json = EvictionsJson(evicted, kEvictionListBytes, &evicted_omitted);
+  const json evicted_json = EvictionsJson(evicted, &evicted_omitted);
   return json{{"already_resident", false},
               {"key", protocol::ToJson(key_of(loaded->checkpoint_digest, 0))},
               {"ranks", ranks},

@@ -108,6 +108,22 @@ std::string Message::type() const {
   return it != body.end() && it->is_string() ? it->get<std::string>() : std::string();
 }
 
+nlohmann::json ListWithin(std::vector<nlohmann::json> entries, size_t max_bytes,
+                          uint64_t* omitted) {
+  nlohmann::json list = nlohmann::json::array();
+  size_t listed_bytes = 0;
+  for (nlohmann::json& entry : entries) {
+    // As Send writes it, and a comma.
+    const size_t bytes =
+        entry.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace).size() + 1;
+    if (listed_bytes + bytes > max_bytes) break;
+    listed_bytes += bytes;
+    list.push_back(std::move(entry));
+  }
+  *omitted = entries.size() - list.size();
+  return list;
+}
+
 std::string FrameHeader(uint32_t body_bytes, uint32_t descriptors, uint32_t version) {
   std::string h(kMagic, sizeof kMagic);
   PutU32(h, version);

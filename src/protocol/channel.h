@@ -73,6 +73,12 @@ Result<Channel> Connect(const std::string& socket_path);
 // (protocol::CheckSocketDirectory) and the peer.
 Result<Channel> ConnectToDaemon(const std::string& socket_dir);
 
+// A list for a reply whose length the daemon does not choose (every
+// resident model, every model an `evict all` dropped): the entries, in
+// order, while their JSON fits in `max_bytes`; how many more in `omitted`.
+// A reply over the frame limit would not be sent at all.
+nlohmann::json ListWithin(std::vector<nlohmann::json> entries, size_t max_bytes, uint64_t* omitted);
+
 // Builds the header of a frame (for tests that send broken ones).
 std::string FrameHeader(uint32_t body_bytes, uint32_t descriptors,
                         uint32_t version = kProtocolVersion);
