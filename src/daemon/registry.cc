@@ -202,22 +202,6 @@ void Registry::NoteFailedLoad(const std::vector<protocol::CacheKey>& keys, const
   while (failed_loads_.size() > kFailedLoadsKept) failed_loads_.pop_front();
 }
 
-nlohmann::json EvictionsJson(const std::vector<Eviction>& evicted, size_t max_bytes,
-                             uint64_t* omitted) {
-  using nlohmann::json;
-  json list = json::array();
-  size_t listed_bytes = 0;
-  for (const Eviction& e : evicted) {
-    json entry = {{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}};
-    const size_t bytes = entry.dump(-1, ' ', false, json::error_handler_t::replace).size() + 1;
-    if (listed_bytes + bytes > max_bytes) break;
-    listed_bytes += bytes;
-    list.push_back(std::move(entry));
-  }
-  *omitted = evicted.size() - list.size();
-  return list;
-}
-
 Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const std::string& trust,
                                          const std::string& path) {
   Lookup out;
@@ -252,6 +236,7 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
     if (best == models_.size() || rank(diff, *models_[i]) < rank(best_diff, *models_[best])) {
       best = i;
       best_diff = std::move(diff);
+      if (best_diff.empty()) break;  // the model itself: nothing ranks before it
     }
   }
   if (best == models_.size()) {
