@@ -926,7 +926,7 @@ TEST_F(DaemonTest, AFifoIsRefusedNotWaitedOn) {
 TEST_F(DaemonTest, AdminCommandsGiveUpOnASilentDaemon) {
   const std::string a = MakeModel("a");
   auto daemon = StartDaemon();
-  daemon->Signal(SIGSTOP);
+  daemon->Stop();
   std::vector<std::unique_ptr<Process>> asked;
   for (std::vector<std::string> args :
        std::vector<std::vector<std::string>>{{"status"}, {"evict", "all"}, {"preload", a}}) {

@@ -1,11 +1,13 @@
 #include "test_util.h"
 
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <sys/prctl.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <cerrno>
 #include <chrono>
 #include <csignal>
 #include <cstdlib>
@@ -67,6 +69,40 @@ void DieWithTheTest(pid_t parent) {
   if (::getppid() != parent) ::_exit(127);  // it died before the line above
 }
 
+// waitpid, again when a signal interrupts it; false when it fails (the
+// status, untouched, would read as an exit with 0).
+bool WaitPid(pid_t pid, int* status, int options) {
+  while (::waitpid(pid, status, options) != pid) {
+    if (errno != EINTR) return false;
+  }
+  return true;
+}
+
+// Every test ends with the environment it started with. Tests set
+// variables for the processes they start (a stat cache directory, the
+// emulated CUDA driver's library path); run all in one process, as the
+// test binary does without a filter, one test's must not reach the next.
+class RestoreEnvironment : public ::testing::EmptyTestEventListener {
+  void OnTestStart(const ::testing::TestInfo&) override {
+    saved_.clear();
+    for (char** e = environ; *e != nullptr; ++e) saved_.emplace_back(*e);
+  }
+  void OnTestEnd(const ::testing::TestInfo&) override {
+    ::clearenv();
+    for (const std::string& entry : saved_) {
+      const size_t eq = entry.find('=');
+      if (eq == std::string::npos) continue;
+      ::setenv(entry.substr(0, eq).c_str(), entry.c_str() + eq + 1, 1);
+    }
+  }
+  std::vector<std::string> saved_;
+};
+
+[[maybe_unused]] const bool kEnvironmentRestored = [] {
+  ::testing::UnitTest::GetInstance()->listeners().Append(new RestoreEnvironment);
+  return true;
+}();
+
 }  // namespace
 
 CommandResult RunWeightd(const std::vector<std::string>& args, const std::string& cwd) {
@@ -92,7 +128,7 @@ CommandResult RunWeightd(const std::vector<std::string>& args, const std::string
     ::_exit(127);
   }
   int status = 0;
-  ::waitpid(pid, &status, 0);
+  if (!WaitPid(pid, &status, 0)) throw std::runtime_error("waitpid failed");
   CommandResult r;
   r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   r.out = Slurp(out_path);
@@ -155,10 +191,19 @@ void Process::Signal(int sig) {
   if (exit_code_ < 0) ::kill(pid_, sig);
 }
 
+void Process::Stop() {
+  if (exit_code_ >= 0) throw std::runtime_error("cannot stop a process that has exited");
+  ::kill(pid_, SIGSTOP);
+  int status = 0;
+  if (WaitPid(pid_, &status, WUNTRACED) && WIFSTOPPED(status)) return;
+  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  throw std::runtime_error("the process ended instead of stopping");
+}
+
 int Process::Wait() {
   if (exit_code_ >= 0) return exit_code_;
   int status = 0;
-  ::waitpid(pid_, &status, 0);
+  if (!WaitPid(pid_, &status, 0)) throw std::runtime_error("waitpid failed");
   exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   return exit_code_;
 }

@@ -55,6 +55,10 @@ class Process {
   // std::runtime_error if the process exited first.
   bool WaitForOutput(const std::string& text, double seconds = 60);
   void Signal(int sig);
+  // SIGSTOP, and waits until every thread has stopped. A stop is not done
+  // when kill() returns: until the thread the kernel picked gets a core,
+  // the others run on (and serve) on a busy machine.
+  void Stop();
   // Waits for the exit; the exit code, or 128 + signal.
   int Wait();
   std::string out() const;
