@@ -290,14 +290,21 @@ class EarlyHeads {
     try {
       thread_ = std::jthread([this] {
         std::atomic<size_t> next{0};
-        io::RunTeam(static_cast<int>(std::min<size_t>(work_.size(), std::max(o_.max_inflight, 1))),
-                    [&](int) {
-                      for (size_t i; (i = next.fetch_add(1)) < work_.size();) {
-                        const std::string path = io::JoinPath(dir_, names_[i]);
-                        work_[i].ref = {names_[i], path, path};
-                        OpenAndReadHead(fs_, o_, work_[i], stats_[i], pending_[i], i);
-                      }
-                    });
+        try {
+          io::RunTeam(
+              static_cast<int>(std::min<size_t>(work_.size(), std::max(o_.max_inflight, 1))),
+              [&](int) {
+                for (size_t i; (i = next.fetch_add(1)) < work_.size();) {
+                  const std::string path = io::JoinPath(dir_, names_[i]);
+                  work_[i].ref = {names_[i], path, path};
+                  OpenAndReadHead(fs_, o_, work_[i], stats_[i], pending_[i], i);
+                }
+              });
+        } catch (const std::exception&) {
+          // Some shard's work may be half done: none is taken, every shard
+          // is opened again after the index.
+          failed_ = true;
+        }
       });
     } catch (const std::system_error&) {
       // No thread to spare: the shards are opened after the index instead.
@@ -317,6 +324,7 @@ class EarlyHeads {
   // `shard_index`.
   bool Take(const format::ShardRef& ref, const std::string& real_dir, size_t shard_index,
             ShardWork& w, io::ReadStats& stats, std::vector<PendingSample>& pending) {
+    if (failed_) return false;
     auto it = std::lower_bound(names_.begin(), names_.end(), ref.name);
     if (it == names_.end() || *it != ref.name) return false;
     const size_t i = static_cast<size_t>(it - names_.begin());
@@ -358,6 +366,7 @@ class EarlyHeads {
   // One flag per early shard; each is touched by the one worker that takes
   // that shard's name (names are unique).
   std::vector<char> taken_;
+  bool failed_ = false;  // the early work threw; set before Finish joins
   std::jthread thread_;
 };
 

@@ -3,9 +3,11 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <thread>
 
 #include "io/worker_pool.h"
@@ -116,7 +118,14 @@ Status StreamFile(const RandomAccessFile& file, const StreamOptions& options,
         reads.fetch_add(1, std::memory_order_relaxed);
         // Consuming under the lock keeps chunks strictly ordered; the other
         // workers are blocked only once their own read has finished.
-        Status s = consume(offset, dst);
+        // A throw here would leave the others waiting for a turn that
+        // never comes: it is this chunk's error instead.
+        Status s = OkStatus();
+        try {
+          s = consume(offset, dst);
+        } catch (const std::exception& e) {
+          s = Error(std::string("taking the bytes read: ") + e.what());
+        }
         if (!s.ok()) first_error.Record(c, s.error());
       }
       ++turn;

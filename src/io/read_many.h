@@ -62,9 +62,10 @@ Status ReadFilesFully(FileSystem& fs, const std::vector<std::string>& paths,
 
 // Runs body(worker) for worker = 0 .. workers-1, up to `workers` at once on
 // the shared WorkerPool (the calling thread is worker 0), and returns when
-// all have finished. For per-file work (reading many shards' headers) where
-// ReadMany's unit, one read, is too small. Bodies should pull their work
-// from a shared counter rather than assume every worker runs at once.
+// all have finished; what a body throws is rethrown then (WorkerPool::RunTeam).
+// For per-file work (reading many shards' headers) where ReadMany's unit,
+// one read, is too small. Bodies should pull their work from a shared
+// counter rather than assume every worker runs at once.
 void RunTeam(int workers, const std::function<void(int worker)>& body);
 
 }  // namespace weightd::io

@@ -1,6 +1,7 @@
 #include "io/worker_pool.h"
 
 #include <algorithm>
+#include <exception>
 #include <system_error>
 #include <thread>
 
@@ -89,10 +90,20 @@ void WorkerPool::WorkerLoop() {
       continue;
     }
     lock.unlock();
-    (*team->body)(slot);
+    std::exception_ptr thrown = RunSlot(*team, slot);
     lock.lock();
+    if (thrown && !team->thrown) team->thrown = std::move(thrown);
     --team->running;
     done_.notify_all();
+  }
+}
+
+std::exception_ptr WorkerPool::RunSlot(const Team& team, int slot) {
+  try {
+    (*team.body)(slot);
+    return nullptr;
+  } catch (...) {
+    return std::current_exception();
   }
 }
 
@@ -101,7 +112,9 @@ void WorkerPool::RunTeam(int workers, const std::function<void(int)>& body) {
     body(0);
     return;
   }
-  Team team{&body, workers};
+  Team team;
+  team.body = &body;
+  team.slots = workers;
   int missing;
   {
     std::lock_guard lock(mu_);
@@ -113,18 +126,23 @@ void WorkerPool::RunTeam(int workers, const std::function<void(int)>& body) {
   work_.notify_all();
   if (missing > 0) Spawn(std::min(missing, workers - 1));
 
-  body(0);
+  // The team stays listed, and `team` alive, until every claimed slot has
+  // ended: a slot that throws here must not unwind past the others.
+  std::exception_ptr thrown = RunSlot(team, 0);
   std::unique_lock lock(mu_);
+  if (thrown && !team.thrown) team.thrown = std::move(thrown);
   // Slots no thread has claimed yet run here, so a short pool never stalls.
   while (team.next_slot < team.slots) {
     const int slot = team.next_slot++;
     --unclaimed_;
     lock.unlock();
-    body(slot);
+    thrown = RunSlot(team, slot);
     lock.lock();
+    if (thrown && !team.thrown) team.thrown = std::move(thrown);
   }
   done_.wait(lock, [&] { return team.running == 0; });
   teams_.erase(std::find(teams_.begin(), teams_.end(), &team));
+  if (team.thrown) std::rethrow_exception(team.thrown);
 }
 
 }  // namespace weightd::io

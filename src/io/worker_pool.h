@@ -5,12 +5,12 @@
 // hundred), on the critical path. The pool creates them once, and can grow
 // in the background while the caller still waits on the network.
 //
-// Thread safety: all members may be called from any thread. Bodies passed to
-// RunTeam must not throw.
+// Thread safety: all members may be called from any thread.
 #pragma once
 
 #include <condition_variable>
 #include <deque>
+#include <exception>
 #include <functional>
 #include <mutex>
 
@@ -31,7 +31,11 @@ class WorkerPool {
 
   // Runs body(slot) for slot = 0 .. workers-1, at most `workers` at once:
   // slot 0 on the calling thread, the others on pool threads (created here
-  // when too few are idle). Returns when every slot has run.
+  // when too few are idle). Returns when every slot has run. A slot that
+  // throws (an allocation refused) ends there; the others run on, and once
+  // all have ended the first exception is rethrown here, on the caller's
+  // thread. So a body whose slots wait for each other must not throw while
+  // another may be waiting on it.
   void RunTeam(int workers, const std::function<void(int slot)>& body);
 
   int threads() const;
@@ -42,11 +46,15 @@ class WorkerPool {
   WorkerPool() = default;
 
   struct Team {
-    const std::function<void(int)>* body;
-    int slots;
+    const std::function<void(int)>* body = nullptr;
+    int slots = 0;
     int next_slot = 1;  // slot 0 is the caller's
     int running = 0;
+    std::exception_ptr thrown;  // the first slot's that threw; guarded by mu_
   };
+
+  // Runs one slot; what it threw, or null.
+  static std::exception_ptr RunSlot(const Team& team, int slot);
 
   // Creates up to n threads; returns how many it created (fewer when the
   // system refuses or kMaxThreads is reached). REQUIRES: mu_ not held.

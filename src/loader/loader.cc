@@ -498,12 +498,19 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
         return;
       }
       Result<uint64_t> read = uint64_t{0};
-      if (i == 0) {
-        if (Status s = write_manifests(); !s.ok()) read = s.error();
-      } else if (const size_t copy = i - 1; copy < copies.size()) {
-        read = RunCopy(context, copies[copy], buffers);
-      } else {
-        read = RunBand(context, bands[copy - copies.size()], buffers);
+      try {
+        if (i == 0) {
+          if (Status s = write_manifests(); !s.ok()) read = s.error();
+        } else if (const size_t copy = i - 1; copy < copies.size()) {
+          read = RunCopy(context, copies[copy], buffers);
+        } else {
+          read = RunBand(context, bands[copy - copies.size()], buffers);
+        }
+      } catch (...) {
+        // An allocation refused, say: the others stop at their next job,
+        // and RunTeam hands this to the caller.
+        failed.store(true);
+        throw;
       }
       std::lock_guard lock(mu);
       if (!read.ok()) {
