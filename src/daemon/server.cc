@@ -20,6 +20,7 @@
 #include <optional>
 #include <set>
 #include <thread>
+#include <utility>
 
 #include "daemon/registry.h"
 #include "fingerprint/fingerprint.h"
@@ -1067,7 +1068,20 @@ Result<json> Server::State::PreloadUnguarded(
                 {"pin_taken_from", taken_json()}};
   }
 
-  std::vector<uint64_t> reserved;  // per rank, in load order
+  // Room made for the ranks loaded, per rank in load order: what Publish
+  // has not taken goes back however this returns, an exception (an
+  // allocation refused) included.
+  struct Reservations {
+    Registry& registry;
+    std::vector<std::pair<std::string, uint64_t>> ranks;  // device, bytes
+    ~Reservations() {
+      for (const auto& [device, bytes] : ranks) {
+        if (bytes != 0) registry.Unreserve(device, bytes);
+      }
+    }
+    // Rank i's bytes, now Publish's to account.
+    uint64_t Take(size_t i) { return std::exchange(ranks[i].second, 0); }
+  } reserved{registry, {}};
   std::vector<Eviction> evicted;
   loader::LoadOptions lo;
   lo.progress = progress;
@@ -1082,28 +1096,28 @@ Result<json> Server::State::PreloadUnguarded(
   // made of.
   memory::HostPlacement host;
   lo.allocate = [&](uint64_t bytes, int rank) -> Result<std::unique_ptr<memory::Segment>> {
-    if (reserved.empty()) {
+    if (reserved.ranks.empty()) {
       uint64_t host_ranks = 0;
       for (int r : missing)
         host_ranks += devices[static_cast<size_t>(r)].kind != memory::DeviceKind::kCuda;
       host = memory::PlanHostSegments(bytes, std::max<uint64_t>(host_ranks, 1));
-      std::vector<uint64_t> want;
+      std::vector<std::pair<std::string, uint64_t>> want;
       std::map<std::string, uint64_t> need;
       for (int r : missing) {
         const memory::Device& d = devices[static_cast<size_t>(r)];
         if (d.kind == memory::DeviceKind::kCuda) {
           WEIGHTD_ASSIGN_OR_RETURN(const uint64_t on_gpu, memory::CudaSegmentBytes(bytes, d.uuid));
-          want.push_back(on_gpu);
+          want.emplace_back(d.Name(), on_gpu);
         } else {
-          want.push_back(host.bytes);
+          want.emplace_back(d.Name(), host.bytes);
         }
         uint64_t& n = need[d.Name()];
-        if (__builtin_add_overflow(n, want.back(), &n)) {
+        if (__builtin_add_overflow(n, want.back().second, &n)) {
           return Error("the ranks' segments add up to more than 64 bits");
         }
       }
       WEIGHTD_RETURN_IF_ERROR(registry.Reserve({need.begin(), need.end()}, &evicted));
-      reserved = std::move(want);
+      reserved.ranks = std::move(want);
       for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
     }
     const memory::Device& device = devices[static_cast<size_t>(rank)];
@@ -1113,14 +1127,8 @@ Result<json> Server::State::PreloadUnguarded(
     return memory::CreateHostSegment(
         bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""), host.options);
   };
-  auto unreserve = [&] {
-    for (size_t i = 0; i < reserved.size(); ++i) {
-      registry.Unreserve(devices[static_cast<size_t>(missing[i])].Name(), reserved[i]);
-    }
-  };
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, lo);
   if (!loaded.ok()) {
-    unreserve();
     return Error(path + ": " + loaded.error().message() + "; nothing was published");
   }
   // A GPU's segments cannot be read here: engines get the manifest from
@@ -1131,7 +1139,6 @@ Result<json> Server::State::PreloadUnguarded(
     Status filled = made.ok() ? (*made)->Write(0, loaded->manifest) : made.error();
     if (filled.ok()) filled = (*made)->Seal();
     if (!filled.ok()) {
-      unreserve();
       return Error(path + ": the manifest's host copy: " + filled.error().message() +
                    "; nothing was published");
     }
@@ -1140,7 +1147,6 @@ Result<json> Server::State::PreloadUnguarded(
   if (!held.empty() && loaded->checkpoint_digest != fp->digest) {
     // Rewritten between the fingerprint and the load: the resident ranks
     // are of the old files, the loaded ones of the new.
-    unreserve();
     return Error(path +
                  ": the checkpoint changed while it was preloaded; nothing was published (preload "
                  "again)");
@@ -1162,7 +1168,7 @@ Result<json> Server::State::PreloadUnguarded(
     const bool on_gpu = devices[static_cast<size_t>(rank.rank)].kind == memory::DeviceKind::kCuda;
     if (on_gpu) model->manifest = manifest_copy;
     bytes += model->segment->size();
-    auto published = registry.Publish(std::move(model), reserved[i], group, &taken_from);
+    auto published = registry.Publish(std::move(model), reserved.Take(i), group, &taken_from);
     if (on_gpu) LearnReadOnly(*published->segment);
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
         (name.empty() ? "" : " (pinned as `" + name + "`)") + ": " +
