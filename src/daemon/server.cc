@@ -17,6 +17,7 @@
 #include <future>
 #include <map>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <set>
 #include <thread>
@@ -266,6 +267,10 @@ struct Server::State {
         registry.NoteFailedLoad(marks.loading, r.error().message());
       }
       return r;
+    } catch (const std::bad_alloc&) {
+      return Error(path +
+                   ": the preload failed: out of memory (an allocation was refused: see the "
+                   "daemon's ulimit -v and vm.overcommit_memory); nothing was published");
     } catch (const std::exception& e) {
       return Error(path + ": the preload failed: " + e.what() + "; nothing was published");
     }
