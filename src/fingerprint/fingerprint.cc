@@ -300,7 +300,7 @@ class EarlyHeads {
                   OpenAndReadHead(fs_, o_, work_[i], stats_[i], pending_[i], i);
                 }
               });
-        } catch (const std::exception&) {
+        } catch (...) {
           // Some shard's work may be half done: none is taken, every shard
           // is opened again after the index.
           failed_ = true;

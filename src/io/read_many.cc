@@ -101,36 +101,42 @@ Status StreamFile(const RandomAccessFile& file, const StreamOptions& options,
   std::atomic<uint64_t> bytes{0};
   std::atomic<uint64_t> reads{0};
 
+  // A worker that throws (an allocation refused) between claiming a chunk
+  // and passing the turn on would leave the others waiting for that turn:
+  // it marks the stream abandoned first, and RunTeam hands the exception on.
+  bool abandoned = false;  // guarded by mu
   RunTeam(workers, [&](int) {
     std::unique_ptr<std::byte[]> buffer(new std::byte[chunk]);
-    for (uint64_t c; (c = next_chunk.fetch_add(1)) < chunks;) {
-      const uint64_t offset = c * chunk;
-      const size_t len = static_cast<size_t>(std::min(chunk, size - offset));
-      std::span<std::byte> dst(buffer.get(), len);
-      Status read = first_error.failed() ? OkStatus() : file.ReadExactly(offset, dst);
-      std::unique_lock lock(mu);
-      turn_changed.wait(lock, [&] { return turn == c || first_error.failed(); });
-      if (first_error.failed()) break;
-      if (!read.ok()) {
-        first_error.Record(c, read.error());
-      } else {
-        bytes.fetch_add(len, std::memory_order_relaxed);
-        reads.fetch_add(1, std::memory_order_relaxed);
-        // Consuming under the lock keeps chunks strictly ordered; the other
-        // workers are blocked only once their own read has finished.
-        // A throw here would leave the others waiting for a turn that
-        // never comes: it is this chunk's error instead.
-        Status s = OkStatus();
-        try {
-          s = consume(offset, dst);
-        } catch (const std::exception& e) {
-          s = Error(std::string("taking the bytes read: ") + e.what());
+    try {
+      for (uint64_t c; (c = next_chunk.fetch_add(1)) < chunks;) {
+        const uint64_t offset = c * chunk;
+        const size_t len = static_cast<size_t>(std::min(chunk, size - offset));
+        std::span<std::byte> dst(buffer.get(), len);
+        Status read = first_error.failed() ? OkStatus() : file.ReadExactly(offset, dst);
+        std::unique_lock lock(mu);
+        turn_changed.wait(lock, [&] { return turn == c || first_error.failed() || abandoned; });
+        if (first_error.failed() || abandoned) break;
+        if (!read.ok()) {
+          first_error.Record(c, read.error());
+        } else {
+          bytes.fetch_add(len, std::memory_order_relaxed);
+          reads.fetch_add(1, std::memory_order_relaxed);
+          // Consuming under the lock keeps chunks strictly ordered; the other
+          // workers are blocked only once their own read has finished.
+          Status s = consume(offset, dst);
+          if (!s.ok()) first_error.Record(c, s.error());
         }
-        if (!s.ok()) first_error.Record(c, s.error());
+        ++turn;
+        turn_changed.notify_all();
+        if (first_error.failed()) break;
       }
-      ++turn;
+    } catch (...) {
+      {
+        std::lock_guard lock(mu);  // released while unwinding, if it was held
+        abandoned = true;
+      }
       turn_changed.notify_all();
-      if (first_error.failed()) break;
+      throw;
     }
   });
 

@@ -26,8 +26,9 @@ int WorkerPool::Spawn(int n) {
     }
     try {
       std::thread([this] { WorkerLoop(); }).detach();
-    } catch (const std::system_error&) {
-      // Out of threads (a pid limit, say): work with the ones there are.
+    } catch (...) {
+      // Out of threads (a pid limit, say) or of memory: work with the ones
+      // there are.
       std::lock_guard lock(mu_);
       --threads_;
       return i;
@@ -60,7 +61,7 @@ void WorkerPool::Reserve(int threads) {
         }
       }
     }).detach();
-  } catch (const std::system_error&) {
+  } catch (...) {
     reserving_ = false;
   }
 }
