@@ -85,7 +85,7 @@ bool WaitPid(pid_t pid, int* status, int options) {
 class RestoreEnvironment : public ::testing::EmptyTestEventListener {
   void OnTestStart(const ::testing::TestInfo&) override {
     saved_.clear();
-    for (char** e = environ; *e != nullptr; ++e) saved_.emplace_back(*e);
+    for (char** e = environ; e != nullptr && *e != nullptr; ++e) saved_.emplace_back(*e);
   }
   void OnTestEnd(const ::testing::TestInfo&) override {
     ::clearenv();
@@ -167,7 +167,8 @@ Process::Process(const std::vector<std::string>& args, const std::vector<std::st
 Process::~Process() {
   if (exit_code_ < 0 && pid_ > 0) {
     ::kill(pid_, SIGKILL);
-    Wait();
+    int status;
+    (void)WaitPid(pid_, &status, 0);  // no throwing here
   }
 }
 
@@ -195,7 +196,8 @@ void Process::Stop() {
   if (exit_code_ >= 0) throw std::runtime_error("cannot stop a process that has exited");
   ::kill(pid_, SIGSTOP);
   int status = 0;
-  if (WaitPid(pid_, &status, WUNTRACED) && WIFSTOPPED(status)) return;
+  if (!WaitPid(pid_, &status, WUNTRACED)) throw std::runtime_error("waitpid failed");
+  if (WIFSTOPPED(status)) return;
   exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
   throw std::runtime_error("the process ended instead of stopping");
 }

@@ -55,7 +55,8 @@ class Process {
   // std::runtime_error if the process exited first.
   bool WaitForOutput(const std::string& text, double seconds = 60);
   void Signal(int sig);
-  // SIGSTOP, and waits until every thread has stopped. A stop is not done
+  // SIGSTOP, and waits until every thread has stopped (call it on a running
+  // process: one stopped already never reports again). A stop is not done
   // when kill() returns: until the thread the kernel picked gets a core,
   // the others run on (and serve) on a busy machine.
   void Stop();
