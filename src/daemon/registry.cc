@@ -125,27 +125,33 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
                                                  uint64_t reserved_bytes,
                                                  const std::vector<protocol::CacheKey>& group,
                                                  std::vector<std::string>* taken_from) {
+  // What allocates goes first: a refused allocation leaves the accounts as
+  // they were, the reservation still the caller's to give back.
+  std::shared_ptr<ResidentModel> published(std::move(model));
+  std::vector<protocol::CacheKey> with_own;
+  if (!published->name.empty()) {
+    with_own = group;
+    with_own.push_back(published->key);
+  }
   Dropped dropped;  // freed after the lock is released
+  dropped.reserve(1);
   std::lock_guard lock(mu_);
-  Account& a = AccountLocked(model->key.device);
+  models_.reserve(models_.size() + 1);
+  Account& a = AccountLocked(published->key.device);
   a.reserved -= std::min(a.reserved, reserved_bytes);
   for (size_t i = 0; i < models_.size(); ++i) {
-    if (models_[i]->key == model->key) {
+    if (models_[i]->key == published->key) {
       EvictLocked(i, dropped);
       break;
     }
   }
-  if (!model->name.empty()) {
-    std::vector<protocol::CacheKey> with_own = group;
-    with_own.push_back(model->key);
-    TakeNameLocked(model->name, with_own, taken_from);
-  }
-  std::erase_if(failed_loads_, [&](const auto& f) { return f.first == model->key; });
-  model->id = next_id_++;
-  model->last_used = std::chrono::steady_clock::now();
-  a.used += model->segment->reserved_bytes();
-  models_.push_back(std::shared_ptr<ResidentModel>(std::move(model)));
-  return models_.back();
+  if (!published->name.empty()) TakeNameLocked(published->name, with_own, taken_from);
+  std::erase_if(failed_loads_, [&](const auto& f) { return f.first == published->key; });
+  published->id = next_id_++;
+  published->last_used = std::chrono::steady_clock::now();
+  a.used += published->segment->reserved_bytes();
+  models_.push_back(published);
+  return published;
 }
 
 Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::string& trust,

@@ -82,7 +82,8 @@ class Registry {
   void Unreserve(const std::string& device, uint64_t bytes);
 
   // Makes a complete model visible; its reservation (on the device its key
-  // names) becomes its use. A model with the same key already resident is
+  // names) becomes its use. If it throws (an allocation refused), the
+  // reservation is still the caller's. A model with the same key already resident is
   // replaced (its leases keep their own bytes). A named model takes its
   // name from every model whose key is not in `group` (the keys of every
   // rank of the same preload; its own key is always in it); the paths of

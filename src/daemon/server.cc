@@ -222,6 +222,7 @@ struct Server::State {
     bool announced;
     std::vector<protocol::CacheKey> queued;
     std::vector<protocol::CacheKey> loading;  // marked by BeginLoad
+    bool published = false;                   // some rank of it is resident
     ~LoadMarks() {
       if (!loading.empty()) s.registry.EndLoad(loading);
       if (announced) s.registry.DropExpected(1);
@@ -252,28 +253,32 @@ struct Server::State {
   // `only`: the ranks to make (empty: all). `config_order`: a config's
   // model, announced by Registry::ExpectLoads (keyed or dropped here), that
   // loads in its turn.
-  // Whatever the load throws (an allocation refused) is its error: nothing
-  // was published, and the caller's threads unwind normally.
+  // Whatever the load throws (an allocation refused) is its error, which
+  // says whether any rank was published first; the caller's threads unwind
+  // normally.
   Result<json> Preload(const std::string& path, const protocol::Processing& processing,
                        const std::string& pin, const std::vector<int>& only,
                        const std::function<void(uint64_t, uint64_t)>& progress,
                        std::optional<size_t> config_order = std::nullopt) {
     LoadMarks marks{*this, config_order, config_order.has_value(), {}, {}};
+    Result<json> r = Error("");
     try {
-      Result<json> r = PreloadUnguarded(path, processing, pin, only, progress, marks);
-      // Before the marks come off: engines waiting for this model, woken
-      // then, hear why it did not come.
-      if (!r.ok() && !marks.loading.empty()) {
-        registry.NoteFailedLoad(marks.loading, r.error().message());
-      }
-      return r;
-    } catch (const std::bad_alloc&) {
-      return Error(path +
-                   ": the preload failed: out of memory (an allocation was refused: see the "
-                   "daemon's ulimit -v and vm.overcommit_memory); nothing was published");
+      r = PreloadUnguarded(path, processing, pin, only, progress, marks);
     } catch (const std::exception& e) {
-      return Error(path + ": the preload failed: " + e.what() + "; nothing was published");
+      const bool memory = dynamic_cast<const std::bad_alloc*>(&e) != nullptr;
+      r = Error(path + ": the preload failed: " +
+                (memory ? "out of memory (an allocation was refused: see the daemon's ulimit -v "
+                          "and vm.overcommit_memory)"
+                        : std::string(e.what())) +
+                (marks.published ? " once it was resident (see `weightd status`)"
+                                 : "; nothing was published"));
     }
+    // Before the marks come off: engines waiting for this model, woken
+    // then, hear why it did not come.
+    if (!r.ok() && !marks.loading.empty()) {
+      registry.NoteFailedLoad(marks.loading, r.error().message());
+    }
+    return r;
   }
   Result<json> PreloadUnguarded(const std::string& path, const protocol::Processing& processing,
                                 const std::string& pin, const std::vector<int>& only,
@@ -1084,8 +1089,8 @@ Result<json> Server::State::PreloadUnguarded(
         if (bytes != 0) registry.Unreserve(device, bytes);
       }
     }
-    // Rank i's bytes, now Publish's to account.
-    uint64_t Take(size_t i) { return std::exchange(ranks[i].second, 0); }
+    // Rank i's bytes, now accounted by Publish.
+    void Take(size_t i) { ranks[i].second = 0; }
   } reserved{registry, {}};
   std::vector<Eviction> evicted;
   loader::LoadOptions lo;
@@ -1173,7 +1178,10 @@ Result<json> Server::State::PreloadUnguarded(
     const bool on_gpu = devices[static_cast<size_t>(rank.rank)].kind == memory::DeviceKind::kCuda;
     if (on_gpu) model->manifest = manifest_copy;
     bytes += model->segment->size();
-    auto published = registry.Publish(std::move(model), reserved.Take(i), group, &taken_from);
+    auto published =
+        registry.Publish(std::move(model), reserved.ranks[i].second, group, &taken_from);
+    reserved.Take(i);
+    marks.published = true;
     if (on_gpu) LearnReadOnly(*published->segment);
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
         (name.empty() ? "" : " (pinned as `" + name + "`)") + ": " +
