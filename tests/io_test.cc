@@ -151,12 +151,12 @@ TEST(StreamFile, AConsumerThatThrowsEndsItWithoutAHang) {
   auto file = PosixFileSystem().Open(dir.Join("f"));
   ASSERT_TRUE(file.ok());
   int calls = 0;
-  EXPECT_THROW(StreamFile(**file, {.chunk_bytes = 4096, .max_inflight = 4},
-                          [&](uint64_t offset, std::span<const std::byte>) -> Status {
-                            ++calls;
-                            if (offset >= 8192) throw std::bad_alloc();
-                            return OkStatus();
-                          }),
+  EXPECT_THROW((void)StreamFile(**file, {.chunk_bytes = 4096, .max_inflight = 4},
+                                [&](uint64_t offset, std::span<const std::byte>) -> Status {
+                                  ++calls;
+                                  if (offset >= 8192) throw std::bad_alloc();
+                                  return OkStatus();
+                                }),
                std::bad_alloc);
   EXPECT_EQ(calls, 3);
 }
