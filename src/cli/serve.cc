@@ -307,10 +307,14 @@ int RunServe(ServeOptions o) {
   for (size_t i = 0; i < preloads.size(); ++i) {
     try {
       preloaders.emplace_back([&server, &so, m = preloads[i], i] {
-        auto r = server.Preload({m.path, m.pin, m.processing, i}, {});
-        if (server.stopping()) return;  // cancelled, or refused: nothing to report
-        if (!r.ok())
-          so.log("preload of " + m.path + " from the config failed: " + r.error().message());
+        try {
+          auto r = server.Preload({m.path, m.pin, m.processing, i}, {});
+          if (server.stopping()) return;  // cancelled, or refused: nothing to report
+          if (!r.ok())
+            so.log("preload of " + m.path + " from the config failed: " + r.error().message());
+        } catch (...) {
+          // No memory even for the message: the daemon serves on.
+        }
       });
     } catch (const std::system_error& e) {
       // A process or thread limit reached: the daemon serves what it has;

@@ -369,15 +369,24 @@ Status Server::Start() {
     auto answer = std::make_shared<std::promise<Result<std::vector<memory::CudaDevice>>>>();
     auto probe = answer->get_future().share();
     std::thread([answer, log = s.options.log] {
-      auto gpus = memory::ListCudaDevices();
-      if (log && !gpus.ok()) log("serving the host only; cuda: " + gpus.error().message());
-      if (log && gpus.ok()) {
-        for (const memory::CudaDevice& d : *gpus) {
-          log("cuda:" + std::to_string(d.ordinal) + " is " + d.name + " (cuda:" + d.uuid + ")" +
-              (d.served() ? "" : ": not served, " + d.not_served));
+      try {
+        auto gpus = memory::ListCudaDevices();
+        if (log && !gpus.ok()) log("serving the host only; cuda: " + gpus.error().message());
+        if (log && gpus.ok()) {
+          for (const memory::CudaDevice& d : *gpus) {
+            log("cuda:" + std::to_string(d.ordinal) + " is " + d.name + " (cuda:" + d.uuid + ")" +
+                (d.served() ? "" : ": not served, " + d.not_served));
+          }
+        }
+        answer->set_value(std::move(gpus));
+      } catch (...) {
+        // No memory to ask or to log: the host is served, and a GPU
+        // request is told the driver could not be asked.
+        try {
+          answer->set_value(Error("the CUDA driver could not be asked: out of memory"));
+        } catch (...) {
         }
       }
-      answer->set_value(std::move(gpus));
     }).detach();
     // Only once the thread runs: a promise it never got is no answer.
     s.cuda_probe = std::move(probe);
@@ -769,11 +778,15 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     std::thread beat;
     try {
       beat = std::thread([&] {
-        std::unique_lock lock(send_mu);
-        // Woken kHeartbeat after the last frame, whatever sent it.
-        while (!beat_cv.wait_until(lock, last + kHeartbeat, [&] { return finished; })) {
-          if (peer_gone) return;  // nobody to hear it
-          if (std::chrono::steady_clock::now() - last >= kHeartbeat) send_progress(true);
+        try {
+          std::unique_lock lock(send_mu);
+          // Woken kHeartbeat after the last frame, whatever sent it.
+          while (!beat_cv.wait_until(lock, last + kHeartbeat, [&] { return finished; })) {
+            if (peer_gone) return;  // nobody to hear it
+            if (std::chrono::steady_clock::now() - last >= kHeartbeat) send_progress(true);
+          }
+        } catch (...) {
+          // No memory for a frame: no more heartbeats, the load goes on.
         }
       });
     } catch (const std::system_error&) {
@@ -1230,12 +1243,19 @@ Result<std::string> Server::Preload(const PreloadRequest& request,
     if (s.stopping.load()) return Error("the daemon is stopping");
     ++s.live_preloads;
   }
-  s.Log("preload of " + request.path + " requested by the config");
-  auto r = s.Preload(request.path, request.processing, request.pin, {}, progress, request.order);
+  struct Done {  // however the preload ends: Run's stop waits for the count
+    State& s;
+    ~Done() {
+      std::lock_guard lock(s.conn_mu);
+      --s.live_preloads;
+      s.conn_done.notify_all();
+    }
+  };
+  Result<json> r = Error("");
   {
-    std::lock_guard lock(s.conn_mu);
-    --s.live_preloads;
-    s.conn_done.notify_all();
+    Done done{s};
+    s.Log("preload of " + request.path + " requested by the config");
+    r = s.Preload(request.path, request.processing, request.pin, {}, progress, request.order);
   }
   if (!r.ok()) return r.error();
   return r->dump();

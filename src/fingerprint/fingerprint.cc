@@ -277,17 +277,17 @@ class EarlyHeads {
 
   // Called once, from ListShards's listing thread; returns at once.
   void Start(const std::vector<io::DirEntry>& entries) {
-    for (const io::DirEntry& e : entries) {
-      constexpr std::string_view kSuffix = ".safetensors";
-      if (e.type != io::EntryType::kRegular || !e.name.ends_with(kSuffix)) continue;
-      names_.push_back(e.name);
-    }
-    std::sort(names_.begin(), names_.end());
-    work_.resize(names_.size());
-    taken_.assign(names_.size(), 0);
-    pending_.resize(names_.size());
-    stats_.resize(names_.size());
     try {
+      for (const io::DirEntry& e : entries) {
+        constexpr std::string_view kSuffix = ".safetensors";
+        if (e.type != io::EntryType::kRegular || !e.name.ends_with(kSuffix)) continue;
+        names_.push_back(e.name);
+      }
+      std::sort(names_.begin(), names_.end());
+      work_.resize(names_.size());
+      taken_.assign(names_.size(), 0);
+      pending_.resize(names_.size());
+      stats_.resize(names_.size());
       thread_ = std::jthread([this] {
         std::atomic<size_t> next{0};
         try {
@@ -306,8 +306,9 @@ class EarlyHeads {
           failed_ = true;
         }
       });
-    } catch (const std::system_error&) {
-      // No thread to spare: the shards are opened after the index instead.
+    } catch (...) {
+      // No thread to spare, or no memory: the shards are opened after the
+      // index instead.
       names_.clear();
       work_.clear();
     }

@@ -216,8 +216,12 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   auto list_now = [&] {
     try {
       lister = std::jthread([&] {
-        entries = fs.ListDirectory(path);
-        if (entries->ok() && options.on_early_listing) options.on_early_listing(entries->value());
+        try {
+          entries = fs.ListDirectory(path);
+          if (entries->ok() && options.on_early_listing) options.on_early_listing(entries->value());
+        } catch (...) {
+          entries.reset();  // out of memory: listed again, if needed, on the caller's thread
+        }
       });
     } catch (const std::system_error&) {
       // No thread to spare: list later, if the listing is needed at all.
