@@ -304,19 +304,30 @@ int RunServe(ServeOptions o) {
   // own thread; the loads take turns in the config's order. A stop cancels
   // them, and Run waits for them with the connections.
   std::vector<std::thread> preloaders;
+  preloaders.reserve(preloads.size());
   for (size_t i = 0; i < preloads.size(); ++i) {
     try {
       preloaders.emplace_back([&server, &so, m = preloads[i], i] {
+        bool asked = false;
         try {
-          auto r = server.Preload({m.path, m.pin, m.processing, i}, {});
+          daemon::Server::PreloadRequest request{m.path, m.pin, m.processing, i};
+          asked = true;  // from here on, the preload passes its turn on itself
+          auto r = server.Preload(request, {});
           if (server.stopping()) return;  // cancelled, or refused: nothing to report
           if (!r.ok())
             so.log("preload of " + m.path + " from the config failed: " + r.error().message());
         } catch (...) {
-          // No memory even for the message: the daemon serves on.
+          // No memory (for the request, or the message): the daemon serves
+          // on, and the models after this one do not wait for its turn.
+          if (!asked) {
+            try {
+              server.SkipPreload(i);
+            } catch (...) {
+            }
+          }
         }
       });
-    } catch (const std::system_error& e) {
+    } catch (const std::exception& e) {
       // A process or thread limit reached: the daemon serves what it has;
       // this model can still be preloaded by hand or by an engine.
       server.SkipPreload(i);

@@ -368,9 +368,17 @@ Status Server::Start() {
   try {
     auto answer = std::make_shared<std::promise<Result<std::vector<memory::CudaDevice>>>>();
     auto probe = answer->get_future().share();
-    std::thread([answer, log = s.options.log] {
+    // The answer should asking throw (no memory), made here where a throw
+    // is caught below.
+    Result<std::vector<memory::CudaDevice>> unasked =
+        Error("the CUDA driver could not be asked: out of memory");
+    std::thread([answer, unasked = std::move(unasked), log = s.options.log]() mutable {
+      Result<std::vector<memory::CudaDevice>> gpus = std::move(unasked);
       try {
-        auto gpus = memory::ListCudaDevices();
+        gpus = memory::ListCudaDevices();
+      } catch (...) {
+      }
+      try {
         if (log && !gpus.ok()) log("serving the host only; cuda: " + gpus.error().message());
         if (log && gpus.ok()) {
           for (const memory::CudaDevice& d : *gpus) {
@@ -378,15 +386,10 @@ Status Server::Start() {
                 (d.served() ? "" : ": not served, " + d.not_served));
           }
         }
-        answer->set_value(std::move(gpus));
       } catch (...) {
-        // No memory to ask or to log: the host is served, and a GPU
-        // request is told the driver could not be asked.
-        try {
-          answer->set_value(Error("the CUDA driver could not be asked: out of memory"));
-        } catch (...) {
-        }
+        // No memory for the log lines; status has the answer.
       }
+      answer->set_value(std::move(gpus));
     }).detach();
     // Only once the thread runs: a promise it never got is no answer.
     s.cuda_probe = std::move(probe);
@@ -485,7 +488,7 @@ bool Server::State::SpawnWorker() {
   try {
     std::thread([this] { WorkerLoop(); }).detach();
     return true;
-  } catch (const std::system_error&) {
+  } catch (...) {
     std::lock_guard lock(conn_mu);
     --workers;
     conn_done.notify_all();
@@ -533,17 +536,22 @@ void Server::State::WorkerLoop() {
       }
       continue;
     }
-    ucred peer{};
-    if (!Admit(conn, &peer)) continue;
-    uint64_t id;
-    {
-      std::lock_guard lock(conn_mu);
-      if (stopping.load()) break;  // Run() shut the others down already
-      id = next_connection++;
-      open_sockets.insert(conn.get());
-      ++live_connections;
+    try {
+      ucred peer{};
+      if (!Admit(conn, &peer)) continue;
+      uint64_t id;
+      {
+        std::lock_guard lock(conn_mu);
+        if (stopping.load()) break;  // Run() shut the others down already
+        id = next_connection++;
+        open_sockets.insert(conn.get());
+        ++live_connections;
+      }
+      Serve(id, std::move(conn), peer);
+    } catch (...) {
+      // Out of memory for this connection (a log line, a set's node):
+      // it is closed, and this thread serves the next.
     }
-    Serve(id, std::move(conn), peer);
   }
   std::lock_guard lock(conn_mu);
   --workers;
@@ -553,8 +561,29 @@ void Server::State::WorkerLoop() {
 void Server::State::Serve(uint64_t id, memory::UniqueFd fd, ucred peer) {
   const int raw = fd.get();
   std::vector<std::shared_ptr<ResidentModel>> leases;
+  // However this ends, an exception included: the connection stops being
+  // counted (last), and before its channel closes the descriptor, the
+  // socket leaves the list a stop shuts down and the leases go back.
+  struct Uncount {
+    State& s;
+    ~Uncount() {
+      std::lock_guard lock(s.conn_mu);
+      --s.live_connections;
+      s.conn_done.notify_all();
+    }
+  } uncount{*this};
   {
     protocol::Channel ch(std::move(fd));
+    struct Close {
+      State& s;
+      int raw;
+      std::vector<std::shared_ptr<ResidentModel>>& leases;
+      ~Close() {
+        for (const auto& model : leases) s.registry.Release(model);
+        std::lock_guard lock(s.conn_mu);
+        s.open_sockets.erase(raw);
+      }
+    } closing{*this, raw, leases};
     while (!stopping.load()) {
       auto m = ch.Receive();
       if (!m.ok()) {
@@ -584,20 +613,14 @@ void Server::State::Serve(uint64_t id, memory::UniqueFd fd, ucred peer) {
     if (!leases.empty()) {
       const std::string n = std::to_string(leases.size()) + " lease(s)";
       // A stop closes every connection: the engine is still there, and what
-      // it mapped stays valid.
+      // it mapped stays valid. Logged before `closing` releases the leases:
+      // whoever sees them gone finds the line.
       Log(stopping.load()
               ? "stopping: closed the connection of pid " + std::to_string(peer.pid) + ", its " +
                     n + " with it (what it mapped stays valid)"
               : "pid " + std::to_string(peer.pid) + " closed its connection; " + n + " released");
     }
-    // Logged first: whoever sees the leases gone finds the line.
-    for (const auto& model : leases) registry.Release(model);
-    std::lock_guard lock(conn_mu);
-    open_sockets.erase(raw);  // before the channel closes the descriptor
   }
-  std::lock_guard lock(conn_mu);
-  --live_connections;
-  conn_done.notify_all();
 }
 
 Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id,
@@ -776,6 +799,22 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       peer_gone = !ch.Send(p).ok();
     };
     std::thread beat;
+    // However the preload ends, an exception included, the heartbeat ends
+    // and is joined before what it uses goes.
+    struct StopBeat {
+      std::mutex& mu;
+      std::condition_variable& cv;
+      bool& finished;
+      std::thread& beat;
+      ~StopBeat() {
+        {
+          std::lock_guard lock(mu);
+          finished = true;
+        }
+        cv.notify_all();
+        if (beat.joinable()) beat.join();
+      }
+    };
     try {
       beat = std::thread([&] {
         try {
@@ -789,25 +828,23 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
           // No memory for a frame: no more heartbeats, the load goes on.
         }
       });
-    } catch (const std::system_error&) {
+    } catch (...) {
       // No thread for it: progress only as the load reports it.
     }
-    // It does not throw (the heartbeat thread is joined below).
-    auto result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
-      std::lock_guard lock(send_mu);
-      last_done = done;
-      last_total = total;
-      if (peer_gone || (std::chrono::steady_clock::now() - last < kProgressEvery && done < total)) {
-        return;
-      }
-      send_progress(false);
-    });
+    Result<json> result = Error("");
     {
-      std::lock_guard lock(send_mu);
-      finished = true;
+      StopBeat stop{send_mu, beat_cv, finished, beat};
+      result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
+        std::lock_guard lock(send_mu);
+        last_done = done;
+        last_total = total;
+        if (peer_gone ||
+            (std::chrono::steady_clock::now() - last < kProgressEvery && done < total)) {
+          return;
+        }
+        send_progress(false);
+      });
     }
-    beat_cv.notify_all();
-    if (beat.joinable()) beat.join();
     json reply;
     if (result.ok()) {
       reply = *result;
@@ -1254,7 +1291,10 @@ Result<std::string> Server::Preload(const PreloadRequest& request,
   Result<json> r = Error("");
   {
     Done done{s};
-    s.Log("preload of " + request.path + " requested by the config");
+    try {
+      s.Log("preload of " + request.path + " requested by the config");
+    } catch (...) {
+    }
     r = s.Preload(request.path, request.processing, request.pin, {}, progress, request.order);
   }
   if (!r.ok()) return r.error();

@@ -223,8 +223,9 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
           entries.reset();  // out of memory: listed again, if needed, on the caller's thread
         }
       });
-    } catch (const std::system_error&) {
-      // No thread to spare: list later, if the listing is needed at all.
+    } catch (...) {
+      // No thread (or memory) to spare: list later, if the listing is
+      // needed at all.
     }
     if (options.reserve_workers > 0) io::WorkerPool::Shared().Reserve(options.reserve_workers);
   };
