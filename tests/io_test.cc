@@ -127,38 +127,32 @@ TEST(StreamFile, DeliversEveryChunkInFileOrder) {
   }
 }
 
-TEST(StreamFile, StopsAtTheConsumersError) {
+// The consumer's error at the third chunk ends the stream there. So does an
+// exception (an allocation refused), which reaches the caller, and the
+// workers waiting for their turn are not left waiting.
+TEST(StreamFile, StopsAtTheConsumersErrorOrException) {
   TempDir dir;
   testing::WriteFileBytes(dir.Join("f"), Pattern(100'000));
   auto file = PosixFileSystem().Open(dir.Join("f"));
   ASSERT_TRUE(file.ok());
-  int calls = 0;
-  Status s = StreamFile(**file, {.chunk_bytes = 4096, .max_inflight = 4},
-                        [&](uint64_t offset, std::span<const std::byte>) {
-                          ++calls;
-                          return offset >= 8192 ? Status(Error("enough")) : OkStatus();
-                        });
-  ASSERT_FALSE(s.ok());
-  EXPECT_EQ(s.error().message(), "enough");
-  EXPECT_EQ(calls, 3);
-}
-
-// A consumer that throws (an allocation refused) ends the stream with that
-// exception; the workers waiting for their turn are not left waiting.
-TEST(StreamFile, AConsumerThatThrowsEndsItWithoutAHang) {
-  TempDir dir;
-  testing::WriteFileBytes(dir.Join("f"), Pattern(100'000));
-  auto file = PosixFileSystem().Open(dir.Join("f"));
-  ASSERT_TRUE(file.ok());
-  int calls = 0;
-  EXPECT_THROW((void)StreamFile(**file, {.chunk_bytes = 4096, .max_inflight = 4},
-                                [&](uint64_t offset, std::span<const std::byte>) -> Status {
-                                  ++calls;
-                                  if (offset >= 8192) throw std::bad_alloc();
-                                  return OkStatus();
-                                }),
-               std::bad_alloc);
-  EXPECT_EQ(calls, 3);
+  for (bool throws : {false, true}) {
+    int calls = 0;
+    auto consume = [&](uint64_t offset, std::span<const std::byte>) -> Status {
+      ++calls;
+      if (offset < 8192) return OkStatus();
+      if (throws) throw std::bad_alloc();
+      return Error("enough");
+    };
+    const StreamOptions options{.chunk_bytes = 4096, .max_inflight = 4};
+    if (throws) {
+      EXPECT_THROW((void)StreamFile(**file, options, consume), std::bad_alloc);
+    } else {
+      Status s = StreamFile(**file, options, consume);
+      ASSERT_FALSE(s.ok());
+      EXPECT_EQ(s.error().message(), "enough");
+    }
+    EXPECT_EQ(calls, 3) << (throws ? "throwing" : "returning an error");
+  }
 }
 
 // A slot that throws, on the caller's thread or a pool thread, ends there;
