@@ -803,6 +803,31 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
   }
 }
 
+// In a container with a memory limit (here a control group made for the
+// test), the default host budget is half of that limit, not of the
+// machine's memory: preloads up to it would have the kernel kill for memory.
+TEST_F(DaemonTest, TheDefaultHostBudgetIsHalfOfTheControlGroupsLimit) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to make a control group";
+  const std::string group = "/sys/fs/cgroup/memory/weightd-test-" + std::to_string(::getpid());
+  if (::mkdir(group.c_str(), 0755) != 0) {
+    GTEST_SKIP() << "no cgroup v1 memory controller to make a group in";
+  }
+  struct Remove {
+    std::string group;
+    ~Remove() { ::rmdir(group.c_str()); }  // once the daemon in it is gone
+  } remove{group};
+  testing::WriteFileText(group + "/memory.limit_in_bytes", std::to_string(3ull << 30));
+  Process daemon({"serve", "--socket-dir", sock_},
+                 {"sh", "-c", "echo $$ > " + group + "/cgroup.procs && exec \"$@\"", "sh"});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  EXPECT_NE(daemon.out().find("host budget 1.50 GiB"), std::string::npos) << daemon.out();
+  EXPECT_EQ(Status()["devices"][0]["budget"], 3ull << 29);
+  EXPECT_NE(daemon.err().find("(" + group + "/memory.limit_in_bytes)"), std::string::npos)
+      << daemon.err();
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+}
+
 // Segments under a huge page are made of normal pages, and a preload
 // reserves those, pool or not: two small models share a budget of less
 // than one huge page. A refusal says the sizes in units that show them.

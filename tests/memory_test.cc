@@ -11,6 +11,7 @@
 #include <array>
 #include <csignal>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <thread>
@@ -21,6 +22,7 @@
 #include "io/file.h"
 #include "loader/loader.h"
 #include "memory/cuda.h"
+#include "memory/host_memory.h"
 #include "memory/manifest.h"
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
@@ -635,6 +637,49 @@ TEST(Loader, AnAllocationRefusedIsTheLoadsError) {
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
   ASSERT_FALSE(loaded.ok());
   EXPECT_EQ(loaded.error().message(), "out of budget");
+}
+
+// The control group limits a container sets, as /proc/self/cgroup and
+// /sys/fs/cgroup lay them out: the lowest on the group or its ancestors.
+TEST(HostMemory, TheLowestControlGroupLimitIsTheCeiling) {
+  TempDir root;
+  auto put = [&](const std::string& rel, const std::string& text) {
+    std::filesystem::create_directories(std::filesystem::path(root.Join(rel)).parent_path());
+    testing::WriteFileText(root.Join(rel), text);
+  };
+  std::string where;
+  // cgroup v2: "max" on the group itself, a number on its parent.
+  put("a/b/memory.max", "max\n");
+  put("a/memory.max", "2147483648\n");
+  EXPECT_EQ(memory::CgroupMemoryLimit("0::/a/b\n", root.path(), &where), 2147483648u);
+  EXPECT_EQ(where, root.Join("a/memory.max"));
+  // cgroup v1, the memory controller among others: the group's own limit
+  // is lower than its ancestors' "unlimited".
+  put("memory/x/y/memory.limit_in_bytes", "1073741824\n");
+  put("memory/memory.limit_in_bytes", "9223372036854771712\n");
+  EXPECT_EQ(memory::CgroupMemoryLimit("5:cpu,cpuacct:/z\n4:memory:/x/y\n", root.path(), &where),
+            1073741824u);
+  EXPECT_EQ(where, root.Join("memory/x/y/memory.limit_in_bytes"));
+  // A container's group named from outside, mounted as the root: the root's.
+  TempDir container;
+  std::filesystem::create_directories(container.Join("memory"));
+  testing::WriteFileText(container.Join("memory/memory.limit_in_bytes"), "3221225472\n");
+  EXPECT_EQ(memory::CgroupMemoryLimit("4:memory:/docker/0123abcd\n", container.path(), &where),
+            3221225472u);
+  // v2 beside v1 (a hybrid layout), under unified/.
+  put("unified/u/memory.max", "4294967296\n");
+  EXPECT_EQ(memory::CgroupMemoryLimit("0::/u\n", root.path(), &where), 4294967296u);
+  // No limit anywhere, or nothing readable as one: none.
+  TempDir empty;
+  EXPECT_EQ(memory::CgroupMemoryLimit("0::/\n", empty.path(), &where), std::nullopt);
+  put("g/memory.max", "12abc\n");
+  EXPECT_EQ(memory::CgroupMemoryLimit("0::/g\n", root.path(), &where), std::nullopt);
+  EXPECT_EQ(memory::CgroupMemoryLimit("garbage\n::\n0::relative\n", root.path(), &where),
+            std::nullopt);
+  // This process: never more than RAM, and said where from.
+  const memory::MemoryCeiling here = memory::HostMemoryCeiling();
+  EXPECT_GT(here.bytes, 0u);
+  EXPECT_FALSE(here.source.empty());
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "daemon/server.h"
 #include "io/file.h"
 #include "memory/cuda.h"
+#include "memory/host_memory.h"
 #include "protocol/cache_key.h"
 #include "protocol/paths.h"
 #include "transform/plan.h"
@@ -45,17 +46,6 @@ std::string Now() {
   ::gmtime_r(&t, &tm);
   std::strftime(buf, sizeof buf, "%Y-%m-%dT%H:%M:%SZ", &tm);
   return buf;
-}
-
-// This machine's memory; 0 when it cannot be told.
-uint64_t PhysicalMemory() {
-  const long pages = ::sysconf(_SC_PHYS_PAGES), page = ::sysconf(_SC_PAGESIZE);
-  return pages > 0 && page > 0 ? static_cast<uint64_t>(pages) * static_cast<uint64_t>(page) : 0;
-}
-
-uint64_t HalfOfMemory() {
-  const uint64_t total = PhysicalMemory();
-  return total > 0 ? total / 2 : 1ull << 30;
 }
 
 // One device's budget, as --budget DEVICE=SIZE or a config's [budget] names it.
@@ -232,7 +222,11 @@ int RunServe(ServeOptions o) {
   }
   daemon::ServerOptions so;
   so.socket_dir = protocol::SocketDirectory(o.socket_dir);
-  so.host_budget = HalfOfMemory();
+  // Half of what this process may take: the machine's memory, or its
+  // control group's limit where that is lower (a container's).
+  const memory::MemoryCeiling ceiling = memory::HostMemoryCeiling();
+  so.host_budget = ceiling.bytes > 0 ? ceiling.bytes / 2 : 1ull << 30;
+  bool host_budget_given = false;
   so.use_stat_cache = !o.no_cache;
   so.stop_grace_seconds = o.stop_timeout;
   // The file's first, then the flags: for a device named in both, the last
@@ -261,6 +255,7 @@ int RunServe(ServeOptions o) {
   for (const Budget& b : budgets) {
     if (b.host) {
       so.host_budget = b.bytes;
+      host_budget_given = true;
     } else {
       so.gpu_budgets.emplace_back(b.device, b.bytes);
     }
@@ -273,10 +268,15 @@ int RunServe(ServeOptions o) {
   // Budgets that cannot mean what they say are taken, and said.
   if (so.host_budget == 0) {
     so.log("the host budget is 0: no model can be preloaded into host memory");
-  } else if (const uint64_t total = PhysicalMemory(); total > 0 && so.host_budget > total) {
-    so.log("the host budget (" + FormatBytes(so.host_budget) + ") is more than this machine's " +
-           FormatBytes(total) +
-           " of memory: preloads are refused for memory before the budget is reached");
+  } else if (ceiling.bytes > 0 && so.host_budget > ceiling.bytes) {
+    so.log("the host budget (" + FormatBytes(so.host_budget) + ") is more than the " +
+           FormatBytes(ceiling.bytes) + " this process may use (" +
+           (ceiling.source == "RAM" ? "the machine's memory" : ceiling.source) +
+           "): the kernel may refuse memory, or kill for it, before the budget is reached");
+  } else if (!host_budget_given && ceiling.source != "RAM") {
+    so.log("host budget " + FormatBytes(so.host_budget) + ": half of the " +
+           FormatBytes(ceiling.bytes) + " this process's control group may use (" + ceiling.source +
+           "), less than the machine's memory");
   }
   daemon::Server server(so);
   // Before the first connection is accepted: an engine that may wait for
@@ -400,7 +400,8 @@ Command AddServeCommand(CLI::App& root) {
   app->add_option("--budget", o->budgets,
                   "memory the daemon may hold per device, DEVICE=SIZE: host=64G (or 64G), "
                   "cuda:0=70G (this daemon's numbering), cuda:GPU-<uuid>=70G; repeatable "
-                  "(default: half of RAM for the host, " +
+                  "(default: half of the memory this process may use for the host: RAM, or its "
+                  "control group's limit where lower; " +
                       std::to_string(daemon::kDefaultGpuBudgetPercent) + "% of each GPU's memory)");
   app->add_flag("--no-cache", o->no_cache, "preloads do not use the fingerprint's stat cache");
   AddSecondsOption(*app, "--stop-timeout", o->stop_timeout,
