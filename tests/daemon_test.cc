@@ -9,6 +9,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <future>
@@ -808,9 +810,27 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
 // machine's memory: preloads up to it would have the kernel kill for memory.
 TEST_F(DaemonTest, TheDefaultHostBudgetIsHalfOfTheControlGroupsLimit) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to make a control group";
-  const std::string group = "/sys/fs/cgroup/memory/weightd-test-" + std::to_string(::getpid());
+  // A group under this test's own in the v1 memory hierarchy (mounted
+  // whole, as on this project's machines), so that its limit is found
+  // through an ancestor walk and its use stays within the runner's.
+  std::string own;
+  {
+    std::ifstream in("/proc/self/cgroup");
+    for (std::string line; std::getline(in, line);) {
+      const size_t at = line.find(":memory:");
+      if (at != std::string::npos) own = line.substr(at + 8);
+    }
+  }
+  if (own.empty()) GTEST_SKIP() << "no cgroup v1 memory hierarchy";
+  if (own == "/") own.clear();
+  const std::string group =
+      "/sys/fs/cgroup/memory" + own + "/weightd-test-" + std::to_string(::getpid());
   if (::mkdir(group.c_str(), 0755) != 0) {
-    GTEST_SKIP() << "no cgroup v1 memory controller to make a group in";
+    const int e = errno;
+    if (e == ENOENT || e == EROFS || e == EACCES || e == EPERM) {
+      GTEST_SKIP() << "cannot make a control group here: " << std::strerror(e);
+    }
+    FAIL() << "mkdir " << group << ": " << std::strerror(e);
   }
   struct Remove {
     std::string group;
@@ -822,8 +842,7 @@ TEST_F(DaemonTest, TheDefaultHostBudgetIsHalfOfTheControlGroupsLimit) {
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
   EXPECT_NE(daemon.out().find("host budget 1.50 GiB"), std::string::npos) << daemon.out();
   EXPECT_EQ(Status()["devices"][0]["budget"], 3ull << 29);
-  EXPECT_NE(daemon.err().find("(" + group + "/memory.limit_in_bytes)"), std::string::npos)
-      << daemon.err();
+  EXPECT_NE(daemon.err().find("(" + group + "/memory."), std::string::npos) << daemon.err();
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }

@@ -639,43 +639,72 @@ TEST(Loader, AnAllocationRefusedIsTheLoadsError) {
   EXPECT_EQ(loaded.error().message(), "out of budget");
 }
 
-// The control group limits a container sets, as /proc/self/cgroup and
-// /sys/fs/cgroup lay them out: the lowest on the group or its ancestors.
+// The control group limits a container sets, as /proc/self/cgroup,
+// /proc/self/mountinfo and the mounted files show them: the lowest on the
+// group or its ancestors, paths taken relative to what each mount shows.
 TEST(HostMemory, TheLowestControlGroupLimitIsTheCeiling) {
   TempDir root;
   auto put = [&](const std::string& rel, const std::string& text) {
     std::filesystem::create_directories(std::filesystem::path(root.Join(rel)).parent_path());
     testing::WriteFileText(root.Join(rel), text);
   };
+  // A mountinfo line for a control group file system mounted at `point`
+  // with group `group` as its root.
+  auto mount = [](const std::string& group, const std::string& point, bool v2) {
+    return "35 31 0:32 " + group + " " + point + " rw,relatime shared:9 - " +
+           (v2 ? "cgroup2 cgroup2 rw" : "cgroup cgroup rw,memory") + "\n";
+  };
   std::string where;
   // cgroup v2: "max" on the group itself, a number on its parent.
-  put("a/b/memory.max", "max\n");
-  put("a/memory.max", "2147483648\n");
-  EXPECT_EQ(memory::CgroupMemoryLimit("0::/a/b\n", root.path(), &where), 2147483648u);
-  EXPECT_EQ(where, root.Join("a/memory.max"));
-  // cgroup v1, the memory controller among others: the group's own limit
-  // is lower than its ancestors' "unlimited".
-  put("memory/x/y/memory.limit_in_bytes", "1073741824\n");
-  put("memory/memory.limit_in_bytes", "9223372036854771712\n");
-  EXPECT_EQ(memory::CgroupMemoryLimit("5:cpu,cpuacct:/z\n4:memory:/x/y\n", root.path(), &where),
+  put("v2/a/b/memory.max", "max\n");
+  put("v2/a/memory.max", "2147483648\n");
+  EXPECT_EQ(memory::CgroupMemoryLimit("0::/a/b\n", mount("/", "/v2", true), root.path(), &where),
+            2147483648u);
+  EXPECT_EQ(where, root.Join("v2/a/memory.max"));
+  // cgroup v1, the memory controller among others: the group's own limit,
+  // lower than its ancestors' "unlimited"; and the hierarchical limit in
+  // its memory.stat, which counts ancestors the mount may not show.
+  put("v1/x/y/memory.limit_in_bytes", "1073741824\n");
+  put("v1/memory.limit_in_bytes", "9223372036854771712\n");
+  const std::string v1 = mount("/", "/v1", false);
+  EXPECT_EQ(memory::CgroupMemoryLimit("5:cpu,cpuacct:/z\n4:memory:/x/y\n", v1, root.path(), &where),
             1073741824u);
-  EXPECT_EQ(where, root.Join("memory/x/y/memory.limit_in_bytes"));
-  // A container's group named from outside, mounted as the root: the root's.
-  TempDir container;
-  std::filesystem::create_directories(container.Join("memory"));
-  testing::WriteFileText(container.Join("memory/memory.limit_in_bytes"), "3221225472\n");
-  EXPECT_EQ(memory::CgroupMemoryLimit("4:memory:/docker/0123abcd\n", container.path(), &where),
+  EXPECT_EQ(where, root.Join("v1/x/y/memory.limit_in_bytes"));
+  put("v1/x/y/memory.stat", "cache 0\nhierarchical_memory_limit 536870912\nrss 0\n");
+  EXPECT_EQ(memory::CgroupMemoryLimit("4:memory:/x/y\n", v1, root.path(), &where), 536870912u);
+  EXPECT_EQ(where, root.Join("v1/x/y/memory.stat"));
+  // A container's own group mounted as the root, the process in a group
+  // below it: its path is taken relative to the mount's root, and a
+  // sibling's limit outside that root is never read.
+  put("c/memory.limit_in_bytes", "3221225472\n");
+  put("c/sub/memory.limit_in_bytes", "2684354560\n");
+  put("docker/memory.limit_in_bytes", "1048576\n");
+  EXPECT_EQ(memory::CgroupMemoryLimit("4:memory:/docker/0123abcd/sub\n",
+                                      mount("/docker/0123abcd", "/c", false), root.path(), &where),
+            2684354560u);
+  EXPECT_EQ(memory::CgroupMemoryLimit("4:memory:/docker/0123abcd\n",
+                                      mount("/docker/0123abcd", "/c", false), root.path(), &where),
             3221225472u);
-  // v2 beside v1 (a hybrid layout), under unified/.
-  put("unified/u/memory.max", "4294967296\n");
-  EXPECT_EQ(memory::CgroupMemoryLimit("0::/u\n", root.path(), &where), 4294967296u);
-  // No limit anywhere, or nothing readable as one: none.
-  TempDir empty;
-  EXPECT_EQ(memory::CgroupMemoryLimit("0::/\n", empty.path(), &where), std::nullopt);
-  put("g/memory.max", "12abc\n");
-  EXPECT_EQ(memory::CgroupMemoryLimit("0::/g\n", root.path(), &where), std::nullopt);
-  EXPECT_EQ(memory::CgroupMemoryLimit("garbage\n::\n0::relative\n", root.path(), &where),
+  // A group outside what the mount shows: nothing read there.
+  EXPECT_EQ(memory::CgroupMemoryLimit("4:memory:/elsewhere\n",
+                                      mount("/docker/0123abcd", "/c", false), root.path(), &where),
             std::nullopt);
+  // A mount point with a space, as mountinfo escapes it.
+  put("with space/memory.max", "4294967296\n");
+  EXPECT_EQ(
+      memory::CgroupMemoryLimit("0::/\n", mount("/", "/with\\040space", true), root.path(), &where),
+      4294967296u);
+  // No limit anywhere, or nothing readable as one: none.
+  put("g/memory.max", "12abc\n");
+  EXPECT_EQ(memory::CgroupMemoryLimit("0::/\n", mount("/", "/g", true), root.path(), &where),
+            std::nullopt);
+  EXPECT_EQ(memory::CgroupMemoryLimit("0::/\n", mount("/", "/nothing", true), root.path(), &where),
+            std::nullopt);
+  EXPECT_EQ(memory::CgroupMemoryLimit("garbage\n::\n0::relative\n", v1, root.path(), &where),
+            std::nullopt);
+  EXPECT_EQ(
+      memory::CgroupMemoryLimit("4:memory:/x/y\n", "short line\n- cgroup\n", root.path(), &where),
+      std::nullopt);
   // This process: never more than RAM, and said where from.
   const memory::MemoryCeiling here = memory::HostMemoryCeiling();
   EXPECT_GT(here.bytes, 0u);

@@ -273,6 +273,9 @@ int RunServe(ServeOptions o) {
            FormatBytes(ceiling.bytes) + " this process may use (" +
            (ceiling.source == "RAM" ? "the machine's memory" : ceiling.source) +
            "): the kernel may refuse memory, or kill for it, before the budget is reached");
+  } else if (!host_budget_given && ceiling.bytes == 0) {
+    so.log("host budget " + FormatBytes(so.host_budget) +
+           ": how much memory this machine has could not be told; give --budget host=SIZE");
   } else if (!host_budget_given && ceiling.source != "RAM") {
     so.log("host budget " + FormatBytes(so.host_budget) + ": half of the " +
            FormatBytes(ceiling.bytes) + " this process's control group may use (" + ceiling.source +

@@ -2,8 +2,7 @@
 
 #include <unistd.h>
 
-#include <cerrno>
-#include <cstdlib>
+#include <algorithm>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -15,75 +14,147 @@ namespace {
 // largest page-aligned 63-bit number.
 constexpr uint64_t kNoLimit = uint64_t{1} << 62;
 
-// The first line of a small file, or nullopt when it cannot be read.
-std::optional<std::string> FirstLine(const std::string& path) {
+std::string ReadSmallFile(const std::string& path) {
   std::ifstream in(path);
-  std::string line;
-  if (!in || !std::getline(in, line)) return std::nullopt;
-  return line;
+  std::stringstream text;
+  if (in) text << in.rdbuf();
+  return text.str();
 }
 
-// A whole decimal number below kNoLimit; nullopt for "max", garbage or
-// anything that means no limit.
-std::optional<uint64_t> ParseLimit(const std::string& text) {
-  if (text.empty() || text[0] < '0' || text[0] > '9') return std::nullopt;
-  char* end = nullptr;
-  errno = 0;
-  const unsigned long long v = std::strtoull(text.c_str(), &end, 10);
-  if (errno != 0 || *end != '\0' || v >= kNoLimit) return std::nullopt;
+// A whole decimal number above 0 and below kNoLimit; nullopt for "max",
+// garbage, 0 or anything that means no limit.
+std::optional<uint64_t> ParseLimit(std::string_view text) {
+  while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.remove_suffix(1);
+  if (text.empty() || text.size() > 20) return std::nullopt;
+  uint64_t v = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') return std::nullopt;
+    if (__builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, c - '0', &v)) {
+      return std::nullopt;
+    }
+  }
+  if (v == 0 || v >= kNoLimit) return std::nullopt;
   return v;
 }
 
-// `path` ("/a/b") and each of its ancestors, up to "/".
-std::vector<std::string> SelfAndAncestors(std::string path) {
-  std::vector<std::string> all;
-  while (!path.empty() && path.back() == '/') path.pop_back();
+std::vector<std::string> Split(std::string_view text, char sep) {
+  std::vector<std::string> parts;
+  size_t start = 0;
   while (true) {
-    all.push_back(path.empty() ? "/" : path);
-    if (path.empty()) break;
-    path.resize(path.rfind('/') == std::string::npos ? 0 : path.rfind('/'));
+    const size_t end = text.find(sep, start);
+    parts.emplace_back(text.substr(start, end == std::string_view::npos ? end : end - start));
+    if (end == std::string_view::npos) return parts;
+    start = end + 1;
   }
-  return all;
+}
+
+// mountinfo escapes space, tab, newline and backslash as \ooo.
+std::string Unescape(std::string_view field) {
+  std::string out;
+  for (size_t i = 0; i < field.size(); ++i) {
+    if (field[i] == '\\' && i + 3 < field.size()) {
+      const std::string_view oct = field.substr(i + 1, 3);
+      if (oct.find_first_not_of("01234567") == std::string_view::npos) {
+        out.push_back(static_cast<char>((oct[0] - '0') * 64 + (oct[1] - '0') * 8 + (oct[2] - '0')));
+        i += 3;
+        continue;
+      }
+    }
+    out.push_back(field[i]);
+  }
+  return out;
+}
+
+struct CgroupMount {
+  std::string root;   // the group mounted there, as /proc/self/cgroup names groups
+  std::string point;  // where it is mounted
+  bool v2 = false;
+};
+
+std::vector<CgroupMount> MemoryMounts(std::string_view mountinfo) {
+  std::vector<CgroupMount> mounts;
+  for (const std::string& line : Split(mountinfo, '\n')) {
+    // id parent major:minor root point options [optional...] - type source super-options
+    const std::vector<std::string> f = Split(line, ' ');
+    size_t dash = 6;
+    while (dash < f.size() && f[dash] != "-") ++dash;
+    if (dash + 3 >= f.size()) continue;
+    const std::string& type = f[dash + 1];
+    const std::vector<std::string> super = Split(f[dash + 3], ',');
+    const bool memory_v1 =
+        type == "cgroup" && std::find(super.begin(), super.end(), "memory") != super.end();
+    if (type != "cgroup2" && !memory_v1) continue;
+    mounts.push_back({Unescape(f[3]), Unescape(f[4]), type == "cgroup2"});
+  }
+  return mounts;
+}
+
+// `path` relative to `root`, or nullopt when it lies outside it.
+std::optional<std::string> Below(const std::string& path, const std::string& root) {
+  if (root == "/") return path == "/" ? "" : path;
+  if (path == root) return "";
+  if (path.size() > root.size() && path.compare(0, root.size(), root) == 0 &&
+      path[root.size()] == '/') {
+    return path.substr(root.size());
+  }
+  return std::nullopt;
 }
 
 }  // namespace
 
 std::optional<uint64_t> CgroupMemoryLimit(std::string_view proc_self_cgroup,
-                                          const std::string& cgroup_root, std::string* where) {
-  std::optional<uint64_t> lowest;
-  auto consider = [&](const std::string& file) {
-    auto line = FirstLine(file);
-    if (!line) return;
-    auto v = ParseLimit(*line);
-    if (v && (!lowest || *v < *lowest)) {
-      lowest = v;
-      if (where != nullptr) *where = file;
-    }
-  };
-  std::istringstream lines{std::string(proc_self_cgroup)};
-  for (std::string line; std::getline(lines, line);) {
-    // hierarchy-ID:controller-list:path
+                                          std::string_view proc_self_mountinfo,
+                                          const std::string& prefix, std::string* where) {
+  // This process's group in the v2 hierarchy and in v1's memory hierarchy.
+  std::optional<std::string> v2_group, v1_group;
+  for (const std::string& line : Split(proc_self_cgroup, '\n')) {
+    // hierarchy-ID:controller-list:path (the path may hold ':')
     const size_t first = line.find(':');
     const size_t second = first == std::string::npos ? first : line.find(':', first + 1);
     if (second == std::string::npos) continue;
-    const std::string id = line.substr(0, first);
-    const std::string controllers = line.substr(first + 1, second - first - 1);
     const std::string path = line.substr(second + 1);
     if (path.empty() || path[0] != '/') continue;
-    if (id == "0" && controllers.empty()) {  // v2, mounted alone or beside v1
-      for (const std::string& dir : SelfAndAncestors(path)) {
-        const std::string rel = dir == "/" ? "" : dir;
-        consider(cgroup_root + rel + "/memory.max");
-        consider(cgroup_root + "/unified" + rel + "/memory.max");
-      }
-      continue;
+    const std::string controllers = line.substr(first + 1, second - first - 1);
+    if (line.compare(0, first, "0") == 0 && controllers.empty()) {
+      v2_group = path;
+    } else {
+      const std::vector<std::string> list = Split(controllers, ',');
+      if (std::find(list.begin(), list.end(), "memory") != list.end()) v1_group = path;
     }
-    std::istringstream list(controllers);
-    for (std::string c; std::getline(list, c, ',');) {
-      if (c != "memory") continue;
-      for (const std::string& dir : SelfAndAncestors(path)) {
-        consider(cgroup_root + "/memory" + (dir == "/" ? "" : dir) + "/memory.limit_in_bytes");
+  }
+  std::optional<uint64_t> lowest;
+  auto consider = [&](const std::string& file, std::optional<uint64_t> limit) {
+    if (limit && (!lowest || *limit < *lowest)) {
+      lowest = limit;
+      if (where != nullptr) *where = file;
+    }
+  };
+  for (const CgroupMount& m : MemoryMounts(proc_self_mountinfo)) {
+    const std::optional<std::string>& group = m.v2 ? v2_group : v1_group;
+    if (!group) continue;
+    std::optional<std::string> rel = Below(*group, m.root);
+    if (!rel) continue;  // this process's group is not under what is mounted there
+    const std::string base = prefix + (m.point == "/" ? "" : m.point);
+    for (bool own = true;; own = false) {
+      const std::string dir = base + *rel;
+      if (m.v2) {
+        const std::string file = dir + "/memory.max";
+        consider(file, ParseLimit(ReadSmallFile(file)));
+      } else {
+        const std::string file = dir + "/memory.limit_in_bytes";
+        consider(file, ParseLimit(ReadSmallFile(file)));
+        if (own) {
+          const std::string stat = dir + "/memory.stat";
+          for (const std::string& l : Split(ReadSmallFile(stat), '\n')) {
+            constexpr std::string_view kKey = "hierarchical_memory_limit ";
+            if (l.compare(0, kKey.size(), kKey) == 0) {
+              consider(stat, ParseLimit(std::string_view(l).substr(kKey.size())));
+            }
+          }
+        }
       }
+      if (rel->empty()) break;
+      rel->resize(rel->rfind('/'));
     }
   }
   return lowest;
@@ -96,11 +167,9 @@ MemoryCeiling HostMemoryCeiling() {
     ceiling.bytes = static_cast<uint64_t>(pages) * static_cast<uint64_t>(page);
     ceiling.source = "RAM";
   }
-  std::ifstream in("/proc/self/cgroup");
-  std::stringstream text;
-  text << in.rdbuf();
   std::string where;
-  if (auto limit = CgroupMemoryLimit(text.str(), "/sys/fs/cgroup", &where)) {
+  if (auto limit = CgroupMemoryLimit(ReadSmallFile("/proc/self/cgroup"),
+                                     ReadSmallFile("/proc/self/mountinfo"), "", &where)) {
     if (ceiling.bytes == 0 || *limit < ceiling.bytes) ceiling = {*limit, where};
   }
   return ceiling;

@@ -21,15 +21,19 @@ struct MemoryCeiling {
 // The lower of RAM and this process's control group limit.
 MemoryCeiling HostMemoryCeiling();
 
-// The lowest memory limit set on the control groups that
-// `proc_self_cgroup` (the text of /proc/self/cgroup) names, or on any of
-// their ancestors, read from the files under `cgroup_root` (normally
-// /sys/fs/cgroup): cgroup v2's memory.max, at the root or under unified/,
-// and v1's memory/.../memory.limit_in_bytes. A container often sees its
-// own group as the root of the mount, under a path named from outside:
-// the ancestors are read up to the root for that reason. nullopt where no
-// limit is set; `where` gets the file that set the one returned.
+// The lowest memory limit this process's control groups are under, as far
+// as the mounted control group file systems show them: `proc_self_cgroup`
+// and `proc_self_mountinfo` are the texts of /proc/self/cgroup and
+// /proc/self/mountinfo; files are read at `prefix` + the mount point (an
+// empty prefix on a real system). A group's path is taken relative to its
+// mount's root (a container often has its own group mounted as the root),
+// and the group and its ancestors up to that root are read: cgroup v2's
+// memory.max, v1's memory.limit_in_bytes and the hierarchical_memory_limit
+// in its memory.stat (which also counts ancestors the mount does not show).
+// nullopt where no limit is set; `where` gets the file that set the one
+// returned.
 std::optional<uint64_t> CgroupMemoryLimit(std::string_view proc_self_cgroup,
-                                          const std::string& cgroup_root, std::string* where);
+                                          std::string_view proc_self_mountinfo,
+                                          const std::string& prefix, std::string* where);
 
 }  // namespace weightd::memory
