@@ -689,6 +689,27 @@ TEST(HostMemory, TheLowestControlGroupLimitIsTheCeiling) {
   EXPECT_EQ(memory::CgroupMemoryLimit("4:memory:/elsewhere\n",
                                       mount("/docker/0123abcd", "/c", false), root.path(), &where),
             std::nullopt);
+  // A group outside this process's cgroup namespace (the kernel shows it
+  // with ".."), and a mount root shown that way: nothing read for them.
+  put("up/memory.max", "1048576\n");
+  EXPECT_EQ(memory::CgroupMemoryLimit("0::/../up\n", mount("/", "/v2", true), root.path(), &where),
+            std::nullopt);
+  EXPECT_EQ(memory::CgroupMemoryLimit("0::/a/b\n", mount("/..", "/v2", true), root.path(), &where),
+            std::nullopt);
+  // A mount covered by a later one at the same place (the whole tree
+  // mounted over a container's own group): only the one on top is read,
+  // so c/ is the tree's root and c/sub a top-level group, not ours.
+  EXPECT_EQ(
+      memory::CgroupMemoryLimit("4:memory:/docker/0123abcd/sub\n",
+                                mount("/docker/0123abcd", "/c", false) + mount("/", "/c", false),
+                                root.path(), &where),
+      3221225472u);
+  EXPECT_EQ(where, root.Join("c/memory.limit_in_bytes"));
+  EXPECT_EQ(
+      memory::CgroupMemoryLimit("4:memory:/docker/0123abcd/sub\n",
+                                mount("/", "/c", false) + mount("/docker/0123abcd", "/c", false),
+                                root.path(), &where),
+      2684354560u);
   // A mount point with a space, as mountinfo escapes it.
   put("with space/memory.max", "4294967296\n");
   EXPECT_EQ(

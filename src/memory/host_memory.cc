@@ -71,26 +71,59 @@ struct CgroupMount {
   bool v2 = false;
 };
 
+// Whether `path` has a ".." component: how the kernel shows a group outside
+// the reader's cgroup namespace, which no mount here shows.
+bool LeavesItsRoot(std::string_view path) {
+  for (const std::string& part : Split(path, '/')) {
+    if (part == "..") return true;
+  }
+  return false;
+}
+
+// `inner` is `outer` or lies below it.
+bool AtOrBelow(const std::string& inner, const std::string& outer) {
+  return outer == "/" || inner == outer ||
+         (inner.size() > outer.size() && inner.compare(0, outer.size(), outer) == 0 &&
+          inner[outer.size()] == '/');
+}
+
+// The control group mounts that show the memory controller and are not
+// covered by a later mount at the same place or above it.
 std::vector<CgroupMount> MemoryMounts(std::string_view mountinfo) {
   std::vector<CgroupMount> mounts;
+  std::vector<std::string> points;  // of every mount, in order
+  std::vector<size_t> at;           // each memory mount's place in `points`
   for (const std::string& line : Split(mountinfo, '\n')) {
     // id parent major:minor root point options [optional...] - type source super-options
     const std::vector<std::string> f = Split(line, ' ');
     size_t dash = 6;
     while (dash < f.size() && f[dash] != "-") ++dash;
     if (dash + 3 >= f.size()) continue;
+    points.push_back(Unescape(f[4]));
     const std::string& type = f[dash + 1];
     const std::vector<std::string> super = Split(f[dash + 3], ',');
     const bool memory_v1 =
         type == "cgroup" && std::find(super.begin(), super.end(), "memory") != super.end();
     if (type != "cgroup2" && !memory_v1) continue;
-    mounts.push_back({Unescape(f[3]), Unescape(f[4]), type == "cgroup2"});
+    const std::string root = Unescape(f[3]);
+    if (LeavesItsRoot(root)) continue;
+    mounts.push_back({root, points.back(), type == "cgroup2"});
+    at.push_back(points.size() - 1);
   }
-  return mounts;
+  std::vector<CgroupMount> visible;
+  for (size_t i = 0; i < mounts.size(); ++i) {
+    bool covered = false;
+    for (size_t j = at[i] + 1; j < points.size() && !covered; ++j) {
+      covered = AtOrBelow(mounts[i].point, points[j]);
+    }
+    if (!covered) visible.push_back(std::move(mounts[i]));
+  }
+  return visible;
 }
 
 // `path` relative to `root`, or nullopt when it lies outside it.
 std::optional<std::string> Below(const std::string& path, const std::string& root) {
+  if (LeavesItsRoot(path)) return std::nullopt;
   if (root == "/") return path == "/" ? "" : path;
   if (path == root) return "";
   if (path.size() > root.size() && path.compare(0, root.size(), root) == 0 &&
