@@ -798,6 +798,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       if (heartbeat) p["heartbeat"] = true;
       peer_gone = !ch.Send(p).ok();
     };
+    Result<json> result = Error("");
     std::thread beat;
     // However the preload ends, an exception included, the heartbeat ends
     // and is joined before what it uses goes.
@@ -831,7 +832,6 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     } catch (...) {
       // No thread for it: progress only as the load reports it.
     }
-    Result<json> result = Error("");
     {
       StopBeat stop{send_mu, beat_cv, finished, beat};
       result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
