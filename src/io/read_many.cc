@@ -3,11 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
-#include <exception>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <string>
 #include <thread>
 
 #include "io/worker_pool.h"

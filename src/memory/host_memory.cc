@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <charconv>
 #include <fstream>
 #include <sstream>
 #include <vector>
@@ -25,15 +26,11 @@ std::string ReadSmallFile(const std::string& path) {
 // garbage, 0 or anything that means no limit.
 std::optional<uint64_t> ParseLimit(std::string_view text) {
   while (!text.empty() && (text.back() == '\n' || text.back() == ' ')) text.remove_suffix(1);
-  if (text.empty() || text.size() > 20) return std::nullopt;
   uint64_t v = 0;
-  for (char c : text) {
-    if (c < '0' || c > '9') return std::nullopt;
-    if (__builtin_mul_overflow(v, 10, &v) || __builtin_add_overflow(v, c - '0', &v)) {
-      return std::nullopt;
-    }
+  const auto [end, ec] = std::from_chars(text.data(), text.data() + text.size(), v);
+  if (ec != std::errc() || end != text.data() + text.size() || v == 0 || v >= kNoLimit) {
+    return std::nullopt;
   }
-  if (v == 0 || v >= kNoLimit) return std::nullopt;
   return v;
 }
 
@@ -123,14 +120,9 @@ std::vector<CgroupMount> MemoryMounts(std::string_view mountinfo) {
 
 // `path` relative to `root`, or nullopt when it lies outside it.
 std::optional<std::string> Below(const std::string& path, const std::string& root) {
-  if (LeavesItsRoot(path)) return std::nullopt;
+  if (LeavesItsRoot(path) || !AtOrBelow(path, root)) return std::nullopt;
   if (root == "/") return path == "/" ? "" : path;
-  if (path == root) return "";
-  if (path.size() > root.size() && path.compare(0, root.size(), root) == 0 &&
-      path[root.size()] == '/') {
-    return path.substr(root.size());
-  }
-  return std::nullopt;
+  return path.substr(root.size());
 }
 
 }  // namespace
