@@ -69,6 +69,11 @@ void DieWithTheTest(pid_t parent) {
   if (::getppid() != parent) ::_exit(127);  // it died before the line above
 }
 
+// What waitpid's status says: the exit code, or 128 + the signal.
+int ExitCode(int status) {
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+}
+
 // waitpid, again when a signal interrupts it; false when it fails (the
 // status, untouched, would read as an exit with 0).
 bool WaitPid(pid_t pid, int* status, int options) {
@@ -130,7 +135,7 @@ CommandResult RunWeightd(const std::vector<std::string>& args, const std::string
   int status = 0;
   if (!WaitPid(pid, &status, 0)) throw std::runtime_error("waitpid failed");
   CommandResult r;
-  r.exit_code = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  r.exit_code = ExitCode(status);
   r.out = Slurp(out_path);
   r.err = Slurp(err_path);
   return r;
@@ -179,7 +184,7 @@ bool Process::WaitForOutput(const std::string& text, double seconds) {
         if (exit_code_ < 0) {
           int status = 0;
           if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-            exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+            exit_code_ = ExitCode(status);
           }
         }
         if (exit_code_ >= 0) throw std::runtime_error("exited before printing `" + text + "`");
@@ -198,7 +203,7 @@ void Process::Stop() {
   int status = 0;
   if (!WaitPid(pid_, &status, WUNTRACED)) throw std::runtime_error("waitpid failed");
   if (WIFSTOPPED(status)) return;
-  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  exit_code_ = ExitCode(status);
   throw std::runtime_error("the process ended instead of stopping");
 }
 
@@ -206,7 +211,7 @@ int Process::Wait() {
   if (exit_code_ >= 0) return exit_code_;
   int status = 0;
   if (!WaitPid(pid_, &status, 0)) throw std::runtime_error("waitpid failed");
-  exit_code_ = WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
+  exit_code_ = ExitCode(status);
   return exit_code_;
 }
 
