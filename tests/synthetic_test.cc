@@ -4,6 +4,7 @@
 #include <sys/stat.h>
 
 #include <cmath>
+#include <stdexcept>
 
 #include "format/checkpoint.h"
 #include "test_util.h"
@@ -152,6 +153,17 @@ TEST(Synthetic, RefusesANonEmptyOutputAndLeavesNothingBehindOnError) {
   auto entries = io::PosixFileSystem().ListDirectory(dir.path());
   ASSERT_TRUE(entries.ok());
   EXPECT_EQ(entries->size(), 1u);
+}
+
+TEST(Synthetic, AnExceptionLeavesNoStagingDirectoryBehind) {
+  TempDir dir;
+  const auto throwing_progress = [](size_t, size_t) { throw std::runtime_error("stop"); };
+  EXPECT_THROW(
+      (void)WriteSyntheticCheckpoint(dir.Join("out"), {.preset = "tiny"}, throwing_progress),
+      std::runtime_error);
+  auto entries = io::PosixFileSystem().ListDirectory(dir.path());
+  ASSERT_TRUE(entries.ok());
+  for (const auto& e : *entries) ADD_FAILURE() << "left behind: " << e.name;
 }
 
 }  // namespace

@@ -311,6 +311,20 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
     return Error(out_dir + ": cannot create it (it is written as " + io::BaseName(staging) +
                  " beside it first): " + std::strerror(errno));
   }
+  // Removes the staging directory however this ends short of the rename,
+  // an exception (out of memory) included.
+  struct StagingGuard {
+    const std::string& dir;
+    bool moved = false;
+    ~StagingGuard() {
+      if (moved) return;
+      try {
+        io::RemoveFlatDirectory(dir);
+      } catch (...) {
+        // Listing it needed memory there was none of: the directory stays.
+      }
+    }
+  } guard{staging};
 
   std::vector<std::optional<Error>> errors(plan.shards.size());
   std::atomic<size_t> next{0}, done{0};
@@ -350,12 +364,11 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
     if (exists) ::rmdir(out_dir.c_str());
     if (::rename(staging.c_str(), out_dir.c_str()) != 0) {
       status = Error(out_dir + ": cannot move the checkpoint into place: " + std::strerror(errno));
+    } else {
+      guard.moved = true;
     }
   }
-  if (!status.ok()) {
-    io::RemoveFlatDirectory(staging);
-    return status.error();
-  }
+  if (!status.ok()) return status.error();
   return plan;
 }
 
