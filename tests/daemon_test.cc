@@ -598,6 +598,22 @@ TEST_F(DaemonTest, SigtermRemovesTheSocket) {
   EXPECT_EQ(nohup.Wait(), 0) << nohup.err();
 }
 
+TEST_F(DaemonTest, ALogNobodyReadsDoesNotKillTheDaemon) {
+  // `serve 2>&1 | head -1`: the log's reader is gone before the first line
+  // (this budget is said to be more than the machine has, before `ready`).
+  // perl is in every Debian; it hands the daemon a pipe with no reader.
+  Process daemon(
+      {"serve", "--socket-dir", sock_, "--budget", "host=1T"},
+      {"perl", "-e",
+       "pipe(my $r, my $w) or die; close $r; open(STDERR, '>&', $w) or die; exec @ARGV or die"});
+  ASSERT_TRUE(daemon.WaitForOutput("ready"));
+  EXPECT_EQ(Run({"status"}).exit_code, 0);
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0);
+  struct stat st;
+  EXPECT_NE(::stat((sock_ + "/weightd.sock").c_str(), &st), 0) << "the socket was left behind";
+}
+
 // Raw bytes on the daemon's socket, as a hostile or broken peer sends them.
 class RawPeer {
  public:

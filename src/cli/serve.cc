@@ -214,6 +214,9 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
 }
 
 int RunServe(ServeOptions o) {
+  // A reader of the log gone (`serve 2>&1 | head`) must not kill the daemon
+  // with its socket bound: writes to it fail instead.
+  ::signal(SIGPIPE, SIG_IGN);
   std::vector<ConfigModel> preloads;
   if (!o.config.empty()) {
     if (Status s = ReadConfig(o.config, o, preloads); !s.ok()) {
@@ -280,12 +283,16 @@ int RunServe(ServeOptions o) {
     so.log("host budget " + FormatBytes(so.host_budget) + ": half of the " +
            FormatBytes(ceiling.bytes) + " this process's control group may use (" + ceiling.source +
            "), less than the machine's memory");
+  } else if (!host_budget_given) {
+    so.log("host budget " + FormatBytes(so.host_budget) + ": half of the machine's " +
+           FormatBytes(ceiling.bytes) + " of memory (no control group limits it to less)");
   }
   daemon::Server server(so);
   // Before the first connection is accepted: an engine that may wait for
   // the daemon is told of the config's models from the start.
   server.ExpectPreloads(preloads.size());
-  if (Status s = server.Start(); !s.ok()) return ReportError("serve", s.error().message());
+  // In place before the socket is bound: a stop asked for while it starts
+  // is taken too (Run then returns at once and removes the socket).
   running_server = &server;
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
@@ -299,7 +306,10 @@ int RunServe(ServeOptions o) {
       ::sigaction(sig, &sa, nullptr);
     }
   }
-  ::signal(SIGPIPE, SIG_IGN);
+  if (Status s = server.Start(); !s.ok()) {
+    running_server = nullptr;
+    return ReportError("serve", s.error().message());
+  }
   std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
             << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
   // Models from the config load in the background: engines may ask (and
