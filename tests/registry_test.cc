@@ -85,12 +85,24 @@ TEST(Registry, ALeasedModelOnAGpuLeavesNoRoomAndTheErrorNamesTheDevice) {
   ASSERT_FALSE(full.ok());
   EXPECT_NE(full.error().message().find("out of budget on " + kGpu), std::string::npos)
       << full.error().message();
+  EXPECT_NE(full.error().message().find("4.00 MiB by models in use"), std::string::npos)
+      << full.error().message();
   EXPECT_TRUE(evicted.empty());
   // The host's budget is untouched by the GPU's.
   EXPECT_TRUE(r.Reserve("host", 32 * kMiB, nullptr).ok());
   // Evicted while leased: counted against the GPU until the lease ends.
   ASSERT_EQ(r.Evict("all").size(), 1u);
   EXPECT_EQ(Find(r.Take(), kGpu)->used, 4 * kMiB);
+  // Nothing left to evict: the error says what holds the room instead.
+  full = r.Reserve(kGpu, 4 * kMiB, &evicted);
+  ASSERT_FALSE(full.ok());
+  EXPECT_NE(full.error().message().find(
+                "held: 4.00 MiB by 1 evicted model(s) engines still map (freed as they let go); "
+                "raise --budget"),
+            std::string::npos)
+      << full.error().message();
+  EXPECT_EQ(full.error().message().find("models in use"), std::string::npos)
+      << full.error().message();
   r.Release(lease.model);
   EXPECT_EQ(Find(r.Take(), kGpu)->used, 0u);
 }

@@ -88,11 +88,23 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
                    protocol::FormatBytes(a.budget) + "; raise --budget");
     }
     if (kept > a.budget - bytes) {
+      // Evicted models engines still map hold bytes no eviction frees.
+      const uint64_t mapped = std::min(a.evicted_leased, kept);
+      const uint64_t held = kept - mapped;
+      std::string who;
+      if (held > 0) {
+        who = protocol::FormatBytes(held) + " by models in use, pinned or being loaded";
+      }
+      if (mapped > 0) {
+        who += (who.empty() ? "" : ", and ") + protocol::FormatBytes(mapped) + " by " +
+               std::to_string(a.evicted_leased_models) +
+               " evicted model(s) engines still map (freed as they let go)";
+      }
       return Error("out of budget on " + device + ": the model needs " +
                    protocol::FormatBytes(bytes) + ", the budget is " +
                    protocol::FormatBytes(a.budget) + ", and " + protocol::FormatBytes(kept) +
-                   " are held by models in use, pinned or being loaded; evict one or raise "
-                   "--budget");
+                   " are held: " + who + "; " +
+                   (held > 0 ? "evict one or raise --budget" : "raise --budget"));
     }
   }
   for (const auto& [device, bytes] : needs) {
