@@ -22,8 +22,11 @@ namespace {
 constexpr int kParallelHeaderReads = 16;
 // Shards hashed at once, from memory.
 constexpr size_t kDigestThreads = 4;
-// Progress is reported between batches of reads of about this many bytes.
-constexpr uint64_t kProgressBatchBytes = 256ull << 20;
+// Progress is reported between batches of reads of a 64th of the load,
+// within these bounds (a small model's tenths are seen too; the daemon
+// forwards at most one report per 100 ms).
+constexpr uint64_t kMinProgressBatchBytes = 1 << 20;
+constexpr uint64_t kMaxProgressBatchBytes = 256ull << 20;
 const uint64_t kSampleBytes = fingerprint::Options{}.sample_bytes;
 
 // Every read goes through a per-worker buffer and is written into the
@@ -487,6 +490,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   std::mutex mu;  // guards error, progress and stats
   std::optional<Error> error;
   uint64_t done = 0, reported = 0, reads = 0;
+  const uint64_t progress_batch =
+      std::clamp(total / 64, kMinProgressBatchBytes, kMaxProgressBatchBytes);
   const int workers = static_cast<int>(std::min<size_t>(jobs, static_cast<size_t>(max_inflight)));
   io::RunTeam(workers, [&](int) {
     Buffers buffers;
@@ -521,7 +526,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       if (i == 0) continue;  // the manifests: no read, no progress
       ++reads;
       done += *read;
-      if (options.progress && (done - reported >= kProgressBatchBytes || done == total)) {
+      if (options.progress && (done - reported >= progress_batch || done == total)) {
         reported = done;
         options.progress(done, total);
       }
