@@ -43,6 +43,10 @@ TEST(Cli, UsageErrorsExitTwo) {
   auto unknown = RunWeightd({"frobnicate"});
   EXPECT_EQ(unknown.exit_code, 2);
   EXPECT_NE(unknown.err.find("`frobnicate` is not a command"), std::string::npos) << unknown.err;
+  // Asking for its help does not make it one.
+  unknown = RunWeightd({"frobnicate", "--help"});
+  EXPECT_EQ(unknown.exit_code, 2);
+  EXPECT_NE(unknown.err.find("`frobnicate` is not a command"), std::string::npos) << unknown.err;
   TempDir dir;
   auto r = RunWeightd({"make-checkpoint", dir.Join("x"), "--preset", "llama", "--size", "lots"});
   EXPECT_EQ(r.exit_code, 2);

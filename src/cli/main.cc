@@ -20,6 +20,18 @@ int main(int argc, char** argv) {
       AddStatusCommand(app),  AddEvictCommand(app),          AddDemoCommand(app),
   };
 
+  // The first word, when it is not an option, must name a command; CLI11
+  // says only that one is required, and `weightd nosuch --help` would print
+  // the general help and succeed.
+  if (argc > 1 && argv[1][0] != '-') {
+    const std::string word = argv[1];
+    bool known = false;
+    for (const Command& c : commands) known = known || c.app->get_name() == word;
+    if (!known) {
+      return ReportError("usage", "`" + word + "` is not a command (see weightd --help)",
+                         kExitUsage);
+    }
+  }
   try {
     app.parse(argc, argv);
   } catch (const CLI::CallForHelp& e) {
@@ -29,17 +41,6 @@ int main(int argc, char** argv) {
   } catch (const CLI::CallForVersion& e) {
     return app.exit(e);
   } catch (const CLI::ParseError& e) {
-    // CLI11 says only that a subcommand is required when the first word is
-    // not one: name the word.
-    if (argc > 1 && argv[1][0] != '-') {
-      const std::string word = argv[1];
-      bool known = false;
-      for (const Command& c : commands) known = known || c.app->get_name() == word;
-      if (!known) {
-        return ReportError("usage", "`" + word + "` is not a command (see weightd --help)",
-                           kExitUsage);
-      }
-    }
     // The command whose options were wrong, when there is one: its own help.
     std::string help = "weightd --help";
     for (const Command& c : commands) {
