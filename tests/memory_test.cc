@@ -4,6 +4,7 @@
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -55,7 +56,19 @@ TEST(HostSegment, SealedSegmentsAreReadOnlyEverywhere) {
   auto map = memory::MapHostSegment(*fd, 10000);
   ASSERT_TRUE(map.ok()) << map.error().message();
   EXPECT_EQ((*map)->bytes()[9999], std::byte{7});
+  EXPECT_EQ((*map)->bytes().size(), 10000u);                // not the page rounding after it
   EXPECT_FALSE(memory::MapHostSegment(*fd, 1 << 30).ok());  // more than it holds
+  // Far more than announced is not the segment announced either (a copy
+  // would copy it all).
+  auto big = memory::CreateHostSegment(8 << 20, "test");
+  ASSERT_TRUE(big.ok());
+  ASSERT_TRUE((*big)->Seal().ok());
+  auto big_fd = (*big)->Export();
+  ASSERT_TRUE(big_fd.ok());
+  auto wrong = memory::MapHostSegment(*big_fd, 10000);
+  ASSERT_FALSE(wrong.ok());
+  EXPECT_NE(wrong.error().message().find("were announced"), std::string::npos);
+  EXPECT_TRUE(memory::MapHostSegment(*big_fd, 8 << 20).ok());
 }
 
 TEST(CudaDevices, NamesParseAndUuidsPrintAsNvidiaSmiDoes) {
@@ -500,6 +513,58 @@ TEST(Channel, CarriesMessagesAndOneDescriptor) {
   ASSERT_TRUE(second.ok());
   EXPECT_TRUE(second->fds.empty());
   EXPECT_FALSE(b.Receive(50).ok());  // nothing more: a timeout, not a hang
+}
+
+TEST(Channel, RefusesABodyNestedDeeperThanItsLimit) {
+  int fds[2];
+  ASSERT_EQ(::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds), 0);
+  protocol::Channel a{memory::UniqueFd(fds[0])}, b{memory::UniqueFd(fds[1])};
+  auto nested = [](int levels) {
+    nlohmann::json v = 1;
+    for (int i = 0; i < levels; ++i) v = nlohmann::json::array({v});
+    return nlohmann::json{{"type", "status"}, {"x", v}};
+  };
+  ASSERT_TRUE(a.Send(nested(protocol::kMaxJsonDepth - 1)).ok());
+  auto fine = b.Receive(1000);
+  ASSERT_TRUE(fine.ok()) << fine.error().message();
+  ASSERT_TRUE(a.Send(nested(protocol::kMaxJsonDepth)).ok());
+  auto deep = b.Receive(1000);
+  ASSERT_FALSE(deep.ok());
+  EXPECT_NE(deep.error().message().find("nests deeper"), std::string::npos)
+      << deep.error().message();
+}
+
+// A daemon stopped or hung stops accepting; once its queue is full, a
+// blocking connect would wait for it forever.
+TEST(Channel, ConnectGivesUpOnAQueueThatStaysFull) {
+  TempDir dir;
+  const std::string path = dir.Join("s.sock");
+  memory::UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(listener.get(), 0), 0);
+  std::vector<memory::UniqueFd> queued;  // never accepted
+  while (queued.size() < 64) {
+    memory::UniqueFd c(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
+    if (::connect(c.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+      ASSERT_EQ(errno, EAGAIN);
+      break;
+    }
+    queued.push_back(std::move(c));
+  }
+  ASSERT_FALSE(queued.empty());
+  auto refused = protocol::Connect(path, 200);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("queue is full"), std::string::npos)
+      << refused.error().message();
+  // A place freed: the next connect gets it, and is usable.
+  memory::UniqueFd taken(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+  ASSERT_TRUE(taken.valid());
+  auto ch = protocol::Connect(path, 200);
+  ASSERT_TRUE(ch.ok()) << ch.error().message();
+  ASSERT_TRUE(ch->Send({{"type", "status"}}).ok());
 }
 
 // Paths are bytes, JSON is UTF-8: a Latin-1 directory name must arrive

@@ -334,7 +334,7 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
 }
 
 Mapping::~Mapping() {
-  if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
+  if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), mapped_);
 }
 
 Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd& fd, uint64_t size) {
@@ -345,17 +345,20 @@ Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd& fd, uint64_t siz
   }
   struct stat st;
   if (::fstat(fd.get(), &st) != 0) return Error(Errno("cannot stat the segment"));
-  if (static_cast<uint64_t>(st.st_size) < size) {
-    return Error("the segment holds " + std::to_string(st.st_size) + " bytes, " +
-                 std::to_string(size) + " were announced");
+  // A segment is its size rounded up to its pages: 2 MiB at most.
+  const auto held = static_cast<uint64_t>(st.st_size);
+  if (held < size || held > RoundUp(size, kHugePageBytes)) {
+    return Error("the segment holds " + std::to_string(held) + " bytes, " + std::to_string(size) +
+                 " were announced");
   }
   // The whole memfd: its size is a multiple of the page size it was made
   // with (2 MiB for huge pages), which munmap needs.
-  const auto length = static_cast<size_t>(st.st_size);
-  if (length == 0) return Error("the segment is empty");
+  const auto length = static_cast<size_t>(held);
+  if (size == 0) return Error("the segment is empty");
   void* p = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, fd.get(), 0);
   if (p == MAP_FAILED) return Error(Errno("cannot map the segment"));
-  return std::unique_ptr<Mapping>(new Mapping(static_cast<const std::byte*>(p), length));
+  return std::unique_ptr<Mapping>(
+      new Mapping(static_cast<const std::byte*>(p), static_cast<size_t>(size), length));
 }
 
 }  // namespace weightd::memory

@@ -126,18 +126,23 @@ class Mapping {
   Mapping& operator=(const Mapping&) = delete;
   ~Mapping();
 
+  // The `size` bytes announced, not the page rounding after them.
   std::span<const std::byte> bytes() const { return {data_, size_}; }
 
  private:
   friend Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd&, uint64_t);
-  Mapping(const std::byte* data, size_t size) : data_(data), size_(size) {}
+  Mapping(const std::byte* data, size_t size, size_t mapped)
+      : data_(data), size_(size), mapped_(mapped) {}
   const std::byte* data_;
   size_t size_;
+  size_t mapped_;  // the whole memfd, for munmap
 };
 
-// Maps an imported host segment read-only (all of it, at least `size`
-// bytes), after checking that it is sealed against writes and resizing. The
-// descriptor may be closed afterwards; the mapping keeps the memory.
+// Maps an imported host segment read-only, after checking that it is
+// sealed against writes and resizing and that it holds `size` bytes
+// rounded up to its pages, no fewer and no more (a bigger one is not the
+// segment announced). The descriptor may be closed afterwards; the mapping
+// keeps the memory.
 Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd& fd, uint64_t size);
 
 }  // namespace weightd::memory

@@ -1,5 +1,6 @@
 #include "protocol/channel.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
 #include <sys/un.h>
@@ -8,7 +9,9 @@
 #include <algorithm>
 #include <cerrno>
 #include <chrono>
+#include <cstdio>
 #include <cstring>
+#include <thread>
 
 #include "protocol/paths.h"
 
@@ -201,27 +204,57 @@ Result<Message> Channel::Receive(int timeout_ms) {
     return Error("frame announced " + std::to_string(descriptors) + " descriptors and carried " +
                  std::to_string(m.fds.size()));
   }
-  m.body = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  int depth = 0;
+  const nlohmann::json::parser_callback_t deepest = [&](int d, nlohmann::json::parse_event_t,
+                                                        nlohmann::json&) {
+    depth = std::max(depth, d);
+    return true;
+  };
+  m.body = nlohmann::json::parse(text, deepest, /*allow_exceptions=*/false);
   if (m.body.is_discarded() || !m.body.is_object()) return Error("frame body is not a JSON object");
+  if (depth > kMaxJsonDepth) {
+    return Error("frame body nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
+  }
   if (m.type().empty()) return Error("frame body has no \"type\"");
   return m;
 }
 
-Result<Channel> Connect(const std::string& socket_path) {
+Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (socket_path.size() >= sizeof addr.sun_path) {
     return Error("socket path " + socket_path + " is too long for a Unix socket");
   }
   std::memcpy(addr.sun_path, socket_path.c_str(), socket_path.size() + 1);
-  memory::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  // Non-blocking: a Unix socket connects at once or, while the listener's
+  // queue is full, fails with EAGAIN, retried here until the timeout.
+  memory::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0));
   if (!fd.valid()) return Error(Errno("socket"));
-  if (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+  const auto give_up =
+      std::chrono::steady_clock::now() + std::chrono::milliseconds(std::max(busy_timeout_ms, 0));
+  while (::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN && std::chrono::steady_clock::now() < give_up) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+      continue;
+    }
+    if (errno == EAGAIN) {
+      char waited[32];
+      std::snprintf(waited, sizeof waited, "%g", busy_timeout_ms / 1000.0);
+      return Error("cannot connect to " + socket_path + ": the daemon accepted no connection for " +
+                   waited + " s (its queue is full: is it stopped or hung?)");
+    }
     if (errno == ECONNREFUSED) {
       return Error("cannot connect to " + socket_path +
                    ": no daemon is listening there (one that ended left it, or one is starting)");
     }
     return Error(Errno("cannot connect to " + socket_path));
+  }
+  // Frames are read with poll and deadlines, and written whole: blocking
+  // from here on.
+  const int flags = ::fcntl(fd.get(), F_GETFL);
+  if (flags < 0 || ::fcntl(fd.get(), F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    return Error(Errno("cannot set up the connection to " + socket_path));
   }
   // Whoever listens must be this user (the daemon checks us the same way):
   // weights from anyone else are not to be mapped.
@@ -241,9 +274,9 @@ Result<Channel> Connect(const std::string& socket_path) {
 
 namespace weightd::protocol {
 
-Result<Channel> ConnectToDaemon(const std::string& socket_dir) {
+Result<Channel> ConnectToDaemon(const std::string& socket_dir, int busy_timeout_ms) {
   WEIGHTD_RETURN_IF_ERROR(CheckSocketDirectory(socket_dir));
-  return Connect(SocketPath(socket_dir));
+  return Connect(SocketPath(socket_dir), busy_timeout_ms);
 }
 
 }  // namespace weightd::protocol

@@ -28,6 +28,10 @@ namespace weightd::protocol {
 inline constexpr uint32_t kProtocolVersion = 1;
 inline constexpr uint32_t kMaxBodyBytes = 1u << 20;
 inline constexpr uint32_t kMaxDescriptors = 2;
+// Arrays and objects inside one another in a frame's body, at most: ours
+// go five deep; a peer's thousands would make every reader that walks them
+// recursively (printing, say) a stack overflow.
+inline constexpr int kMaxJsonDepth = 32;
 inline constexpr size_t kFrameHeaderBytes = 16;
 // The longest an acquire may ask the daemon to wait for a load of its
 // model in flight (`wait_seconds`); more is taken as this.
@@ -65,13 +69,20 @@ class Channel {
   memory::UniqueFd socket_;
 };
 
+// How long a connect waits while the daemon's queue of connections not yet
+// accepted is full (a burst of engines, or a daemon that stopped or hung:
+// a blocking connect would wait for it forever).
+inline constexpr int kConnectBusyTimeoutMs = 10'000;
+
 // Connects to the daemon's socket and checks that its peer runs as this
 // user.
-Result<Channel> Connect(const std::string& socket_path);
+Result<Channel> Connect(const std::string& socket_path,
+                        int busy_timeout_ms = kConnectBusyTimeoutMs);
 
 // Connects to the daemon behind `socket_dir` after checking the directory
 // (protocol::CheckSocketDirectory) and the peer.
-Result<Channel> ConnectToDaemon(const std::string& socket_dir);
+Result<Channel> ConnectToDaemon(const std::string& socket_dir,
+                                int busy_timeout_ms = kConnectBusyTimeoutMs);
 
 // A list for a reply whose length the daemon does not choose (every
 // resident model, every model an `evict all` dropped): the entries, in
