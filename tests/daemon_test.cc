@@ -703,10 +703,14 @@ TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
        Frame(R"({"type":"hello","versions":)" + std::string(100000, '[') +
              std::string(100000, ']') + "}"),
        0, false},
+      {"nested status within the limit",
+       Frame(R"({"type":"status","x":)" + std::string(20, '[') + std::string(20, ']') + "}"), -1,
+       false},
+      // Refused however it nests, before anything walks it.
       {"deeply nested status",
        Frame(R"({"type":"status","x":)" + std::string(100000, '[') + std::string(100000, ']') +
              "}"),
-       -1, false},
+       0, false},
   };
   // Someone else is attached all along and must not notice.
   Process engine({"load", a, "--checksum", "--hold", "5", "--socket-dir", sock_});
@@ -1010,6 +1014,7 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_NE(again.out.find("already resident: " + a + ", pinned as `prod`"), std::string::npos)
       << again.out;
+  EXPECT_NE(daemon->err().find("not loaded again"), std::string::npos) << daemon->err();
   // A model has one name: pinned anew, the old name goes, and that is said.
   CommandResult renamed = Run({"preload", a, "--pin", "canary"});
   ASSERT_EQ(renamed.exit_code, 0) << renamed.err;
@@ -1024,8 +1029,15 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   EXPECT_EQ(j["source"], "daemon");
   EXPECT_EQ(j["checksum"], DiskChecksum(a));
   EXPECT_EQ(j["trusted"], "prod");  // a script sees that no content was compared
-  EXPECT_NE(r.err.find("TRUSTING"), std::string::npos) << r.err;
-  EXPECT_NE(daemon->err().find("TRUSTED"), std::string::npos);
+  // Both sides name the directory the trusted model came from, and the
+  // engine's own when it is another.
+  EXPECT_NE(r.err.find("TRUSTING resident model `prod` (loaded from " + a + ") for " + b +
+                       ", another directory,"),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(daemon->err().find("`prod` (loaded from " + a + ", for the engine's " + b + ")"),
+            std::string::npos)
+      << daemon->err();
   // A name nothing is pinned as: the content decides, as without --trust.
   json unknown = Load(a, {"--trust", "staging"});
   EXPECT_EQ(unknown["source"], "daemon");

@@ -1,6 +1,7 @@
 #include "client/admin.h"
 
 #include <chrono>
+#include <cstdio>
 #include <thread>
 
 #include "protocol/channel.h"
@@ -25,7 +26,13 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
     ch = protocol::ConnectToDaemon(dir);
   }
-  if (!ch.ok()) return Error("no daemon: " + ch.error().message());
+  if (!ch.ok()) {
+    char waited[64] = "";
+    if (wait_for_daemon_seconds > 0) {
+      std::snprintf(waited, sizeof waited, " (after waiting %g s for it)", wait_for_daemon_seconds);
+    }
+    return Error("no daemon: " + ch.error().message() + waited);
+  }
   WEIGHTD_RETURN_IF_ERROR(ch->Send(request));
   while (true) {
     // A preload sends progress, or a heartbeat, every few seconds; anything

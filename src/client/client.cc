@@ -108,7 +108,8 @@ class WeightsImpl final : public Weights {
   std::vector<std::string> mismatch_;
   std::vector<std::string> fields_;
   std::string digest_;
-  std::string trusted_;  // the pinned name taken on trust, if any
+  std::string trusted_;      // the pinned name taken on trust, if any
+  std::string loaded_from_;  // where the daemon loaded it from, as it says (for people)
 
   // The manifest's bytes at the start of the segment last indexed.
   uint64_t manifest_bytes() const { return manifest_bytes_; }
@@ -229,11 +230,17 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
       std::isnan(o.wait_for_daemon_seconds)
           ? 0
           : std::clamp(o.wait_for_daemon_seconds, 0.0, protocol::kMaxAcquireWaitSeconds);
+  const auto started = std::chrono::steady_clock::now();
   auto ch = ConnectWaiting(protocol::SocketDirectory(o.socket_dir), wait);
   if (!ch.ok()) {
     miss.reason = "no daemon: " + ch.error().message();
     return nullptr;
   }
+  // One wait in all: what finding the daemon took is not waited again for
+  // its load.
+  const double waited =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+  const double wait_left = std::max(0.0, wait - waited);
   miss.daemon_reachable = true;
   auto fail = [&](const std::string& what, const Error& e) {
     miss.reason = what + ": " + e.message();
@@ -243,7 +250,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   // that cannot speak our version answers the hello with an error.
   json request = {{"type", "acquire"}, {"key", protocol::ToJson(key)}};
   if (!o.trust.empty()) request["trust"] = o.trust;
-  if (wait > 0) request["wait_seconds"] = wait;
+  if (wait_left > 0) request["wait_seconds"] = wait_left;
   if (!checkpoint.empty()) request["path"] = protocol::PathToJson(checkpoint);
   if (Status s = ch->Send({{"type", "hello"}, {"versions", {protocol::kProtocolVersion}}});
       !s.ok()) {
@@ -251,7 +258,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   }
   if (Status s = ch->Send(request); !s.ok()) return fail("protocol error", s.error());
   if (auto hello = Expect(*ch, "hello"); !hello.ok()) return fail("protocol error", hello.error());
-  auto reply = Expect(*ch, "acquired", wait);
+  auto reply = Expect(*ch, "acquired", wait_left);
   if (!reply.ok()) return fail("protocol error", reply.error());
   const json& body = reply->body;
   if (reply->type() == "miss") {
@@ -281,6 +288,11 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     miss.reason = "protocol error: the daemon served a model with another key";
     return nullptr;
   }
+  // Taken on trust, it must be the model that name pins.
+  if (!o.trust.empty() && body.value("name", json()) != json(o.trust)) {
+    miss.reason = "protocol error: the daemon served a model not named `" + o.trust + "`";
+    return nullptr;
+  }
   auto size_field = [&](const char* field) -> std::optional<uint64_t> {
     auto it = body.find(field);
     if (it == body.end() || !it->is_number_unsigned()) return std::nullopt;
@@ -290,6 +302,9 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   auto w = std::make_unique<WeightsImpl>();
   w->source_ = "daemon";
   w->digest_ = held->checkpoint;
+  if (auto it = body.find("path"); it != body.end()) {
+    if (auto path = protocol::PathFromJson(*it); path.ok()) w->loaded_from_ = *path;
+  }
   if (held->device != "host") {
     // A GPU's segment, after its manifest in host memory.
     const std::optional<uint64_t> manifest_bytes = size_field("manifest_bytes");
@@ -535,7 +550,10 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   if (hit) {
     if (!checked.trust.empty()) {
       hit->trusted_ = checked.trust;
-      log("TRUSTING resident model `" + options.trust + "` for " + spec.path +
+      const std::string& from = hit->loaded_from_;
+      log("TRUSTING resident model `" + options.trust + "`" +
+          (from.empty() ? "" : " (loaded from " + from + ")") + " for " + spec.path +
+          (from.empty() || from == checkpoint ? "" : ", another directory,") +
           " without comparing its content: changes to that checkpoint are not seen until it is "
           "preloaded again");
     }

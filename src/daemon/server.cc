@@ -723,15 +723,22 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     for (const memory::UniqueFd& h : handles) fds.push_back(&h);
     leases.push_back(found.model);
     if (!trust.empty()) {
-      Log("TRUSTED acquire from " + who + " of pinned model `" + trust +
-          "`: its content was not compared with the engine's checkpoint");
+      Log("TRUSTED acquire from " + who + " of pinned model `" + trust + "` (loaded from " +
+          model.path +
+          (engine_path.empty() || engine_path == model.path ? ""
+                                                            : ", for the engine's " + engine_path) +
+          "): its content was not compared with the engine's checkpoint");
     }
     Log("acquire hit from " + who + ": " + protocol::ShortDescription(model.key) +
         (found.name.empty() ? "" : " (" + found.name + ")") +
         (found.waited ? ", after waiting for its load" : ""));
-    json reply = {
-        {"type", "acquired"},       {"lease", model.id},  {"bytes", model.segment->size()},
-        {"tensors", model.tensors}, {"name", found.name}, {"key", protocol::ToJson(model.key)}};
+    json reply = {{"type", "acquired"},
+                  {"lease", model.id},
+                  {"bytes", model.segment->size()},
+                  {"tensors", model.tensors},
+                  {"name", found.name},
+                  {"key", protocol::ToJson(model.key)},
+                  {"path", protocol::PathToJson(model.path)}};
     if (model.manifest) reply["manifest_bytes"] = model.manifest->size();
     return ch.Send(reply, fds);
   }
@@ -1111,6 +1118,8 @@ Result<json> Server::State::PreloadUnguarded(
   if (missing.empty()) {
     if (!pin.empty()) pin_all(fp->digest);
     log_taken();
+    Log("already resident: " + protocol::ShortDescription(key_of(fp->digest, 0)) + " (" +
+        std::to_string(ranks) + " rank(s)); not loaded again");
     // The same keys as a load's reply, for scripts that read them either
     // way: nothing loaded, no bytes.
     return json{{"already_resident", true},
