@@ -13,6 +13,7 @@
 #include <map>
 #include <mutex>
 #include <random>
+#include <tuple>
 #include <vector>
 
 #include "fingerprint/fingerprint.h"
@@ -318,6 +319,27 @@ TEST(Quantize, BlocksScaleToTheirMaximumAndRoundWithinHalfAStep) {
   }
 }
 
+// F32 blocks can hold values so small that max / 448 is 0 in float: the
+// scale must not be, or every zero in the block turns into NaN.
+TEST(Quantize, ABlockOfTheTiniestFloatsGetsAScaleAndNoNaN) {
+  const uint64_t rows = 4, cols = 8;
+  std::vector<float> values(rows * cols, 0.0f);
+  const float tiniest = std::numeric_limits<float>::denorm_min();
+  values[3] = tiniest;
+  values[9] = -2 * tiniest;
+  const std::vector<std::byte> src = Encode(DType::kF32, values);
+  std::vector<uint8_t> q(rows * cols);
+  float scale = -1;
+  transform::QuantizeFp8Block(DType::kF32, src, cols, rows, cols,
+                              std::as_writable_bytes(std::span(q)),
+                              std::as_writable_bytes(std::span(&scale, 1)));
+  EXPECT_GT(scale, 0.0f);
+  for (size_t i = 0; i < q.size(); ++i) {
+    ASSERT_NE(q[i] & 0x7f, 0x7f) << "NaN at " << i;  // E4M3's only NaN codes
+    EXPECT_EQ(static_cast<float>(DecodeE4M3(q[i]) * scale), values[i]) << i;
+  }
+}
+
 // --- shard plans ---
 
 std::shared_ptr<const transform::ShardPlan> Plan(const std::string& spec) {
@@ -371,6 +393,14 @@ TEST(ShardPlan, FilesAreRulesInOrderAndEqualRulesHaveEqualDigests) {
   EXPECT_EQ((*same)->digest(), plan->digest());
   EXPECT_NE(Plan("llama")->digest(), plan->digest());
   EXPECT_NE(Plan("llama")->digest(), Plan("replicate")->digest());
+  // One rule must not spell two in the digest's text (rules are split
+  // there by tabs and newlines): `a`, then `b` split by rows, and this
+  // would have shared a digest, and a resident model.
+  auto spelled = transform::ShardPlan::FromRules("x", {{"a\nrow\tb", transform::Split::kColumn}});
+  ASSERT_FALSE(spelled.ok());
+  EXPECT_NE(spelled.error().message().find("control characters"), std::string::npos)
+      << spelled.error().message();
+  EXPECT_FALSE(transform::ShardPlan::FromRules("x", {{"a\x7f", transform::Split::kRow}}).ok());
 }
 
 TEST(ShardPlan, BadPlansAreErrorsThatSayWhy) {
@@ -807,6 +837,30 @@ TEST(Sharding, OneRankAloneIsThatRankOfAllAndReadsLess) {
   }
 }
 
+// A tensor of no elements may still claim 2^42 rows: processed, it is no
+// work (it was 2^22 band jobs of 2^20 empty rows each, hours of them).
+TEST(Sharding, TensorsWithNoElementsAreNoWorkHoweverManyRowsTheyClaim) {
+  testing::TempDir dir;
+  std::vector<format::TensorData> tensors = {
+      {{"a.o_proj.weight", DType::kBF16, {uint64_t{1} << 42, 0}}, {}},
+      {{"a.q_proj.weight", DType::kBF16, {uint64_t{1} << 40, 0}}, {}},
+      {{"a.up_proj.weight", DType::kBF16, {256, 256}}, std::vector<std::byte>(256 * 256 * 2)}};
+  const std::string path = dir.Join("empty.safetensors");
+  ASSERT_TRUE(format::WriteSafetensors(path, tensors).ok());
+  for (const auto& [tp, dtype, quant] : std::vector<std::tuple<int, std::string, std::string>>{
+           {1, "fp16", "none"}, {2, "keep", "none"}, {2, "bf16", "fp8-block"}}) {
+    loader::LoadOptions o;
+    o.processing = Resolve(tp, dtype, quant);
+    auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
+    ASSERT_TRUE(loaded.ok()) << loaded.error().message();
+    for (const auto& rank : loaded->ranks) {
+      auto held = TensorsOf(rank);
+      EXPECT_TRUE(held.at("a.o_proj.weight").empty());
+      EXPECT_TRUE(held.at("a.q_proj.weight").empty());
+    }
+  }
+}
+
 TEST(Sharding, PlansThatCannotBeServedFailBeforeAnyWeightByteIsRead) {
   testing::TempDir dir;
   auto write = [&](const std::string& name, std::vector<transform::SourceTensor> specs) {
@@ -833,6 +887,9 @@ TEST(Sharding, PlansThatCannotBeServedFailBeforeAnyWeightByteIsRead) {
        2, "fp8-block", "which cuts a 128x128 FP8 block"},
       {write("lonely.safetensors", {T("a.up_proj.weight_scale_inv", DType::kF32, {3, 2})}), 2,
        "none", "block scales without their weight"},
+      {write("fused.safetensors", {T("l.self_attn.qkv_proj.weight", DType::kBF16, {96, 32}),
+                                   T("l.self_attn.o_proj.weight", DType::kBF16, {32, 32})}),
+       2, "none", "a fused projection"},
       {write("gptq.safetensors", {T("a.q_proj.qweight", DType::kI32, {16, 64}),
                                   T("a.q_proj.scales", DType::kF16, {1, 64})}),
        2, "none", "GPTQ/AWQ packed int4"},

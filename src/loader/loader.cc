@@ -375,9 +375,13 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       continue;
     }
     // Bands: about kBandBytes of source rows, whole 128-row blocks when
-    // quantizing.
-    const uint64_t row_bytes = std::max<uint64_t>(
-        {transform::SourceRowBytes(o, source_dtypes[o.source]), transform::OutputRowBytes(o), 1});
+    // quantizing. Rows of no bytes (a dimension of 0 after the first) have
+    // nothing to read or write, however many there are: a header may say
+    // [2^62, 0].
+    const uint64_t source_row = transform::SourceRowBytes(o, source_dtypes[o.source]);
+    const uint64_t output_row = transform::OutputRowBytes(o);
+    if (source_row == 0 && output_row == 0) continue;
+    const uint64_t row_bytes = std::max<uint64_t>({source_row, output_row, 1});
     uint64_t band = std::max<uint64_t>(1, kBandBytes / row_bytes);
     if (o.op == transform::Op::kQuantize) {
       band = std::max<uint64_t>(1, band / transform::kFp8Block) * transform::kFp8Block;

@@ -5,6 +5,7 @@
 #include <cfloat>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace weightd::transform {
@@ -326,7 +327,10 @@ void QuantizeFp8Block(DType from, std::span<const std::byte> src, uint64_t strid
     }
     for (uint64_t b = 0; b < block_cols; ++b) {
       const float m = std::bit_cast<float>(amax[b]);
-      scale[b] = m > 0.0f ? m / kE4M3Max : 1.0f;
+      // A block whose largest value is under 448 times the least float
+      // (F32 sources only) would get a scale of 0, and x / 0 is NaN: it
+      // gets the least float instead, and its values still fit.
+      scale[b] = m > 0.0f ? std::max(m / kE4M3Max, std::numeric_limits<float>::denorm_min()) : 1.0f;
       Store(scale_inv.data(), (r0 / kFp8Block) * block_cols + b, scale[b]);
     }
     for (uint64_t r = r0; r < r1; ++r) {

@@ -39,6 +39,18 @@ std::optional<Split> ParseSplit(std::string_view s) {
   return std::nullopt;
 }
 
+// Projections that hold q, k and v (or gate and up) in one tensor (Phi-3,
+// GPT-NeoX, GPT-2, MPT): a rank needs its slice of each part, which no
+// single split gives.
+bool IsFusedProjection(std::string_view name) {
+  for (std::string_view fused :
+       {"qkv_proj.", "gate_up_proj.", "query_key_value.", "c_attn.", "Wqkv."}) {
+    const size_t at = name.rfind(fused);
+    if (at != std::string_view::npos && (at == 0 || name[at - 1] == '.')) return true;
+  }
+  return false;
+}
+
 // Names of tensors from quantization formats whose packing or scales weightd
 // does not know how to split or convert.
 std::optional<std::string_view> ForeignQuantization(std::string_view name) {
@@ -84,6 +96,14 @@ Status CheckPattern(const std::string& match) {
     return Error("shard plan rule `" + match + "`: " + why);
   };
   if (match.size() > kMaxPattern) return refuse("longer than 256 characters");
+  // Tensor names hold none, and the plan's digest separates rules with
+  // tabs and newlines: a rule holding them could spell two rules, and two
+  // different plans would share a digest (and a resident model).
+  for (const char c : match) {
+    if (static_cast<unsigned char>(c) < 0x20 || c == 0x7f) {
+      return refuse("control characters (tabs, newlines) are not allowed");
+    }
+  }
   int depth = 0;
   bool can_repeat = false;  // the last thing was an atom a quantifier may follow
   for (size_t i = 0; i < match.size(); ++i) {
@@ -491,6 +511,12 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
                                      std::string(*foreign) +
                                      "); it can pass through only with --tp-size 1, --dtype keep "
                                      "and --quant none");
+    }
+    if (n > 1 && p.plan->name() == "llama" && IsFusedProjection(s.name)) {
+      return TensorError(s.name,
+                         "a fused projection (q, k and v, or gate and up, in one tensor): the "
+                         "llama preset would replicate it while it splits the layer after it; "
+                         "this layout needs a plan of its own");
     }
     if (s.name.ends_with(kScaleSuffix)) {
       const std::string weight_name(s.name.substr(0, s.name.size() - kScaleSuffix.size()));
