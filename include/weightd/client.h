@@ -11,7 +11,9 @@
 // fingerprint, with the stat shortcut) and the daemon compares it with what
 // it holds, field by field; any difference is a miss that names the fields,
 // and the engine loads from disk through the same loader the daemon uses, so
-// the bytes are the same either way (Weights::Checksum proves it).
+// the bytes are the same either way (Weights::Checksum proves it). The
+// sampled fingerprint reads each tensor's first KiB: an edit past it alone
+// is not seen (docs/fingerprint.md).
 //
 // Thread safety: Acquire may be called from many threads; a Weights object
 // is immutable and may be read from any thread while it lives.
