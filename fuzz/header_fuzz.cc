@@ -44,8 +44,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   for (const TensorInfo& t : header->tensors) total += t.bytes();
   if (total != header->data_bytes || header->file_size() != size) __builtin_trap();
 
-  Shard shard{"fuzz.safetensors", "fuzz.safetensors", size, *header};
-  const auto sources = weightd::transform::SourcesOf({shard});
+  // The sources view the shards' names: the shards outlive them.
+  const std::vector<Shard> shards = {{"fuzz.safetensors", "fuzz.safetensors", size, *header}};
+  const auto sources = weightd::transform::SourcesOf(shards);
   for (const auto& p : Processings()) {
     auto plan = weightd::transform::PlanTensors(sources, p);
     if (!plan.ok()) continue;
