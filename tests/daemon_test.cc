@@ -3,7 +3,9 @@
 // socket directory.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <poll.h>
 #include <signal.h>
+#include <sys/mman.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -17,6 +19,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <thread>
 
 #include "daemon/server.h"
 #include "daemon_fixture.h"
@@ -26,6 +29,7 @@
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
+#include "protocol/paths.h"
 #include "test_util.h"
 
 namespace weightd {
@@ -612,6 +616,80 @@ TEST_F(DaemonTest, ALogNobodyReadsDoesNotKillTheDaemon) {
   EXPECT_EQ(daemon.Wait(), 0);
   struct stat st;
   EXPECT_NE(::stat((sock_ + "/weightd.sock").c_str(), &st), 0) << "the socket was left behind";
+}
+
+// A daemon that answers an acquire with the engine's own key, as a hit,
+// and a segment that is not what it says: a broken or hostile daemon on
+// the engine's socket. The engine must map nothing of it and load from
+// disk, saying why.
+TEST_F(DaemonTest, AnEngineRefusesSegmentsThatAreNotWhatTheDaemonSays) {
+  const std::string a = MakeModel("a");
+  const std::string fake_dir = dir_.Join("fake");
+  ASSERT_EQ(::mkdir(fake_dir.c_str(), 0700), 0);
+  memory::UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string path = protocol::SocketPath(fake_dir);
+  std::strncpy(addr.sun_path, path.c_str(), sizeof addr.sun_path - 1);
+  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+  ASSERT_EQ(::listen(listener.get(), 4), 0);
+
+  struct Case {
+    std::string what;
+    uint64_t segment_bytes;  // the memfd's size
+    uint64_t announced;      // `bytes` in the reply
+    bool seal;
+    std::string reason;  // in the engine's fallback line
+  };
+  const std::vector<Case> cases = {
+      {"far bigger than announced", 64 << 20, 1 << 20, true, "were announced"},
+      {"smaller than announced", 1 << 20, 8 << 20, true, "were announced"},
+      {"not sealed", 1 << 20, 1 << 20, false, "not sealed"},
+      {"no manifest in it", 1 << 20, 1 << 20, true, "segment error"},
+  };
+  const std::string disk = DiskChecksum(a);
+  for (const Case& c : cases) {
+    std::promise<std::string> served;
+    std::thread fake([&] {
+      pollfd waiting{listener.get(), POLLIN, 0};
+      if (::poll(&waiting, 1, 60'000) != 1) {  // no engine came: fail, not hang
+        served.set_value("no connection");
+        return;
+      }
+      memory::UniqueFd conn(::accept4(listener.get(), nullptr, nullptr, SOCK_CLOEXEC));
+      protocol::Channel ch(std::move(conn));
+      std::string seen;
+      for (int i = 0; i < 2; ++i) {
+        auto m = ch.Receive(30'000);
+        if (!m.ok()) break;
+        seen += m->type() + " ";
+        if (m->type() == "hello") (void)ch.Send({{"type", "hello"}, {"version", 1}});
+        if (m->type() != "acquire") continue;
+        memory::UniqueFd fd(::memfd_create("fake", MFD_CLOEXEC | MFD_ALLOW_SEALING));
+        (void)::ftruncate(fd.get(), static_cast<off_t>(c.segment_bytes));
+        if (c.seal) {
+          (void)::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK);
+        }
+        (void)ch.Send({{"type", "acquired"},
+                       {"lease", 1},
+                       {"bytes", c.announced},
+                       {"tensors", 1},
+                       {"name", ""},
+                       {"key", m->body["key"]}},
+                      &fd);
+      }
+      served.set_value(seen);
+    });
+    CommandResult r =
+        RunWeightd({"load", a, "--json", "--checksum", "--mode", "copy", "--socket-dir", fake_dir});
+    fake.join();
+    EXPECT_EQ(served.get_future().get(), "hello acquire ") << c.what;
+    ASSERT_EQ(r.exit_code, 0) << c.what << ": " << r.err;
+    const json j = json::parse(r.out);
+    EXPECT_EQ(j["source"], "disk") << c.what;
+    EXPECT_EQ(j["checksum"], disk) << c.what;
+    EXPECT_NE(r.err.find(c.reason), std::string::npos) << c.what << ": " << r.err;
+  }
 }
 
 // Raw bytes on the daemon's socket, as a hostile or broken peer sends them.
