@@ -114,6 +114,13 @@ CommandResult RunWeightd(const std::vector<std::string>& args, const std::string
   TempDir io;
   const std::string out_path = io.Join("stdout"), err_path = io.Join("stderr");
   const pid_t parent = ::getpid();
+  // Built before the fork: a test's other threads may hold the allocator's
+  // locks at that moment, and the child would wait for them for ever.
+  std::vector<std::string> all = {WEIGHTD_BINARY};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
   pid_t pid = ::fork();
   if (pid < 0) throw std::runtime_error("fork failed");
   if (pid == 0) {
@@ -123,13 +130,7 @@ CommandResult RunWeightd(const std::vector<std::string>& args, const std::string
     ::dup2(out, 1);
     ::dup2(err, 2);
     if (!cwd.empty() && ::chdir(cwd.c_str()) != 0) ::_exit(127);
-    std::vector<char*> argv;
-    std::string binary = WEIGHTD_BINARY;
-    argv.push_back(binary.data());
-    std::vector<std::string> copy = args;
-    for (auto& a : copy) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    ::execv(binary.c_str(), argv.data());
+    ::execv(argv[0], argv.data());
     ::_exit(127);
   }
   int status = 0;
@@ -144,6 +145,13 @@ CommandResult RunWeightd(const std::vector<std::string>& args, const std::string
 Process::Process(const std::vector<std::string>& args, const std::vector<std::string>& prefix) {
   const std::string out_path = io_.Join("stdout"), err_path = io_.Join("stderr");
   const pid_t parent = ::getpid();
+  // Built before the fork, as in RunWeightd.
+  std::vector<std::string> all = prefix;
+  all.push_back(WEIGHTD_BINARY);
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
   pid_ = ::fork();
   if (pid_ < 0) throw std::runtime_error("fork failed");
   if (pid_ == 0) {
@@ -156,12 +164,6 @@ Process::Process(const std::vector<std::string>& args, const std::vector<std::st
     // ignores (a prefix such as nohup changes them again).
     ::signal(SIGHUP, SIG_DFL);
     ::signal(SIGINT, SIG_DFL);
-    std::vector<std::string> all = prefix;
-    all.push_back(WEIGHTD_BINARY);
-    all.insert(all.end(), args.begin(), args.end());
-    std::vector<char*> argv;
-    for (auto& a : all) argv.push_back(a.data());
-    argv.push_back(nullptr);
     ::execvp(argv[0], argv.data());
     ::_exit(127);
   }
