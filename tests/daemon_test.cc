@@ -23,8 +23,10 @@
 
 #include "daemon/server.h"
 #include "daemon_fixture.h"
+#include "format/checkpoint.h"
 #include "format/synthetic.h"
 #include "format/writer.h"
+#include "io/file.h"
 #include "memory/cuda.h"
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
@@ -112,6 +114,54 @@ TEST_F(DaemonTest, AChangedCheckpointIsExplainedAgainstItsOwnOlderLoad) {
   EXPECT_EQ(changed.exit_code, 1);
   EXPECT_NE(changed.err.find("checkpoint: daemon has " + old_digest), std::string::npos)
       << changed.err;
+}
+
+// An edit past every tensor's first KiB keeps the sampled key: the
+// documented limit. Keyed by every byte (--fingerprint full, on both
+// sides), the edit is a miss and a byte-identical copy is still a hit.
+TEST_F(DaemonTest, AFullFingerprintSeesEditsTheSampledOneCannot) {
+  const std::string a = MakeModel("a");
+  const std::string edited = dir_.Join("edited"), copy = dir_.Join("copy");
+  std::filesystem::copy(a, edited);
+  std::filesystem::copy(a, copy);
+  // One byte 2 KiB into a tensor of more than 4 KiB.
+  auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), edited);
+  ASSERT_TRUE(ckpt.ok());
+  bool done = false;
+  for (const auto& shard : ckpt->shards) {
+    for (const auto& t : shard.header.tensors) {
+      if (done || t.bytes() < 4096) continue;
+      std::fstream f(shard.path, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekp(static_cast<std::streamoff>(shard.header.data_offset() + t.begin + 2048));
+      f.put('\x5a');
+      done = f.good();
+    }
+  }
+  ASSERT_TRUE(done);
+  const std::string edited_on_disk = DiskChecksum(edited);
+  ASSERT_NE(edited_on_disk, DiskChecksum(a));
+  auto daemon = StartDaemon();
+
+  Preload(a);
+  EXPECT_EQ(Load(edited)["source"], "daemon");  // sampled: the edit is not seen
+  json other_kind = Load(a, {"--fingerprint", "full"});
+  EXPECT_EQ(other_kind["source"], "disk");
+  EXPECT_NE(other_kind["reason"].get<std::string>().find("different --fingerprint"),
+            std::string::npos)
+      << other_kind.dump();
+
+  CommandResult full = Run({"preload", a, "--fingerprint", "full", "--json"});
+  ASSERT_EQ(full.exit_code, 0) << full.err;
+  EXPECT_EQ(json::parse(full.out)["key"]["checkpoint"].get<std::string>().rfind("sha256:", 0), 0u)
+      << full.out;
+  json seen = Load(edited, {"--fingerprint", "full"});
+  EXPECT_EQ(seen["source"], "disk");
+  EXPECT_EQ(seen["checksum"], edited_on_disk);
+  EXPECT_EQ(seen["mismatch"], json::array({"checkpoint"})) << seen.dump();
+  json same = Load(copy, {"--fingerprint", "full"});
+  EXPECT_EQ(same["source"], "daemon");
+  EXPECT_EQ(same["checksum"], DiskChecksum(a));
+  EXPECT_NE(Status()["models"].dump().find("sha256:"), std::string::npos);
 }
 
 TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
@@ -1176,6 +1226,11 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("not `tp_rank`"), std::string::npos) << bad.err;
+  testing::WriteFileText(config, "[[model]]\npath = \"a\"\nfingerprint = \"most\"\n");
+  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("fingerprint `most` is neither sampled nor full"), std::string::npos)
+      << bad.err;
   // A name pins one model.
   testing::WriteFileText(config,
                          "[[model]]\npath = \"a\"\npin = \"p\"\n[[model]]\npath = "

@@ -473,6 +473,23 @@ TEST(CacheKey, DifferencesAreNamedAndTrustSkipsOnlyTheContent) {
   EXPECT_FALSE(protocol::KeyFromJson(j).ok());
 }
 
+// The fingerprint mode travels with a preload only when it is not the
+// default (a daemon that knows none still serves sampled requests), and
+// only its two values are taken.
+TEST(CacheKey, ProcessingCarriesTheFingerprintModeOnlyWhenFull) {
+  protocol::Processing p;
+  EXPECT_FALSE(protocol::ToJson(p).contains("fingerprint"));
+  p.fingerprint = "full";
+  auto back = protocol::ProcessingFromJson(protocol::ToJson(p));
+  ASSERT_TRUE(back.ok()) << back.error().message();
+  EXPECT_EQ(back->fingerprint, "full");
+  nlohmann::json odd = protocol::ToJson(p);
+  odd["fingerprint"] = "most";
+  EXPECT_FALSE(protocol::ProcessingFromJson(odd).ok());
+  odd["fingerprint"] = 1;
+  EXPECT_FALSE(protocol::ProcessingFromJson(odd).ok());
+}
+
 TEST(CacheKey, ADeviceForEveryRankOrOneForAll) {
   protocol::Processing p;
   p.tp_size = 3;

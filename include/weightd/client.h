@@ -79,6 +79,12 @@ struct AcquireOptions {
   std::string socket_dir;
   // Use the fingerprint's stat cache (false: read the samples every time).
   bool stat_cache = true;
+  // How the checkpoint's content key is made: "sampled" (each tensor's
+  // first KiB: fast on network storage, blind to an edit past it) or
+  // "full" (every byte: sees any edit; read once per change of the files,
+  // the stat cache answering after that). The daemon's model must have been
+  // preloaded the same way to match; --populate asks for it so.
+  std::string fingerprint = "sampled";
   // Where the one-line reasons go (fallbacks, trust); default: stderr, with
   // control characters in paths written as \xNN.
   std::function<void(const std::string&)> log;

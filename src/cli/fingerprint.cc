@@ -21,7 +21,7 @@ struct FingerprintCommandOptions {
 
 int RunFingerprint(const FingerprintCommandOptions& o) {
   fingerprint::Options options;
-  options.mode = o.mode == "full" ? fingerprint::Mode::kFull : fingerprint::Mode::kSampled;
+  options.mode = fingerprint::ModeNamed(o.mode);
   options.max_inflight = o.max_inflight;
   options.coalesce = !o.no_coalesce;
   std::unique_ptr<fingerprint::StatCache> cache;

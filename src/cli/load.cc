@@ -74,6 +74,7 @@ int RunLoad(LoadCommandOptions& o) {
   ao.trust = o.trust;
   ao.socket_dir = o.socket_dir;
   ao.stat_cache = !o.no_cache;
+  ao.fingerprint = o.processing.fingerprint;
   AcquireOptions::Miss miss;
   ao.miss = &miss;
   auto weights = Acquire(o.spec, ao);
@@ -168,6 +169,11 @@ void AddProcessingFlags(CLI::App& app, protocol::Processing& p, bool placement) 
     app.add_option("--device", p.device,
                    "cpu | cuda:N (this process's numbering) | cuda:GPU-<uuid>: where the weights "
                    "are kept; or one per rank, comma-separated (rank r on the r-th)");
+    app.add_option("--fingerprint", p.fingerprint,
+                   "sampled | full: the checkpoint's key from each tensor's first KiB (fast on "
+                   "network storage), or from every byte (sees any edit; reads it all once per "
+                   "change of the files). Daemon and engine must use the same")
+        ->check(CLI::IsMember({"sampled", "full"}));
   }
 }
 
@@ -179,6 +185,9 @@ Status FinishProcessingFlags(protocol::Processing& p) {
     return resolved.error();
   }
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(p));
+  if (p.fingerprint != "sampled" && p.fingerprint != "full") {
+    return Error("fingerprint `" + p.fingerprint + "` is neither sampled nor full");
+  }
   // A plan file is read by the daemon too, from another directory.
   if (transform::IsPlanFile(p.shard_plan)) {
     WEIGHTD_ASSIGN_OR_RETURN(p.shard_plan, io::PosixFileSystem().RealPath(p.shard_plan));

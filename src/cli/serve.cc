@@ -152,16 +152,17 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
             p.tp_size = static_cast<int>(*n);
             continue;
           }
-          std::string* into = f == "path"         ? &m.path
-                              : f == "pin"        ? &m.pin
-                              : f == "device"     ? &p.device
-                              : f == "dtype"      ? &p.dtype
-                              : f == "quant"      ? &p.quant
-                              : f == "shard_plan" ? &p.shard_plan
-                                                  : nullptr;
+          std::string* into = f == "path"          ? &m.path
+                              : f == "pin"         ? &m.pin
+                              : f == "device"      ? &p.device
+                              : f == "dtype"       ? &p.dtype
+                              : f == "quant"       ? &p.quant
+                              : f == "shard_plan"  ? &p.shard_plan
+                              : f == "fingerprint" ? &p.fingerprint
+                                                   : nullptr;
           if (into == nullptr || !v.is_string()) {
             return fail(
-                "[[model]] takes path, pin, device, dtype, quant and shard_plan "
+                "[[model]] takes path, pin, device, dtype, quant, shard_plan and fingerprint "
                 "(strings) and tp_size (a number), not `" +
                 f + "`");
           }

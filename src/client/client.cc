@@ -469,8 +469,9 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   auto log = options.log ? options.log : [](const std::string& line) {
     std::cerr << "weightd: " << protocol::Printable(line) << "\n";
   };
-  const protocol::Processing processing{spec.tp_size, spec.tp_rank,    spec.dtype,
-                                        spec.quant,   spec.shard_plan, spec.device};
+  const protocol::Processing processing{spec.tp_size,       spec.tp_rank,    spec.dtype,
+                                        spec.quant,         spec.shard_plan, spec.device,
+                                        options.fingerprint};
   // The plan (a file's included) is read and checked before anything else.
   WEIGHTD_ASSIGN_OR_RETURN(
       transform::Processing resolved,
@@ -498,6 +499,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     }
     fingerprint::Options fo;
     fo.cache = cache.get();
+    fo.mode = fingerprint::ModeNamed(processing.fingerprint);
     WEIGHTD_ASSIGN_OR_RETURN(
         fingerprint::Fingerprint fp,
         fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), spec.path, fo));

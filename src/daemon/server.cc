@@ -1030,6 +1030,7 @@ Result<json> Server::State::PreloadUnguarded(
   }
   fingerprint::Options fo;
   fo.cache = cache.get();
+  fo.mode = fingerprint::ModeNamed(processing.fingerprint);
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
   if (!fp.ok()) return fp.error();
   if (cache) {
@@ -1213,9 +1214,22 @@ Result<json> Server::State::PreloadUnguarded(
     }
     manifest_copy = std::move(made).value();
   }
-  if (!held.empty() && loaded->checkpoint_digest != fp->digest) {
+  // The key's digest describes exactly the bytes loaded. Sampled: the
+  // loader's, from its own reads. Full: every byte was hashed before the
+  // load, and is hashed again after it (from the stat cache when the files
+  // kept their signatures, which the loader checked throughout its reads):
+  // the same digest both times, or the files changed in between.
+  std::string digest = loaded->checkpoint_digest;
+  if (fo.mode == fingerprint::Mode::kFull) {
+    auto after = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
+    if (!after.ok()) return Error(after.error().message() + "; nothing was published");
+    if (cache) (void)cache->Save();
+    digest = after->digest == fp->digest ? fp->digest : std::string();
+  }
+  if (digest.empty() || (!held.empty() && digest != fp->digest)) {
     // Rewritten between the fingerprint and the load: the resident ranks
-    // are of the old files, the loaded ones of the new.
+    // (or the digest of every byte) are of the old files, the loaded ones
+    // of the new.
     return Error(path +
                  ": the checkpoint changed while it was preloaded; nothing was published (preload "
                  "again)");
@@ -1223,11 +1237,11 @@ Result<json> Server::State::PreloadUnguarded(
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   uint64_t bytes = 0;
-  const std::vector<protocol::CacheKey> group = group_of(loaded->checkpoint_digest);
+  const std::vector<protocol::CacheKey> group = group_of(digest);
   for (size_t i = 0; i < loaded->ranks.size(); ++i) {
     loader::LoadedRank& rank = loaded->ranks[i];
     auto model = std::make_unique<ResidentModel>();
-    model->key = key_of(loaded->checkpoint_digest, rank.rank);
+    model->key = key_of(digest, rank.rank);
     model->name = name;
     model->path = path;
     model->tensors = loaded->tensors;
@@ -1251,12 +1265,12 @@ Result<json> Server::State::PreloadUnguarded(
         " s, seal and digest " + std::to_string(loaded->phases.finish) + " s)");
   }
   // Ranks that stayed resident take a new name too.
-  if (!pin.empty() && !held.empty()) pin_all(loaded->checkpoint_digest);
+  if (!pin.empty() && !held.empty()) pin_all(digest);
   log_taken();
   uint64_t evicted_omitted = 0;
   const json evicted_json = EvictionsJson(evicted, &evicted_omitted);
   return json{{"already_resident", false},
-              {"key", protocol::ToJson(key_of(loaded->checkpoint_digest, 0))},
+              {"key", protocol::ToJson(key_of(digest, 0))},
               {"ranks", ranks},
               {"loaded_ranks", missing},
               {"bytes", bytes},

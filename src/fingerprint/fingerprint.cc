@@ -597,6 +597,8 @@ std::string CombineSampledShards(const std::vector<ShardFingerprint>& shards) {
 
 std::string_view ModeName(Mode mode) { return mode == Mode::kFull ? "full" : "sampled"; }
 
+Mode ModeNamed(std::string_view name) { return name == "full" ? Mode::kFull : Mode::kSampled; }
+
 Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string& path,
                                           const Options& options) {
   const auto start = std::chrono::steady_clock::now();

@@ -40,6 +40,8 @@ namespace weightd::fingerprint {
 enum class Mode { kSampled, kFull };
 
 std::string_view ModeName(Mode mode);
+// "full" is kFull; anything else (the default, "sampled") kSampled.
+Mode ModeNamed(std::string_view name);
 
 struct Options {
   Mode mode = Mode::kSampled;

@@ -5,7 +5,13 @@
 namespace weightd::protocol {
 
 std::string FieldDifference::Describe() const {
-  return field + ": daemon has " + daemon + ", engine wants " + engine;
+  std::string text = field + ": daemon has " + daemon + ", engine wants " + engine;
+  // Digests of two kinds never match: say which flag makes them one kind.
+  auto kind = [](const std::string& digest) { return digest.substr(0, digest.find(':')); };
+  if (field == "checkpoint" && kind(daemon) != kind(engine)) {
+    text += " (digests of different kinds: preloaded and loaded with different --fingerprint)";
+  }
+  return text;
 }
 
 std::vector<FieldDifference> Compare(const CacheKey& held, const CacheKey& wanted,
@@ -129,8 +135,11 @@ CacheKey MakeKey(const std::string& checkpoint_digest, const Processing& p,
 }
 
 nlohmann::json ToJson(const Processing& p) {
-  return {{"tp_size", p.tp_size}, {"tp_rank", p.tp_rank},       {"dtype", p.dtype},
-          {"quant", p.quant},     {"shard_plan", p.shard_plan}, {"device", p.device}};
+  nlohmann::json j = {{"tp_size", p.tp_size}, {"tp_rank", p.tp_rank},       {"dtype", p.dtype},
+                      {"quant", p.quant},     {"shard_plan", p.shard_plan}, {"device", p.device}};
+  // Only when it is not the default: a daemon of before it still serves.
+  if (p.fingerprint != "sampled") j["fingerprint"] = p.fingerprint;
+  return j;
 }
 
 Result<Processing> ProcessingFromJson(const nlohmann::json& j) {
@@ -149,6 +158,11 @@ Result<Processing> ProcessingFromJson(const nlohmann::json& j) {
                          : field == "shard_plan" ? p.shard_plan
                                                  : p.device;
       out = value.get<std::string>();
+    } else if (field == "fingerprint") {
+      if (!value.is_string() || (value != "sampled" && value != "full")) {
+        return Error("`fingerprint` is neither \"sampled\" nor \"full\"");
+      }
+      p.fingerprint = value.get<std::string>();
     } else {
       return Error("unknown processing option `" + field + "`");
     }

@@ -60,6 +60,10 @@ struct Processing {
   std::string shard_plan = {};  // empty: none named (replicate, where allowed)
   // cpu | cuda:N | cuda:GPU-<uuid>, or one of those per rank, comma-separated.
   std::string device = "cpu";
+  // How the checkpoint's content digest is made: sampled (each tensor's
+  // first KiB) or full (every byte). Not a key field of its own: the
+  // digest's tag (xxh3-128: or sha256:) says it, and the two never match.
+  std::string fingerprint = "sampled";
 };
 
 // An error naming the flag when the rank or the device cannot be served.
