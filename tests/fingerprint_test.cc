@@ -234,6 +234,15 @@ TEST(StatCache, AnUnchangedShardCostsNoRead) {
     EXPECT_EQ(warm.cache_hits, 4u);
     EXPECT_EQ(warm.reads, 0u);  // the index's shard list is remembered too
     EXPECT_EQ(warm.digest, cold.digest);
+    // Each shard says the signature its digest was made or found under:
+    // the file's, either way.
+    ASSERT_EQ(warm.shards.size(), cold.shards.size());
+    for (size_t i = 0; i < cold.shards.size(); ++i) {
+      auto now = io::PosixFileSystem().Stat(m + "/" + cold.shards[i].name);
+      ASSERT_TRUE(now.ok());
+      EXPECT_EQ(cold.shards[i].signature, *now) << cold.shards[i].name;
+      EXPECT_EQ(warm.shards[i].signature, *now) << warm.shards[i].name;
+    }
   }
 }
 

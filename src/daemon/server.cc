@@ -1216,15 +1216,19 @@ Result<json> Server::State::PreloadUnguarded(
   }
   // The key's digest describes exactly the bytes loaded. Sampled: the
   // loader's, from its own reads. Full: every byte was hashed before the
-  // load, and is hashed again after it (from the stat cache when the files
-  // kept their signatures, which the loader checked throughout its reads):
-  // the same digest both times, or the files changed in between.
+  // load; after it, every shard must still have the stat signature it had
+  // then (a change moves its ctime, which never goes back), so the loader
+  // read the bytes that were hashed.
   std::string digest = loaded->checkpoint_digest;
   if (fo.mode == fingerprint::Mode::kFull) {
     auto after = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
     if (!after.ok()) return Error(after.error().message() + "; nothing was published");
-    if (cache) (void)cache->Save();
-    digest = after->digest == fp->digest ? fp->digest : std::string();
+    bool unchanged = after->shards.size() == fp->shards.size();
+    for (size_t i = 0; unchanged && i < fp->shards.size(); ++i) {
+      unchanged = after->shards[i].name == fp->shards[i].name &&
+                  after->shards[i].signature == fp->shards[i].signature;
+    }
+    digest = unchanged && after->digest == fp->digest ? fp->digest : std::string();
   }
   if (digest.empty() || (!held.empty() && digest != fp->digest)) {
     // Rewritten between the fingerprint and the load: the resident ranks

@@ -446,6 +446,7 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
     } else {
       ++fp.cache_hits;
     }
+    w.result.signature = w.signature;
     fp.tensors += w.result.tensors;
     fp.shards.push_back(std::move(w.result));
   }
@@ -476,6 +477,7 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
           s.digest = *digest;
           s.file_bytes = sig->size;
           s.cached = true;
+          s.signature = *sig;
           continue;
         }
       }
@@ -518,6 +520,7 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
         fail(Error(refs[i].path + ": changed while being fingerprinted; try again"));
       } else {
         s.digest = sha.Tagged();
+        s.signature = *before;
         if (o.cache != nullptr && !TooFreshToCache(*before, o.racy_seconds)) {
           o.cache->Insert(kind, *before, s.digest);
         }

@@ -72,6 +72,8 @@ struct ShardFingerprint {
   uint64_t file_bytes = 0;
   uint64_t tensors = 0;  // 0 when the digest came from the stat cache
   bool cached = false;
+  // The file's, as it was while the digest was made (or looked up).
+  io::StatSignature signature;
 };
 
 struct Fingerprint {
