@@ -33,6 +33,7 @@
 #include "protocol/channel.h"
 #include "protocol/paths.h"
 #include "test_util.h"
+#include "weightd/client.h"
 
 namespace weightd {
 namespace {
@@ -162,6 +163,19 @@ TEST_F(DaemonTest, AFullFingerprintSeesEditsTheSampledOneCannot) {
   EXPECT_EQ(same["source"], "daemon");
   EXPECT_EQ(same["checksum"], DiskChecksum(a));
   EXPECT_NE(Status()["models"].dump().find("sha256:"), std::string::npos);
+}
+
+// Through the library, a mode that is neither is an error, not the
+// weaker key taken quietly.
+TEST_F(DaemonTest, TheLibraryRefusesAFingerprintModeItDoesNotKnow) {
+  const std::string a = MakeModel("a");
+  AcquireOptions options;
+  options.socket_dir = sock_;
+  options.fingerprint = "FULL";
+  auto refused = Acquire({.path = a}, options);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("neither sampled nor full"), std::string::npos)
+      << refused.error().message();
 }
 
 TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
@@ -654,10 +668,10 @@ TEST_F(DaemonTest, SigtermRemovesTheSocket) {
 
 TEST_F(DaemonTest, ALogNobodyReadsDoesNotKillTheDaemon) {
   // `serve 2>&1 | head -1`: the log's reader is gone before the first line
-  // (this budget is said to be more than the machine has, before `ready`).
+  // (a budget of 0 is said to be one, on any machine, before `ready`).
   // perl is in every Debian; it hands the daemon a pipe with no reader.
   Process daemon(
-      {"serve", "--socket-dir", sock_, "--budget", "host=1T"},
+      {"serve", "--socket-dir", sock_, "--budget", "host=0"},
       {"perl", "-e",
        "pipe(my $r, my $w) or die; close $r; open(STDERR, '>&', $w) or die; exec @ARGV or die"});
   ASSERT_TRUE(daemon.WaitForOutput("ready"));

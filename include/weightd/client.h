@@ -126,7 +126,9 @@ class Weights {
   virtual const std::vector<std::string>& mismatch() const = 0;
   // The key fields that differed, by name ("checkpoint", "tp_rank").
   virtual const std::vector<std::string>& mismatch_fields() const = 0;
-  // The checkpoint's content digest as the key carries it.
+  // The checkpoint's content digest: as the daemon's key carries it when
+  // served by the daemon; from a disk load, the sampled digest of what was
+  // read (whatever AcquireOptions::fingerprint keyed the acquire by).
   virtual const std::string& checkpoint_digest() const = 0;
   // Where the bytes are: "host" or "cuda:GPU-<uuid>".
   virtual const std::string& device() const = 0;

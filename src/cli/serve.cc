@@ -311,8 +311,11 @@ int RunServe(ServeOptions o) {
     running_server = nullptr;
     return ReportError("serve", s.error().message());
   }
-  std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
-            << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
+  // A stop asked for while it started: not ready, stopping (Run says so).
+  if (!server.stopping()) {
+    std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
+              << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
+  }
   // Models from the config load in the background: engines may ask (and
   // fall back, or wait for them) meanwhile. Each is keyed at once, on its
   // own thread; the loads take turns in the config's order. A stop cancels

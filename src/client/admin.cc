@@ -21,10 +21,15 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
   const std::string dir = protocol::SocketDirectory(socket_dir);
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_for_daemon_seconds);
-  auto ch = protocol::ConnectToDaemon(dir);
+  auto connect = [&] {
+    return protocol::ConnectToDaemon(
+        dir, protocol::ConnectBusyTimeoutMs(wait_for_daemon_seconds,
+                                            deadline - std::chrono::steady_clock::now()));
+  };
+  auto ch = connect();
   while (!ch.ok() && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    ch = protocol::ConnectToDaemon(dir);
+    ch = connect();
   }
   if (!ch.ok()) {
     char waited[64] = "";

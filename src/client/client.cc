@@ -191,7 +191,9 @@ Result<protocol::Channel> ConnectWaiting(const std::string& socket_dir, double w
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_seconds);
   while (true) {
-    auto ch = protocol::ConnectToDaemon(socket_dir);
+    auto ch = protocol::ConnectToDaemon(
+        socket_dir,
+        protocol::ConnectBusyTimeoutMs(wait_seconds, deadline - std::chrono::steady_clock::now()));
     if (ch.ok()) return ch;
     if (std::chrono::steady_clock::now() >= deadline) {
       if (wait_seconds <= 0) return ch;
@@ -469,6 +471,9 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   auto log = options.log ? options.log : [](const std::string& line) {
     std::cerr << "weightd: " << protocol::Printable(line) << "\n";
   };
+  if (options.fingerprint != "sampled" && options.fingerprint != "full") {
+    return Error("fingerprint `" + options.fingerprint + "` is neither sampled nor full");
+  }
   const protocol::Processing processing{spec.tp_size,       spec.tp_rank,    spec.dtype,
                                         spec.quant,         spec.shard_plan, spec.device,
                                         options.fingerprint};

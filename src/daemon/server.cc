@@ -404,10 +404,11 @@ Status Server::Start() {
 
   // Threads ready for a burst of engines attaching at once; the last thing
   // Start does, so that no failure leaves them running.
-  for (int i = 0; i < kKeptWorkers; ++i) {
-    if (!s.SpawnWorker()) break;
-  }
-  if (s.workers == 0) return Error("cannot start any serving thread");
+  // Counted here, not read from `workers`: a stop asked for meanwhile (a
+  // signal) ends them at once, and then Run, not this, waits for them.
+  int started = 0;
+  while (started < kKeptWorkers && s.SpawnWorker()) ++started;
+  if (started == 0) return Error("cannot start any serving thread");
   return OkStatus();
 }
 

@@ -219,6 +219,11 @@ Result<Message> Channel::Receive(int timeout_ms) {
   return m;
 }
 
+int ConnectBusyTimeoutMs(double wait_seconds, std::chrono::duration<double> left) {
+  if (wait_seconds <= 0) return kConnectBusyTimeoutMs;
+  return static_cast<int>(std::clamp(left.count() * 1000, 0.0, double{kConnectBusyTimeoutMs}));
+}
+
 Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;

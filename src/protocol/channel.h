@@ -14,6 +14,7 @@
 // Thread safety: one thread sends and one receives on a Channel at a time.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <nlohmann/json.hpp>
 #include <span>
@@ -73,6 +74,11 @@ class Channel {
 // accepted is full (a burst of engines, or a daemon that stopped or hung:
 // a blocking connect would wait for it forever).
 inline constexpr int kConnectBusyTimeoutMs = 10'000;
+
+// The busy timeout for one connect of a caller that waits `wait_seconds`
+// in all, of which `left` is left: that, 10 s at most; 10 s for one that
+// does not wait.
+int ConnectBusyTimeoutMs(double wait_seconds, std::chrono::duration<double> left);
 
 // Connects to the daemon's socket and checks that its peer runs as this
 // user.

@@ -39,12 +39,13 @@ std::optional<Split> ParseSplit(std::string_view s) {
   return std::nullopt;
 }
 
-// Projections that hold q, k and v (or gate and up) in one tensor (Phi-3,
-// GPT-NeoX, GPT-2, MPT): a rank needs its slice of each part, which no
-// single split gives.
+// Projections that hold q, k and v (or gate and up) in one tensor beside
+// the o_proj and down_proj the llama preset splits by rows (Phi-3): a rank
+// needs its slice of each part, which no single split gives. (GPT-NeoX's
+// query_key_value, GPT-2's c_attn and MPT's Wqkv come with output layers
+// the preset does not split either: all replicated, a layout that holds.)
 bool IsFusedProjection(std::string_view name) {
-  for (std::string_view fused :
-       {"qkv_proj.", "gate_up_proj.", "query_key_value.", "c_attn.", "Wqkv."}) {
+  for (std::string_view fused : {"qkv_proj.", "gate_up_proj."}) {
     const size_t at = name.rfind(fused);
     if (at != std::string_view::npos && (at == 0 || name[at - 1] == '.')) return true;
   }
