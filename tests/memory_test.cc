@@ -642,6 +642,13 @@ TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
   ASSERT_TRUE(fp.ok());
   EXPECT_EQ(loaded->checkpoint_digest, fp->digest);
   EXPECT_EQ(loaded->tensors, fp->tensors);
+  // Each shard read is named as the fingerprint names it, with the stat
+  // signature of the very file read (a full key is checked against it).
+  ASSERT_EQ(loaded->read_shards.size(), fp->shards.size());
+  for (size_t i = 0; i < fp->shards.size(); ++i) {
+    EXPECT_EQ(loaded->read_shards[i].name, fp->shards[i].name);
+    EXPECT_EQ(loaded->read_shards[i].signature, fp->shards[i].signature) << fp->shards[i].name;
+  }
 
   auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), path);
   ASSERT_TRUE(ckpt.ok());

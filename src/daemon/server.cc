@@ -1216,20 +1216,22 @@ Result<json> Server::State::PreloadUnguarded(
     manifest_copy = std::move(made).value();
   }
   // The key's digest describes exactly the bytes loaded. Sampled: the
-  // loader's, from its own reads. Full: every byte was hashed before the
-  // load; after it, every shard must still have the stat signature it had
-  // then (a change moves its ctime, which never goes back), so the loader
-  // read the bytes that were hashed.
+  // loader's, from its own reads. Full: every byte was hashed (or found in
+  // the stat cache) before the load; the files the loader read, each with
+  // one stat signature from its header to its end, must be those files
+  // with those signatures: the same device and inode (not another file a
+  // shard's symlink pointed to meanwhile), unchanged (a change moves
+  // ctime, which never goes back).
   std::string digest = loaded->checkpoint_digest;
   if (fo.mode == fingerprint::Mode::kFull) {
-    auto after = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
-    if (!after.ok()) return Error(after.error().message() + "; nothing was published");
-    bool unchanged = after->shards.size() == fp->shards.size();
-    for (size_t i = 0; unchanged && i < fp->shards.size(); ++i) {
-      unchanged = after->shards[i].name == fp->shards[i].name &&
-                  after->shards[i].signature == fp->shards[i].signature;
+    bool same = loaded->read_shards.size() == fp->shards.size();
+    for (const loader::LoadedModel::ReadShard& read : loaded->read_shards) {
+      const auto hashed =
+          std::find_if(fp->shards.begin(), fp->shards.end(),
+                       [&](const fingerprint::ShardFingerprint& f) { return f.name == read.name; });
+      same = same && hashed != fp->shards.end() && hashed->signature == read.signature;
     }
-    digest = unchanged && after->digest == fp->digest ? fp->digest : std::string();
+    digest = same ? fp->digest : std::string();
   }
   if (digest.empty() || (!held.empty() && digest != fp->digest)) {
     // Rewritten between the fingerprint and the load: the resident ranks

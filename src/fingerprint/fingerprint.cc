@@ -467,20 +467,10 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
       ShardFingerprint& s = shards[i];
       s.name = refs[i].name;
       auto fail = [&](const Error& e) { errors[i] = e; };
-      if (o.cache != nullptr) {
-        auto sig = fs.Stat(refs[i].resolved);
-        if (!sig.ok()) {
-          fail(sig.error());
-          continue;
-        }
-        if (auto digest = o.cache->Lookup(kind, *sig)) {
-          s.digest = *digest;
-          s.file_bytes = sig->size;
-          s.cached = true;
-          s.signature = *sig;
-          continue;
-        }
-      }
+      // Opened even when the stat cache may answer: NFS revalidates a
+      // file's attributes when it is opened (close-to-open), where a plain
+      // stat may get the client's cached ones, and a stale signature would
+      // find the old digest. Full mode is asked for to see every change.
       auto file = fs.Open(refs[i].resolved);
       if (!file.ok()) {
         fail(file.error());
@@ -490,6 +480,15 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
       if (!before.ok()) {
         fail(before.error());
         continue;
+      }
+      if (o.cache != nullptr) {
+        if (auto digest = o.cache->Lookup(kind, *before)) {
+          s.digest = *digest;
+          s.file_bytes = before->size;
+          s.cached = true;
+          s.signature = *before;
+          continue;
+        }
       }
       s.file_bytes = (*file)->size();
       if (before->size != s.file_bytes) {

@@ -566,6 +566,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     if (!(now == shards[s].signature)) {
       return Error(headers[s].path + ": changed while being loaded");
     }
+    model.read_shards.push_back({headers[s].name, now});
   }
 
   // The sampled fingerprint of what was read, shards many at once.

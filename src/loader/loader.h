@@ -67,6 +67,13 @@ struct LoadedModel {
   // some segment cannot be read back here (a GPU's); else empty.
   std::vector<std::byte> manifest;
   std::string checkpoint_digest;  // sampled fingerprint, tagged
+  // Each shard read: its name (as a fingerprint names it) and the stat
+  // signature its file had from its header's read to the end of the load.
+  struct ReadShard {
+    std::string name;
+    io::StatSignature signature;
+  };
+  std::vector<ReadShard> read_shards;
   uint64_t shards = 0;
   uint64_t tensors = 0;     // per rank
   uint64_t data_bytes = 0;  // tensor bytes read from the files
