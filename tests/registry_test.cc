@@ -16,7 +16,8 @@ const std::string kGpu = "cuda:GPU-6f0e1c2a-0000-4a6f-9c1d-1234567890ab";
 std::shared_ptr<ResidentModel> Publish(Registry& r, const std::string& device, uint64_t mib,
                                        const std::string& digest, int tp_rank = 0,
                                        const std::string& name = "",
-                                       const std::vector<protocol::CacheKey>& group = {}) {
+                                       const std::vector<protocol::CacheKey>& group = {},
+                                       bool inherit_name = false) {
   EXPECT_TRUE(r.Reserve(device, mib * kMiB, nullptr).ok());
   auto m = std::make_unique<ResidentModel>();
   m->key.checkpoint = digest;
@@ -29,7 +30,7 @@ std::shared_ptr<ResidentModel> Publish(Registry& r, const std::string& device, u
   auto segment = memory::CreateHostSegment(mib * kMiB, "registry-test");
   EXPECT_TRUE(segment.ok());
   m->segment = std::move(segment).value();
-  auto published = r.Publish(std::move(m), mib * kMiB, group);
+  auto published = r.Publish(std::move(m), mib * kMiB, group, nullptr, inherit_name);
   std::this_thread::sleep_for(std::chrono::milliseconds(2));  // distinct last-used times
   return published;
 }
@@ -174,6 +175,34 @@ TEST(Registry, APinNamesEveryRankOfAPreloadAcrossDevices) {
   // Pinning a model that is not resident changes nothing.
   EXPECT_FALSE(r.Pin({group[1]}, "prod"));
   EXPECT_EQ(r.Take().names.back(), "prod");
+}
+
+// A rank loaded beside ranks already resident (one had been evicted) takes
+// the name they have when it is published: not the one they had when the
+// preload began, which another preload may since have taken.
+TEST(Registry, ARankLoadedLaterTakesTheNameItsGroupHasThen) {
+  Registry r(64 * kMiB);
+  std::vector<protocol::CacheKey> group(2);
+  for (int rank = 0; rank < 2; ++rank) {
+    group[rank].checkpoint = "xxh3-128:tp";
+    group[rank].device = "host";
+    group[rank].tp_rank = rank;
+    group[rank].tp_size = 2;
+  }
+  Publish(r, "host", 4, "xxh3-128:tp", 0, "X", group);
+  auto later = Publish(r, "host", 4, "xxh3-128:tp", 1, "", group, /*inherit_name=*/true);
+  EXPECT_EQ(later->name, "X");
+  // Rank 1 evicted; meanwhile another model is pinned as X; rank 1 comes back.
+  ASSERT_EQ(r.Evict("#" + std::to_string(later->id)).size(), 1u);
+  auto other = Publish(r, "host", 1, "xxh3-128:other");
+  ASSERT_TRUE(r.Pin({other->key}, "X"));
+  later = Publish(r, "host", 4, "xxh3-128:tp", 1, "", group, /*inherit_name=*/true);
+  EXPECT_EQ(later->name, "");
+  Registry::Snapshot s = r.Take();
+  for (size_t i = 0; i < s.models.size(); ++i) {
+    EXPECT_EQ(s.names[i], s.models[i]->key.checkpoint == "xxh3-128:other" ? "X" : "")
+        << s.models[i]->key.checkpoint << " rank " << s.models[i]->key.tp_rank;
+  }
 }
 
 // A lookup that misses while its very key is being loaded says so, or waits

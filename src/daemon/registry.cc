@@ -136,31 +136,39 @@ void Registry::Unreserve(const std::string& device, uint64_t bytes) {
 std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> model,
                                                  uint64_t reserved_bytes,
                                                  const std::vector<protocol::CacheKey>& group,
-                                                 std::vector<std::string>* taken_from) {
-  // What allocates goes first: a refused allocation leaves the accounts as
-  // they were, the reservation still the caller's to give back.
+                                                 std::vector<std::string>* taken_from,
+                                                 bool inherit_name) {
+  // What allocates goes first, and the reservation becomes use last: a
+  // refused allocation leaves the reservation the caller's to give back.
   std::shared_ptr<ResidentModel> published(std::move(model));
-  std::vector<protocol::CacheKey> with_own;
-  if (!published->name.empty()) {
-    with_own = group;
-    with_own.push_back(published->key);
-  }
+  std::vector<protocol::CacheKey> with_own = group;
+  with_own.push_back(published->key);
   Dropped dropped;  // freed after the lock is released
   dropped.reserve(1);
   std::lock_guard lock(mu_);
   models_.reserve(models_.size() + 1);
-  Account& a = AccountLocked(published->key.device);
-  a.reserved -= std::min(a.reserved, reserved_bytes);
+  if (inherit_name && published->name.empty()) {
+    for (const auto& m : models_) {
+      if (!m->name.empty() && m->key != published->key &&
+          std::find(group.begin(), group.end(), m->key) != group.end()) {
+        published->name = m->name;  // the group's already: taken from no one
+        break;
+      }
+    }
+  } else if (!published->name.empty()) {
+    TakeNameLocked(published->name, with_own, taken_from);
+  }
   for (size_t i = 0; i < models_.size(); ++i) {
     if (models_[i]->key == published->key) {
       EvictLocked(i, dropped);
       break;
     }
   }
-  if (!published->name.empty()) TakeNameLocked(published->name, with_own, taken_from);
   std::erase_if(failed_loads_, [&](const auto& f) { return f.first == published->key; });
   published->id = next_id_++;
   published->last_used = std::chrono::steady_clock::now();
+  Account& a = AccountLocked(published->key.device);
+  a.reserved -= std::min(a.reserved, reserved_bytes);
   a.used += published->segment->reserved_bytes();
   models_.push_back(published);
   return published;

@@ -87,11 +87,15 @@ class Registry {
   // replaced (its leases keep their own bytes). A named model takes its
   // name from every model whose key is not in `group` (the keys of every
   // rank of the same preload; its own key is always in it); the paths of
-  // those models are added to `taken_from`.
+  // those models are added to `taken_from`. With `inherit_name` (a preload
+  // that names none), an unnamed model takes the name the other ranks of
+  // its group have now, if any: decided here, under the lock, not from a
+  // look before the load, when a name may since have moved or gone.
   std::shared_ptr<ResidentModel> Publish(std::unique_ptr<ResidentModel> model,
                                          uint64_t reserved_bytes,
                                          const std::vector<protocol::CacheKey>& group = {},
-                                         std::vector<std::string>* taken_from = nullptr);
+                                         std::vector<std::string>* taken_from = nullptr,
+                                         bool inherit_name = false);
 
   struct Lookup {
     std::shared_ptr<ResidentModel> model;             // set on a hit, with a lease taken
