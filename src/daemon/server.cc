@@ -794,17 +794,24 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     // fingerprint, another load of the same model to wait for), as a
     // heartbeat at least every kHeartbeat: the asker can tell a busy daemon
     // from a hung one. The preload goes on when the asker has gone away
-    // (`load --populate`).
-    std::mutex send_mu;
+    // (`load --populate`). Frames are sent by a thread of their own, with
+    // no lock held: an asker that stops reading stalls that thread (up to
+    // the send timeout), never the load's readers, which report progress
+    // under their own lock.
+    std::mutex state_mu;  // guards what follows, never held while sending
     std::condition_variable beat_cv;
-    bool finished = false, peer_gone = false;
+    bool finished = false, due = false, peer_gone = false, beating = false;
     uint64_t last_done = 0, last_total = 0;
     auto last = std::chrono::steady_clock::now();
-    auto send_progress = [&](bool heartbeat) {  // REQUIRES: send_mu held
+    // REQUIRES: `lock` holds state_mu; it is released while sending.
+    auto send_progress = [&](std::unique_lock<std::mutex>& lock, bool heartbeat) {
       last = std::chrono::steady_clock::now();
       json p = {{"type", "progress"}, {"done", last_done}, {"total", last_total}};
       if (heartbeat) p["heartbeat"] = true;
-      peer_gone = !ch.Send(p).ok();
+      lock.unlock();
+      const bool sent = ch.Send(p).ok();
+      lock.lock();
+      peer_gone = peer_gone || !sent;
     };
     Result<json> result = Error("");
     std::thread beat;
@@ -827,30 +834,42 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     try {
       beat = std::thread([&] {
         try {
-          std::unique_lock lock(send_mu);
-          // Woken kHeartbeat after the last frame, whatever sent it.
-          while (!beat_cv.wait_until(lock, last + kHeartbeat, [&] { return finished; })) {
+          std::unique_lock lock(state_mu);
+          while (true) {
+            // Woken by progress due, by the end, or kHeartbeat after the
+            // last frame, whatever sent it.
+            beat_cv.wait_until(lock, last + kHeartbeat, [&] { return finished || due; });
             if (peer_gone) return;  // nobody to hear it
-            if (std::chrono::steady_clock::now() - last >= kHeartbeat) send_progress(true);
+            if (due) {              // the last report too, before the end
+              due = false;
+              send_progress(lock, false);
+            } else if (finished) {
+              return;
+            } else if (std::chrono::steady_clock::now() - last >= kHeartbeat) {
+              send_progress(lock, true);
+            }
           }
         } catch (...) {
           // No memory for a frame: no more heartbeats, the load goes on.
         }
       });
+      beating = true;
     } catch (...) {
-      // No thread for it: progress only as the load reports it.
+      // No thread for it: progress is sent as the load reports it.
     }
     {
-      StopBeat stop{send_mu, beat_cv, finished, beat};
+      StopBeat stop{state_mu, beat_cv, finished, beat};
       result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
-        std::lock_guard lock(send_mu);
+        std::unique_lock lock(state_mu);
         last_done = done;
         last_total = total;
         if (peer_gone ||
             (std::chrono::steady_clock::now() - last < kProgressEvery && done < total)) {
           return;
         }
-        send_progress(false);
+        if (!beating) return send_progress(lock, false);
+        due = true;
+        beat_cv.notify_all();
       });
     }
     json reply;
@@ -1249,7 +1268,10 @@ Result<json> Server::State::PreloadUnguarded(
     loader::LoadedRank& rank = loaded->ranks[i];
     auto model = std::make_unique<ResidentModel>();
     model->key = key_of(digest, rank.rank);
-    model->name = name;
+    // A pin asked for is given; else the name the resident ranks have when
+    // this one is published (it may have moved to another model, or gone,
+    // since they were looked at).
+    model->name = pin;
     model->path = path;
     model->tensors = loaded->tensors;
     // What the asker waited for: the fingerprint first, then the load.
@@ -1258,13 +1280,13 @@ Result<json> Server::State::PreloadUnguarded(
     const bool on_gpu = devices[static_cast<size_t>(rank.rank)].kind == memory::DeviceKind::kCuda;
     if (on_gpu) model->manifest = manifest_copy;
     bytes += model->segment->size();
-    auto published =
-        registry.Publish(std::move(model), reserved.ranks[i].second, group, &taken_from);
+    auto published = registry.Publish(std::move(model), reserved.ranks[i].second, group,
+                                      &taken_from, /*inherit_name=*/pin.empty());
     reserved.Take(i);
     marks.published = true;
     if (on_gpu) LearnReadOnly(*published->segment);
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
-        (name.empty() ? "" : " (pinned as `" + name + "`)") + ": " +
+        (published->name.empty() ? "" : " (pinned as `" + published->name + "`)") + ": " +
         std::to_string(published->segment->size()) + " bytes, " +
         std::to_string(published->tensors) + " tensors in " + std::to_string(seconds) +
         " s (fingerprint " + std::to_string(fingerprint_seconds) + " s, headers and plan " +
