@@ -196,6 +196,17 @@ TEST(Full, EachShardIsTheSha256OfItsBytes) {
   EXPECT_EQ(fp.bytes_read, expected);
 }
 
+// A daemon that stops does not hash gigabytes first.
+TEST(Full, ACancelStopsItWithAnError) {
+  TempDir dir;
+  const std::string m = Make(dir, "m", {.preset = "llama", .size_bytes = 6 << 20});
+  const std::atomic<bool> cancelled{true};
+  auto fp =
+      FingerprintCheckpoint(io::PosixFileSystem(), m, {.mode = Mode::kFull, .cancel = &cancelled});
+  ASSERT_FALSE(fp.ok());
+  EXPECT_NE(fp.error().message().find("cancelled"), std::string::npos) << fp.error().message();
+}
+
 TEST(Full, ABrokenShardIsAnErrorAsInSampledMode) {
   TempDir dir;
   const std::string m = Make(dir, "m", {.preset = "tiny"});

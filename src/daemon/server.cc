@@ -175,7 +175,7 @@ struct Server::State {
   // and the attaches queued behind it.
   int workers = 0;
   int idle_workers = 0;                     // blocked in accept()
-  std::atomic<int64_t> last_emfile_log{0};  // steady_clock ticks
+  std::atomic<int64_t> last_accept_log{0};  // steady_clock ticks
   std::shared_future<Result<std::vector<memory::CudaDevice>>> cuda_probe;
   std::once_flag gpu_budgets_applied;
   std::atomic<bool> gpu_budgets_done{false};
@@ -518,21 +518,23 @@ void Server::State::WorkerLoop() {
     if (spawn) SpawnWorker();
     if (!conn.valid()) {
       if (stopping.load()) break;
+      // One line every few seconds, not one per thread and try.
+      auto log_now_and_then = [&](const std::string& what) {
+        const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+        auto last = last_accept_log.load();
+        if (now - last > std::chrono::nanoseconds(std::chrono::seconds(5)).count() &&
+            last_accept_log.compare_exchange_strong(last, now)) {
+          errno = error;
+          Log(Errno(what));
+        }
+      };
       if (error == EMFILE || error == ENFILE) {
         // Out of descriptors: waiting connections stay in the backlog; wait
-        // for some descriptors to be closed instead of spinning. One line
-        // every few seconds, not one per thread.
-        const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
-        auto last = last_emfile_log.load();
-        if (now - last > std::chrono::nanoseconds(std::chrono::seconds(5)).count() &&
-            last_emfile_log.compare_exchange_strong(last, now)) {
-          errno = error;
-          Log(Errno("accept (waiting for descriptors to be closed)"));
-        }
+        // for some descriptors to be closed instead of spinning.
+        log_now_and_then("accept (waiting for descriptors to be closed)");
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
       } else if (error != EINTR && error != EAGAIN && error != ECONNABORTED) {
-        errno = error;
-        Log(Errno("accept"));
+        log_now_and_then("accept");
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
       continue;
@@ -1051,6 +1053,7 @@ Result<json> Server::State::PreloadUnguarded(
   fingerprint::Options fo;
   fo.cache = cache.get();
   fo.mode = fingerprint::ModeNamed(processing.fingerprint);
+  fo.cancel = &stopping;
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
   if (!fp.ok()) return fp.error();
   if (cache) {
@@ -1252,10 +1255,10 @@ Result<json> Server::State::PreloadUnguarded(
     }
     digest = same ? fp->digest : std::string();
   }
-  if (digest.empty() || (!held.empty() && digest != fp->digest)) {
-    // Rewritten between the fingerprint and the load: the resident ranks
-    // (or the digest of every byte) are of the old files, the loaded ones
-    // of the new.
+  if (digest != fp->digest) {
+    // Rewritten between the fingerprint and the load: the resident ranks,
+    // the digest of every byte, and the keys engines may be waiting for
+    // (marked as loading) are of the old files, the loaded ones of the new.
     return Error(path +
                  ": the checkpoint changed while it was preloaded; nothing was published (preload "
                  "again)");

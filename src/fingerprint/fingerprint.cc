@@ -507,7 +507,9 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
       Sha256 sha;
       Status read = io::StreamFile(
           **file, {.chunk_bytes = kFullChunkBytes, .max_inflight = 2},
-          [&](uint64_t, std::span<const std::byte> chunk) {
+          [&](uint64_t, std::span<const std::byte> chunk) -> Status {
+            if (o.cancel != nullptr && o.cancel->load())
+              return Error("the fingerprint was cancelled");
             sha.Update(chunk.data(), chunk.size());
             return OkStatus();
           },

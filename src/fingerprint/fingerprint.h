@@ -23,6 +23,7 @@
 // Xxh3 is one thread's at a time.
 #pragma once
 
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <span>
@@ -64,6 +65,9 @@ struct Options {
   // Files changed less than this long ago are fingerprinted but not cached:
   // a rewrite within the same timestamp tick would keep their signature.
   double racy_seconds = 2.0;
+  // When set and it turns true, a full fingerprint stops at its next chunk
+  // with an error (a daemon shutting down). Not owned.
+  const std::atomic<bool>* cancel = nullptr;
 };
 
 struct ShardFingerprint {
