@@ -23,6 +23,7 @@
 
 #include "daemon/server.h"
 #include "daemon_fixture.h"
+#include "fingerprint/stat_cache.h"
 #include "format/checkpoint.h"
 #include "format/synthetic.h"
 #include "format/writer.h"
@@ -163,6 +164,34 @@ TEST_F(DaemonTest, AFullFingerprintSeesEditsTheSampledOneCannot) {
   EXPECT_EQ(same["source"], "daemon");
   EXPECT_EQ(same["checksum"], DiskChecksum(a));
   EXPECT_NE(Status()["models"].dump().find("sha256:"), std::string::npos);
+}
+
+// On a file system that keeps a file's stat signature through a rewrite,
+// the stat cache answers with the old digest, and the loader's own differs:
+// the preload fails, and corrects the cache, so that the next one succeeds
+// instead of failing the same way for ever.
+TEST_F(DaemonTest, AStaleStatCacheFailsOnePreloadAndIsCorrected) {
+  const std::string a = MakeModel("a");
+  // Past the window in which a file's signature is not trusted to the cache.
+  std::this_thread::sleep_for(std::chrono::milliseconds(2100));
+  auto cache = fingerprint::StatCache::Load(dir_.Join("cache"));
+  for (const auto& f : std::filesystem::directory_iterator(a)) {
+    if (f.path().extension() != ".safetensors") continue;
+    auto sig = io::PosixFileSystem().Stat(f.path().string());
+    ASSERT_TRUE(sig.ok());
+    cache->Insert("sampled-1024", *sig, "xxh3-128:00000000000000000000000000000000");
+  }
+  ASSERT_TRUE(cache->Save().ok());
+  auto daemon = StartDaemon();
+  CommandResult first = Run({"preload", a});
+  EXPECT_EQ(first.exit_code, 1);
+  EXPECT_NE(first.err.find("the stat cache held an old digest of these files"), std::string::npos)
+      << first.err;
+  CommandResult again = Run({"preload", a});
+  ASSERT_EQ(again.exit_code, 0) << again.err;
+  json j = Load(a);
+  EXPECT_EQ(j["source"], "daemon");
+  EXPECT_EQ(j["checksum"], DiskChecksum(a));
 }
 
 // Through the library, a mode that is neither is an error, not the

@@ -225,9 +225,10 @@ TEST(Full, ABrokenShardIsAnErrorAsInSampledMode) {
 // racily-clean window off (the window has a test of its own).
 struct Cached {
   TempDir cache_dir;
-  Fingerprint Fp(const std::string& path, Mode mode = Mode::kSampled) {
+  Fingerprint Fp(const std::string& path, Mode mode = Mode::kSampled, bool lookups = true) {
     auto cache = StatCache::Load(cache_dir.path());
-    auto fp = fingerprint::Fp(path, {.mode = mode, .cache = cache.get(), .racy_seconds = 0});
+    auto fp = fingerprint::Fp(
+        path, {.mode = mode, .cache = cache.get(), .cache_lookups = lookups, .racy_seconds = 0});
     EXPECT_TRUE(cache->Save().ok());
     return fp;
   }
@@ -254,6 +255,22 @@ TEST(StatCache, AnUnchangedShardCostsNoRead) {
       EXPECT_EQ(cold.shards[i].signature, *now) << cold.shards[i].name;
       EXPECT_EQ(warm.shards[i].signature, *now) << warm.shards[i].name;
     }
+  }
+}
+
+// A caller that must not take a digest on a signature's word asks nothing
+// of the cache, and tells it what it computed.
+TEST(StatCache, WithoutLookupsItIsOnlyTold) {
+  TempDir dir;
+  Cached c;
+  const std::string m = Make(dir, "m", {.preset = "llama", .size_bytes = 4 << 20});
+  for (Mode mode : {Mode::kSampled, Mode::kFull}) {
+    const Fingerprint warm_up = c.Fp(m, mode);
+    const Fingerprint told = c.Fp(m, mode, /*lookups=*/false);
+    EXPECT_EQ(told.cache_hits, 0u);
+    EXPECT_GT(told.reads, 0u);
+    EXPECT_EQ(told.digest, warm_up.digest);
+    EXPECT_EQ(c.Fp(m, mode).cache_hits, 4u);
   }
 }
 

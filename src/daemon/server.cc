@@ -834,6 +834,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       }
     };
     try {
+      beating = true;  // before the thread: it may end (and say so) at once
       beat = std::thread([&] {
         try {
           std::unique_lock lock(state_mu);
@@ -852,12 +853,14 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
             }
           }
         } catch (...) {
-          // No memory for a frame: no more heartbeats, the load goes on.
+          // No memory for a frame: no more heartbeats; the load's reports
+          // are sent as it makes them.
+          std::lock_guard lock(state_mu);
+          beating = false;
         }
       });
-      beating = true;
     } catch (...) {
-      // No thread for it: progress is sent as the load reports it.
+      beating = false;  // no thread for it: the same
     }
     {
       StopBeat stop{state_mu, beat_cv, finished, beat};
@@ -1054,6 +1057,11 @@ Result<json> Server::State::PreloadUnguarded(
   fo.cache = cache.get();
   fo.mode = fingerprint::ModeNamed(processing.fingerprint);
   fo.cancel = &stopping;
+  // A full key is every byte hashed now: not a digest taken on the
+  // strength of a stat signature, which a file system that keeps one
+  // through a rewrite (docs/fingerprint.md) would make stale. The cache is
+  // still told, for engines.
+  if (fo.mode == fingerprint::Mode::kFull) fo.cache_lookups = false;
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fo);
   if (!fp.ok()) return fp.error();
   if (cache) {
@@ -1259,9 +1267,23 @@ Result<json> Server::State::PreloadUnguarded(
     // Rewritten between the fingerprint and the load: the resident ranks,
     // the digest of every byte, and the keys engines may be waiting for
     // (marked as loading) are of the old files, the loaded ones of the new.
-    return Error(path +
-                 ": the checkpoint changed while it was preloaded; nothing was published (preload "
-                 "again)");
+    // Or the stat cache answered for files whose content changed while
+    // their stat signature did not: then every preload again would fail
+    // the same way, so the cache is told what the files hold now.
+    std::string stale;
+    if (cache && fo.mode == fingerprint::Mode::kSampled && fp->cache_hits > 0) {
+      fingerprint::Options fresh = fo;
+      fresh.cache_lookups = false;
+      auto now = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, fresh);
+      if (now.ok() && now->digest == loaded->checkpoint_digest) {
+        (void)cache->Save();
+        stale =
+            "; the stat cache held an old digest of these files (their content changed, their "
+            "stat signature did not: see docs/fingerprint.md) and is corrected";
+      }
+    }
+    return Error(path + ": the checkpoint changed while it was preloaded" + stale +
+                 "; nothing was published (preload again)");
   }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -138,7 +138,7 @@ struct MergedRead {
 // came from the cache, or its stat failed and w.error says why).
 bool FromCache(io::FileSystem& fs, const Options& o, ShardWork& w) {
   w.result.name = w.ref.name;
-  if (o.cache == nullptr) return false;
+  if (o.cache == nullptr || !o.cache_lookups) return false;
   auto sig = fs.Stat(w.ref.resolved);
   ++w.round_trips;
   if (!sig.ok()) {
@@ -467,6 +467,10 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
       ShardFingerprint& s = shards[i];
       s.name = refs[i].name;
       auto fail = [&](const Error& e) { errors[i] = e; };
+      if (o.cancel != nullptr && o.cancel->load()) {
+        fail(Error("the fingerprint was cancelled"));
+        continue;
+      }
       // Opened even when the stat cache may answer: NFS revalidates a
       // file's attributes when it is opened (close-to-open), where a plain
       // stat may get the client's cached ones, and a stale signature would
@@ -481,7 +485,7 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
         fail(before.error());
         continue;
       }
-      if (o.cache != nullptr) {
+      if (o.cache != nullptr && o.cache_lookups) {
         if (auto digest = o.cache->Lookup(kind, *before)) {
           s.digest = *digest;
           s.file_bytes = before->size;
@@ -553,19 +557,21 @@ format::ListOptions ListingOptions(const Options& options) {
   StatCache* cache = options.cache;
   const double racy_seconds = options.racy_seconds;
   if (cache == nullptr) return o;
-  o.recall_index =
-      [cache](const io::StatSignature& sig) -> std::optional<std::vector<std::string>> {
-    auto text = cache->Lookup(kIndexKind, sig);
-    if (!text || text->empty()) return std::nullopt;
-    std::vector<std::string> names;
-    for (size_t start = 0; start <= text->size();) {
-      size_t end = text->find('\n', start);
-      if (end == std::string::npos) end = text->size();
-      names.push_back(text->substr(start, end - start));
-      start = end + 1;
-    }
-    return names;
-  };
+  if (options.cache_lookups) {
+    o.recall_index =
+        [cache](const io::StatSignature& sig) -> std::optional<std::vector<std::string>> {
+      auto text = cache->Lookup(kIndexKind, sig);
+      if (!text || text->empty()) return std::nullopt;
+      std::vector<std::string> names;
+      for (size_t start = 0; start <= text->size();) {
+        size_t end = text->find('\n', start);
+        if (end == std::string::npos) end = text->size();
+        names.push_back(text->substr(start, end - start));
+        start = end + 1;
+      }
+      return names;
+    };
+  }
   o.remember_index = [cache, racy_seconds](const io::StatSignature& sig,
                                            const std::vector<std::string>& names) {
     if (TooFreshToCache(sig, racy_seconds)) return;

@@ -62,6 +62,10 @@ struct Options {
   uint64_t sample_bytes = 1024;
   // Stat shortcut; nullptr turns it off. Not owned.
   StatCache* cache = nullptr;
+  // false: the cache is not asked, only told what was computed (its
+  // answers for these files replaced): for a caller that must not take a
+  // digest on the strength of a stat signature.
+  bool cache_lookups = true;
   // Files changed less than this long ago are fingerprinted but not cached:
   // a rewrite within the same timestamp tick would keep their signature.
   double racy_seconds = 2.0;
