@@ -475,7 +475,7 @@ TEST(CacheKey, DifferencesAreNamedAndTrustSkipsOnlyTheContent) {
 
 // The fingerprint mode travels with a preload only when it is not the
 // default (a daemon that knows none still serves sampled requests), and
-// only its two values are taken.
+// only its two values are served.
 TEST(CacheKey, ProcessingCarriesTheFingerprintModeOnlyWhenFull) {
   protocol::Processing p;
   EXPECT_FALSE(protocol::ToJson(p).contains("fingerprint"));
@@ -485,7 +485,9 @@ TEST(CacheKey, ProcessingCarriesTheFingerprintModeOnlyWhenFull) {
   EXPECT_EQ(back->fingerprint, "full");
   nlohmann::json odd = protocol::ToJson(p);
   odd["fingerprint"] = "most";
-  EXPECT_FALSE(protocol::ProcessingFromJson(odd).ok());
+  auto most = protocol::ProcessingFromJson(odd);  // parsed, then refused as the flags are
+  ASSERT_TRUE(most.ok());
+  EXPECT_FALSE(protocol::CheckSupported(*most).ok());
   odd["fingerprint"] = 1;
   EXPECT_FALSE(protocol::ProcessingFromJson(odd).ok());
 }

@@ -185,9 +185,6 @@ Status FinishProcessingFlags(protocol::Processing& p) {
     return resolved.error();
   }
   WEIGHTD_RETURN_IF_ERROR(protocol::CheckSupported(p));
-  if (p.fingerprint != "sampled" && p.fingerprint != "full") {
-    return Error("fingerprint `" + p.fingerprint + "` is neither sampled nor full");
-  }
   // A plan file is read by the daemon too, from another directory.
   if (transform::IsPlanFile(p.shard_plan)) {
     WEIGHTD_ASSIGN_OR_RETURN(p.shard_plan, io::PosixFileSystem().RealPath(p.shard_plan));

@@ -1,9 +1,5 @@
 #include "client/admin.h"
 
-#include <chrono>
-#include <cstdio>
-#include <thread>
-
 #include "protocol/channel.h"
 #include "protocol/paths.h"
 
@@ -19,25 +15,8 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
                                const std::function<void(const nlohmann::json&)>& on_progress,
                                double wait_for_daemon_seconds) {
   const std::string dir = protocol::SocketDirectory(socket_dir);
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_for_daemon_seconds);
-  auto connect = [&] {
-    return protocol::ConnectToDaemon(
-        dir, protocol::ConnectBusyTimeoutMs(wait_for_daemon_seconds,
-                                            deadline - std::chrono::steady_clock::now()));
-  };
-  auto ch = connect();
-  while (!ch.ok() && std::chrono::steady_clock::now() < deadline) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-    ch = connect();
-  }
-  if (!ch.ok()) {
-    char waited[64] = "";
-    if (wait_for_daemon_seconds > 0) {
-      std::snprintf(waited, sizeof waited, " (after waiting %g s for it)", wait_for_daemon_seconds);
-    }
-    return Error("no daemon: " + ch.error().message() + waited);
-  }
+  auto ch = protocol::ConnectToDaemonWaiting(dir, wait_for_daemon_seconds);
+  if (!ch.ok()) return Error("no daemon: " + ch.error().message());
   WEIGHTD_RETURN_IF_ERROR(ch->Send(request));
   while (true) {
     // A preload sends progress, or a heartbeat, every few seconds; anything

@@ -5,12 +5,10 @@
 
 #include <chrono>
 #include <cmath>
-#include <cstdio>
 #include <cstring>
 #include <iostream>
 #include <limits>
 #include <optional>
-#include <thread>
 
 #include "fingerprint/fingerprint.h"
 #include "format/dtype.h"
@@ -31,7 +29,6 @@ namespace {
 using nlohmann::json;
 
 constexpr int kReplyTimeoutMs = 30'000;
-constexpr auto kConnectRetry = std::chrono::milliseconds(50);
 
 // Private, page-aligned memory for `copy` mode.
 class OwnedBytes {
@@ -187,24 +184,6 @@ struct Miss {
   bool daemon_reachable = false;
 };
 
-Result<protocol::Channel> ConnectWaiting(const std::string& socket_dir, double wait_seconds) {
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_seconds);
-  while (true) {
-    auto ch = protocol::ConnectToDaemon(
-        socket_dir,
-        protocol::ConnectBusyTimeoutMs(wait_seconds, deadline - std::chrono::steady_clock::now()));
-    if (ch.ok()) return ch;
-    if (std::chrono::steady_clock::now() >= deadline) {
-      if (wait_seconds <= 0) return ch;
-      char waited[64];
-      std::snprintf(waited, sizeof waited, " (after waiting %g s for it)", wait_seconds);
-      return Error(ch.error().message() + waited);
-    }
-    std::this_thread::sleep_for(kConnectRetry);
-  }
-}
-
 Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
                                  double extra_seconds = 0) {
   const int timeout_ms = static_cast<int>(
@@ -233,7 +212,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
           ? 0
           : std::clamp(o.wait_for_daemon_seconds, 0.0, protocol::kMaxAcquireWaitSeconds);
   const auto started = std::chrono::steady_clock::now();
-  auto ch = ConnectWaiting(protocol::SocketDirectory(o.socket_dir), wait);
+  auto ch = protocol::ConnectToDaemonWaiting(protocol::SocketDirectory(o.socket_dir), wait);
   if (!ch.ok()) {
     miss.reason = "no daemon: " + ch.error().message();
     return nullptr;
@@ -471,9 +450,6 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   auto log = options.log ? options.log : [](const std::string& line) {
     std::cerr << "weightd: " << protocol::Printable(line) << "\n";
   };
-  if (options.fingerprint != "sampled" && options.fingerprint != "full") {
-    return Error("fingerprint `" + options.fingerprint + "` is neither sampled nor full");
-  }
   const protocol::Processing processing{spec.tp_size,       spec.tp_rank,    spec.dtype,
                                         spec.quant,         spec.shard_plan, spec.device,
                                         options.fingerprint};

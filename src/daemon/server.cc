@@ -1246,21 +1246,19 @@ Result<json> Server::State::PreloadUnguarded(
     manifest_copy = std::move(made).value();
   }
   // The key's digest describes exactly the bytes loaded. Sampled: the
-  // loader's, from its own reads. Full: every byte was hashed (or found in
-  // the stat cache) before the load; the files the loader read, each with
-  // one stat signature from its header to its end, must be those files
-  // with those signatures: the same device and inode (not another file a
-  // shard's symlink pointed to meanwhile), unchanged (a change moves
+  // loader's, from its own reads. Full: every byte was hashed before the
+  // load; the files the loader read (the same listing, in the same order),
+  // each with one stat signature from its header to its end, must be those
+  // files with those signatures: the same device and inode (not another
+  // file a shard's symlink pointed to meanwhile), unchanged (a change moves
   // ctime, which never goes back).
   std::string digest = loaded->checkpoint_digest;
   if (fo.mode == fingerprint::Mode::kFull) {
-    bool same = loaded->read_shards.size() == fp->shards.size();
-    for (const loader::LoadedModel::ReadShard& read : loaded->read_shards) {
-      const auto hashed =
-          std::find_if(fp->shards.begin(), fp->shards.end(),
-                       [&](const fingerprint::ShardFingerprint& f) { return f.name == read.name; });
-      same = same && hashed != fp->shards.end() && hashed->signature == read.signature;
-    }
+    const bool same = std::equal(
+        loaded->read_shards.begin(), loaded->read_shards.end(), fp->shards.begin(),
+        fp->shards.end(), [](const auto& read, const fingerprint::ShardFingerprint& hashed) {
+          return read.name == hashed.name && read.signature == hashed.signature;
+        });
     digest = same ? fp->digest : std::string();
   }
   if (digest != fp->digest) {

@@ -99,6 +99,9 @@ Status CheckSupported(const Processing& p) {
     return Error("--device " + p.device + ": one device, or one per rank (" +
                  std::to_string(p.tp_size) + "), not " + std::to_string(devices.size()));
   }
+  if (p.fingerprint != "sampled" && p.fingerprint != "full") {
+    return Error("fingerprint `" + p.fingerprint + "` is neither sampled nor full");
+  }
   return OkStatus();
 }
 
@@ -159,9 +162,7 @@ Result<Processing> ProcessingFromJson(const nlohmann::json& j) {
                                                  : p.device;
       out = value.get<std::string>();
     } else if (field == "fingerprint") {
-      if (!value.is_string() || (value != "sampled" && value != "full")) {
-        return Error("`fingerprint` is neither \"sampled\" nor \"full\"");
-      }
+      if (!value.is_string()) return Error("`fingerprint` is not a string");
       p.fingerprint = value.get<std::string>();
     } else {
       return Error("unknown processing option `" + field + "`");

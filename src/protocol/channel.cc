@@ -219,11 +219,6 @@ Result<Message> Channel::Receive(int timeout_ms) {
   return m;
 }
 
-int ConnectBusyTimeoutMs(double wait_seconds, std::chrono::duration<double> left) {
-  if (wait_seconds <= 0) return kConnectBusyTimeoutMs;
-  return static_cast<int>(std::clamp(left.count() * 1000, 0.0, double{kConnectBusyTimeoutMs}));
-}
-
 Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
@@ -282,6 +277,27 @@ namespace weightd::protocol {
 Result<Channel> ConnectToDaemon(const std::string& socket_dir, int busy_timeout_ms) {
   WEIGHTD_RETURN_IF_ERROR(CheckSocketDirectory(socket_dir));
   return Connect(SocketPath(socket_dir), busy_timeout_ms);
+}
+
+Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds) {
+  constexpr auto kRetry = std::chrono::milliseconds(50);
+  const auto deadline =
+      std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_seconds);
+  while (true) {
+    const std::chrono::duration<double> left = deadline - std::chrono::steady_clock::now();
+    const int busy =
+        wait_seconds <= 0
+            ? kConnectBusyTimeoutMs
+            : static_cast<int>(std::clamp(left.count() * 1000, 0.0, double{kConnectBusyTimeoutMs}));
+    auto ch = ConnectToDaemon(socket_dir, busy);
+    if (ch.ok() || wait_seconds <= 0) return ch;
+    if (std::chrono::steady_clock::now() >= deadline) {
+      char waited[64];
+      std::snprintf(waited, sizeof waited, " (after waiting %g s for it)", wait_seconds);
+      return Error(ch.error().message() + waited);
+    }
+    std::this_thread::sleep_for(kRetry);
+  }
 }
 
 }  // namespace weightd::protocol

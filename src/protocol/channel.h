@@ -75,11 +75,6 @@ class Channel {
 // a blocking connect would wait for it forever).
 inline constexpr int kConnectBusyTimeoutMs = 10'000;
 
-// The busy timeout for one connect of a caller that waits `wait_seconds`
-// in all, of which `left` is left: that, 10 s at most; 10 s for one that
-// does not wait.
-int ConnectBusyTimeoutMs(double wait_seconds, std::chrono::duration<double> left);
-
 // Connects to the daemon's socket and checks that its peer runs as this
 // user.
 Result<Channel> Connect(const std::string& socket_path,
@@ -89,6 +84,11 @@ Result<Channel> Connect(const std::string& socket_path,
 // (protocol::CheckSocketDirectory) and the peer.
 Result<Channel> ConnectToDaemon(const std::string& socket_dir,
                                 int busy_timeout_ms = kConnectBusyTimeoutMs);
+
+// The same, tried again for up to `wait_seconds` (a daemon that is
+// starting): each try's busy timeout is what is left of the wait, 10 s at
+// most (10 s when not waiting); an error says how long it waited.
+Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds);
 
 // A list for a reply whose length the daemon does not choose (every
 // resident model, every model an `evict all` dropped): the entries, in
