@@ -121,25 +121,32 @@ TEST_F(DaemonTest, AChangedCheckpointIsExplainedAgainstItsOwnOlderLoad) {
 // An edit past every tensor's first KiB keeps the sampled key: the
 // documented limit. Keyed by every byte (--fingerprint full, on both
 // sides), the edit is a miss and a byte-identical copy is still a hit.
+// Changes one byte 2 KiB into the first tensor of more than 4 KiB in the
+// checkpoint at `dir`, past the KiB the sampled fingerprint reads: the
+// shard's path, or "" if none has such a tensor.
+std::string EditPastTheSample(const std::string& dir) {
+  auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), dir);
+  if (!ckpt.ok()) return "";
+  for (const auto& shard : ckpt->shards) {
+    for (const auto& t : shard.header.tensors) {
+      if (t.bytes() < 4096) continue;
+      std::fstream f(shard.path, std::ios::in | std::ios::out | std::ios::binary);
+      f.seekg(static_cast<std::streamoff>(shard.header.data_offset() + t.begin + 2048));
+      const int old = f.get();
+      f.seekp(static_cast<std::streamoff>(shard.header.data_offset() + t.begin + 2048));
+      f.put(static_cast<char>(old ^ 0x5a));
+      return f.good() ? shard.path : "";
+    }
+  }
+  return "";
+}
+
 TEST_F(DaemonTest, AFullFingerprintSeesEditsTheSampledOneCannot) {
   const std::string a = MakeModel("a");
   const std::string edited = dir_.Join("edited"), copy = dir_.Join("copy");
   std::filesystem::copy(a, edited);
   std::filesystem::copy(a, copy);
-  // One byte 2 KiB into a tensor of more than 4 KiB.
-  auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), edited);
-  ASSERT_TRUE(ckpt.ok());
-  bool done = false;
-  for (const auto& shard : ckpt->shards) {
-    for (const auto& t : shard.header.tensors) {
-      if (done || t.bytes() < 4096) continue;
-      std::fstream f(shard.path, std::ios::in | std::ios::out | std::ios::binary);
-      f.seekp(static_cast<std::streamoff>(shard.header.data_offset() + t.begin + 2048));
-      f.put('\x5a');
-      done = f.good();
-    }
-  }
-  ASSERT_TRUE(done);
+  ASSERT_NE(EditPastTheSample(edited), "");
   const std::string edited_on_disk = DiskChecksum(edited);
   ASSERT_NE(edited_on_disk, DiskChecksum(a));
   auto daemon = StartDaemon();
@@ -164,6 +171,47 @@ TEST_F(DaemonTest, AFullFingerprintSeesEditsTheSampledOneCannot) {
   EXPECT_EQ(same["source"], "daemon");
   EXPECT_EQ(same["checksum"], DiskChecksum(a));
   EXPECT_NE(Status()["models"].dump().find("sha256:"), std::string::npos);
+}
+
+// A shard replaced between the daemon's hash of every byte and its load,
+// by a file that differs past each tensor's first KiB (the sampled digests
+// agree): the loaded bytes are not the ones hashed, and nothing may be
+// published under their key. A library in the daemon renames the new file
+// in just before the loader's open of it (the shard's second).
+TEST_F(DaemonTest, AShardReplacedDuringAFullPreloadIsNeverPublished) {
+  const std::string a = MakeModel("a");
+  const std::string edited = dir_.Join("edited");
+  std::filesystem::copy(a, edited);
+  const std::string shard = EditPastTheSample(edited);
+  ASSERT_NE(shard, "");
+  const std::string target = a + "/" + std::filesystem::path(shard).filename().string();
+  const std::string before = DiskChecksum(a);
+  ::setenv("LD_PRELOAD", WEIGHTD_SWAP_ON_OPEN, 1);
+  ::setenv("WEIGHTD_SWAP_PATH", target.c_str(), 1);
+  ::setenv("WEIGHTD_SWAP_WITH", shard.c_str(), 1);
+  ::setenv("WEIGHTD_SWAP_AT", "2", 1);
+  auto daemon = StartDaemon();
+  for (const char* name :
+       {"LD_PRELOAD", "WEIGHTD_SWAP_PATH", "WEIGHTD_SWAP_WITH", "WEIGHTD_SWAP_AT"}) {
+    ::unsetenv(name);
+  }
+
+  CommandResult swapped = Run({"preload", a, "--fingerprint", "full"});
+  EXPECT_EQ(swapped.exit_code, 1) << swapped.out;
+  EXPECT_NE(swapped.err.find("the checkpoint changed while it was preloaded"), std::string::npos)
+      << swapped.err;
+  EXPECT_FALSE(std::filesystem::exists(shard)) << "the daemon never swapped the shard";
+  EXPECT_EQ(Status()["models"], json::array()) << Status().dump();
+  const std::string after = DiskChecksum(a);
+  ASSERT_NE(after, before);
+  json j = Load(a, {"--fingerprint", "full"});
+  EXPECT_EQ(j["source"], "disk") << j.dump();
+  EXPECT_EQ(j["checksum"], after);
+
+  Preload(a, {"--fingerprint", "full"});  // the files hold still now
+  j = Load(a, {"--fingerprint", "full"});
+  EXPECT_EQ(j["source"], "daemon") << j.dump();
+  EXPECT_EQ(j["checksum"], after);
 }
 
 // On a file system that keeps a file's stat signature through a rewrite,

@@ -1,0 +1,66 @@
+// Preloaded into a process (LD_PRELOAD), renames one file over another
+// just before the process opens the latter for the N-th time, once:
+//
+//   WEIGHTD_SWAP_PATH  the file the process opens
+//   WEIGHTD_SWAP_WITH  the file renamed over it
+//   WEIGHTD_SWAP_AT    which of its opens (1, 2, ...) finds the new file
+//
+// The daemon tests use it to change a checkpoint between two reads of one
+// preload (the fingerprint's, the loader's) without depending on timing.
+#include <dlfcn.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <atomic>
+
+namespace {
+
+std::atomic<long> opens{0};
+
+void BeforeOpen(const char* path) {
+  const char* target = getenv("WEIGHTD_SWAP_PATH");
+  const char* with = getenv("WEIGHTD_SWAP_WITH");
+  const char* at = getenv("WEIGHTD_SWAP_AT");
+  if (target == nullptr || with == nullptr || at == nullptr || strcmp(path, target) != 0) return;
+  if (opens.fetch_add(1) + 1 != atol(at)) return;
+  if (rename(with, target) != 0) perror("swap_on_open: rename");
+}
+
+using OpenFn = int (*)(const char*, int, ...);
+
+int Forward(const char* name, const char* path, int flags, mode_t mode) {
+  static std::atomic<OpenFn> real[2];
+  const int which = strcmp(name, "open") == 0 ? 0 : 1;
+  OpenFn fn = real[which].load();
+  if (fn == nullptr) {
+    fn = reinterpret_cast<OpenFn>(dlsym(RTLD_NEXT, name));
+    real[which].store(fn);
+  }
+  BeforeOpen(path);
+  return fn(path, flags, mode);
+}
+
+mode_t ModeOf(int flags, va_list args) {
+  return (flags & O_CREAT) != 0 || (flags & O_TMPFILE) == O_TMPFILE ? va_arg(args, mode_t) : 0;
+}
+
+}  // namespace
+
+extern "C" __attribute__((visibility("default"))) int open(const char* path, int flags, ...) {
+  va_list args;
+  va_start(args, flags);
+  const mode_t mode = ModeOf(flags, args);
+  va_end(args);
+  return Forward("open", path, flags, mode);
+}
+
+extern "C" __attribute__((visibility("default"))) int open64(const char* path, int flags, ...) {
+  va_list args;
+  va_start(args, flags);
+  const mode_t mode = ModeOf(flags, args);
+  va_end(args);
+  return Forward("open64", path, flags, mode);
+}
