@@ -1047,43 +1047,133 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
 // In a container with a memory limit (here a control group made for the
 // test), the default host budget is half of that limit, not of the
 // machine's memory: preloads up to it would have the kernel kill for memory.
-TEST_F(DaemonTest, TheDefaultHostBudgetIsHalfOfTheControlGroupsLimit) {
-  if (::geteuid() != 0) GTEST_SKIP() << "needs root to make a control group";
-  // A group under this test's own in the v1 memory hierarchy (mounted
-  // whole, as on this project's machines), so that its limit is found
-  // through an ancestor walk and its use stays within the runner's.
-  std::string own;
-  {
+// A control group under this test's own in the v1 memory hierarchy
+// (mounted whole, as on this project's machines), so that its limit is
+// found through an ancestor walk and its use stays within the runner's;
+// removed when it goes, once the processes in it are gone. `skip` says why
+// none could be made here, `error` what went wrong.
+struct MemoryGroup {
+  std::string path, skip, error;
+  explicit MemoryGroup(uint64_t limit) {
+    if (::geteuid() != 0) {
+      skip = "needs root to make a control group";
+      return;
+    }
+    std::string own;
     std::ifstream in("/proc/self/cgroup");
     for (std::string line; std::getline(in, line);) {
       const size_t at = line.find(":memory:");
       if (at != std::string::npos) own = line.substr(at + 8);
     }
-  }
-  if (own.empty()) GTEST_SKIP() << "no cgroup v1 memory hierarchy";
-  if (own == "/") own.clear();
-  const std::string group =
-      "/sys/fs/cgroup/memory" + own + "/weightd-test-" + std::to_string(::getpid());
-  if (::mkdir(group.c_str(), 0755) != 0) {
-    const int e = errno;
-    if (e == ENOENT || e == EROFS || e == EACCES || e == EPERM) {
-      GTEST_SKIP() << "cannot make a control group here: " << std::strerror(e);
+    if (own.empty()) {
+      skip = "no cgroup v1 memory hierarchy";
+      return;
     }
-    FAIL() << "mkdir " << group << ": " << std::strerror(e);
+    if (own == "/") own.clear();
+    static int made = 0;
+    const std::string dir = "/sys/fs/cgroup/memory" + own + "/weightd-test-" +
+                            std::to_string(::getpid()) + "-" + std::to_string(made++);
+    if (::mkdir(dir.c_str(), 0755) != 0) {
+      const int e = errno;
+      (e == ENOENT || e == EROFS || e == EACCES || e == EPERM ? skip : error) =
+          "cannot make a control group " + dir + ": " + std::strerror(e);
+      return;
+    }
+    path = dir;
+    testing::WriteFileText(path + "/memory.limit_in_bytes", std::to_string(limit));
   }
-  struct Remove {
-    std::string group;
-    ~Remove() { ::rmdir(group.c_str()); }  // once the daemon in it is gone
-  } remove{group};
-  testing::WriteFileText(group + "/memory.limit_in_bytes", std::to_string(3ull << 30));
-  Process daemon({"serve", "--socket-dir", sock_},
-                 {"sh", "-c", "echo $$ > " + group + "/cgroup.procs && exec \"$@\"", "sh"});
+  ~MemoryGroup() {
+    if (!path.empty()) ::rmdir(path.c_str());
+  }
+  // What runs a command in the group.
+  std::vector<std::string> Prefix() const {
+    return {"sh", "-c", "echo $$ > " + path + "/cgroup.procs && exec \"$@\"", "sh"};
+  }
+  // How many processes the kernel killed for the group's memory.
+  int OomKills() const {
+    std::ifstream in(path + "/memory.oom_control");
+    for (std::string key, value; in >> key >> value;) {
+      if (key == "oom_kill") return std::stoi(value);
+    }
+    return -1;
+  }
+};
+
+TEST_F(DaemonTest, TheDefaultHostBudgetIsHalfOfTheControlGroupsLimit) {
+  MemoryGroup group(3ull << 30);
+  if (!group.skip.empty()) GTEST_SKIP() << group.skip;
+  ASSERT_EQ(group.error, "");
+  Process daemon({"serve", "--socket-dir", sock_}, group.Prefix());
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
   EXPECT_NE(daemon.out().find("host budget 1.50 GiB"), std::string::npos) << daemon.out();
   EXPECT_EQ(Status()["devices"][0]["budget"], 3ull << 29);
-  EXPECT_NE(daemon.err().find("(" + group + "/memory."), std::string::npos) << daemon.err();
+  EXPECT_NE(daemon.err().find("(" + group.path + "/memory."), std::string::npos) << daemon.err();
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+}
+
+// Segments engines still map after their daemon was killed stay charged
+// to its control group, and a new daemon's budget knows nothing of them.
+// Its preloads must then evict idle models for the room the group has
+// left, or be refused, and never get the daemon killed for memory.
+TEST_F(DaemonTest, SegmentsAnEarlierDaemonLeftMappedNeverGetTheNextOneKilled) {
+  MemoryGroup group(256ull << 20);
+  if (!group.skip.empty()) GTEST_SKIP() << group.skip;
+  ASSERT_EQ(group.error, "");
+  std::vector<std::string> models;
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    models.push_back(dir_.Join("m" + std::to_string(seed)));
+    ASSERT_TRUE(format::WriteSyntheticCheckpoint(
+                    models.back(), {.preset = "llama", .seed = seed, .size_bytes = 4 << 20})
+                    .ok());
+  }
+  // A budget above the group's limit: the kernel, not the budget, is what
+  // runs out.
+  const std::vector<std::string> serve = {"serve", "--socket-dir", sock_, "--budget", "host=400M"};
+  auto first = std::make_unique<Process>(serve, group.Prefix());
+  ASSERT_TRUE(first->WaitForOutput("ready")) << first->err();
+  std::vector<std::unique_ptr<Process>> engines;
+  for (size_t i = 0; i < 5; ++i) {
+    Preload(models[i]);
+    engines.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"load", models[i], "--hold", "300", "--socket-dir", sock_}));
+    ASSERT_TRUE(engines.back()->WaitForOutput("source: daemon")) << engines.back()->err();
+  }
+  first->Signal(SIGKILL);
+  first->Wait();
+
+  Process second(serve, group.Prefix());
+  ASSERT_TRUE(second.WaitForOutput("ready")) << second.err();
+  std::string said;
+  for (size_t i = 5; i < 12; ++i) {
+    CommandResult r = Run({"preload", models[i]});
+    ASSERT_EQ(r.exit_code, 0) << "model " << i << ": " << r.err << "\n" << second.err();
+    said += r.out;
+  }
+  EXPECT_NE(said.find("evicted to make room"), std::string::npos) << said;
+  EXPECT_EQ(group.OomKills(), 0);
+
+  // Every resident model leased, and each new one: nothing to evict, and
+  // a clear refusal once the group is full.
+  auto hold = [&](const std::string& path) {
+    engines.push_back(std::make_unique<Process>(
+        std::vector<std::string>{"load", path, "--hold", "300", "--socket-dir", sock_}));
+    return engines.back()->WaitForOutput("source: daemon");
+  };
+  for (const json& m : Status()["models"]) ASSERT_TRUE(hold(m["path"].get<std::string>()));
+  CommandResult refused;
+  for (size_t i = 12; i < models.size() && refused.exit_code != 1; ++i) {
+    refused = Run({"preload", models[i]});
+    if (refused.exit_code == 0) {
+      ASSERT_TRUE(hold(models[i]));
+    }
+  }
+  EXPECT_EQ(refused.exit_code, 1) << "the group never filled: " << Run({"status"}).out;
+  EXPECT_NE(refused.err.find("out of memory on host"), std::string::npos) << refused.err;
+  EXPECT_NE(refused.err.find("the control group's limit of 256.00 MiB"), std::string::npos)
+      << refused.err;
+  EXPECT_EQ(group.OomKills(), 0);
+  EXPECT_EQ(Run({"status"}).exit_code, 0) << second.err();
 }
 
 // Segments under a huge page are made of normal pages, and a preload

@@ -823,5 +823,60 @@ TEST(HostMemory, TheLowestControlGroupLimitIsTheCeiling) {
   EXPECT_FALSE(here.source.empty());
 }
 
+// The room a control group has left: its limit less what it holds beyond
+// the files' page cache (reclaimed before anything is killed; shared
+// memory is not on those lists), the least over the group and its
+// ancestors.
+TEST(HostMemory, RoomIsTheLimitLessWhatTheGroupCannotGiveBack) {
+  TempDir root;
+  auto put = [&](const std::string& rel, const std::string& text) {
+    std::filesystem::create_directories(std::filesystem::path(root.Join(rel)).parent_path());
+    testing::WriteFileText(root.Join(rel), text);
+  };
+  const std::string v2 = "35 31 0:32 / /v2 rw - cgroup2 cgroup2 rw\n";
+  const std::string v1 = "35 31 0:32 / /v1 rw - cgroup cgroup rw,memory\n";
+  constexpr uint64_t kMiB = 1 << 20;
+  // v2: the group holds 600 MiB, 300 of them page cache; its parent, with
+  // more room in its limit, holds more.
+  put("v2/a/b/memory.max", std::to_string(1024 * kMiB));
+  put("v2/a/b/memory.current", std::to_string(600 * kMiB));
+  put("v2/a/b/memory.stat", "anon 1\nfile 1\nactive_file " + std::to_string(200 * kMiB) +
+                                "\ninactive_file " + std::to_string(100 * kMiB) + "\nshmem 5\n");
+  put("v2/a/memory.max", std::to_string(2048 * kMiB));
+  put("v2/a/memory.current", std::to_string(1000 * kMiB));
+  auto room = memory::CgroupMemoryRoom("0::/a/b\n", v2, root.path());
+  ASSERT_TRUE(room);
+  EXPECT_EQ(room->free, 724 * kMiB);
+  EXPECT_EQ(room->held, 300 * kMiB);
+  EXPECT_EQ(room->limit, 1024 * kMiB);
+  EXPECT_EQ(room->source, root.Join("v2/a/b/memory.max"));
+  put("v2/a/memory.current", std::to_string(1900 * kMiB));
+  room = memory::CgroupMemoryRoom("0::/a/b\n", v2, root.path());
+  ASSERT_TRUE(room);
+  EXPECT_EQ(room->free, 148 * kMiB);
+  EXPECT_EQ(room->source, root.Join("v2/a/memory.max"));
+  // v1: the hierarchy's totals; a group holding more than its limit has
+  // no room, not a wrapped-around number.
+  put("v1/x/memory.limit_in_bytes", std::to_string(1024 * kMiB));
+  put("v1/x/memory.usage_in_bytes", std::to_string(800 * kMiB));
+  put("v1/x/memory.stat", "cache 9\nactive_file 1\ntotal_active_file " +
+                              std::to_string(300 * kMiB) + "\ntotal_inactive_file " +
+                              std::to_string(100 * kMiB) + "\n");
+  room = memory::CgroupMemoryRoom("4:memory:/x\n", v1, root.path());
+  ASSERT_TRUE(room);
+  EXPECT_EQ(room->free, 624 * kMiB);
+  put("v1/x/memory.usage_in_bytes", std::to_string(1500 * kMiB));
+  room = memory::CgroupMemoryRoom("4:memory:/x\n", v1, root.path());
+  ASSERT_TRUE(room);
+  EXPECT_EQ(room->free, 0u);
+  // No limit: no figure from the groups (the machine's is HostMemoryRoom's).
+  put("v2/c/memory.max", "max\n");
+  EXPECT_EQ(memory::CgroupMemoryRoom("0::/c\n", v2, root.path()), std::nullopt);
+  const std::optional<memory::MemoryRoom> here = memory::HostMemoryRoom();
+  ASSERT_TRUE(here);
+  EXPECT_GT(here->free, 0u);
+  EXPECT_LE(here->free, here->limit);
+}
+
 }  // namespace
 }  // namespace weightd

@@ -110,6 +110,56 @@ TEST(Registry, ALeasedModelOnAGpuLeavesNoRoomAndTheErrorNamesTheDevice) {
 
 // Ranks on several devices reserve together: when one device has no room,
 // nothing is evicted on the others for a load that cannot start.
+// Room the kernel would still give, less than the budget says (memory
+// held outside it): idle models are evicted for it, the least recently
+// used first; with none left to evict, a refusal that says whose figure
+// it is. Loads in flight count against it until they end.
+TEST(Registry, IdleModelsAreEvictedForRoomTheKernelLacksAndThenItRefuses) {
+  Registry r(64 * kMiB);
+  Registry::Room room{12 * kMiB, 2 * kMiB, "the control group's limit of 1.00 GiB in F"};
+  r.SetRoomProbe("host", [&] { return room; });
+  auto a = Publish(r, "host", 4, "xxh3-128:a");
+  auto b = Publish(r, "host", 4, "xxh3-128:b");
+  auto c = Publish(r, "host", 1, "xxh3-128:c");
+  // 5 MiB left, 2 of them kept: 3 usable. 6 MiB need 3 more, and the
+  // budget has plenty: a, the oldest idle model, goes (4 MiB).
+  room.free = 5 * kMiB;
+  std::vector<Eviction> evicted;
+  ASSERT_TRUE(r.Reserve("host", 6 * kMiB, &evicted).ok());
+  ASSERT_EQ(evicted.size(), 1u);
+  EXPECT_NE(evicted[0].description.find("xxh3-128:a"), std::string::npos);
+  // The kernel's figure does not know of that reservation's pages yet: a
+  // second one counts it taken: 9 - 6 - 2 leave 1, and 2 MiB more need b
+  // evicted.
+  evicted.clear();
+  room.free = 9 * kMiB;  // a's pages given back
+  ASSERT_TRUE(r.Reserve("host", 2 * kMiB, &evicted).ok());
+  ASSERT_EQ(evicted.size(), 1u);
+  EXPECT_NE(evicted[0].description.find("xxh3-128:b"), std::string::npos);
+  r.Unreserve("host", 8 * kMiB);
+  // Within what is usable: no eviction.
+  evicted.clear();
+  ASSERT_TRUE(r.Reserve("host", 7 * kMiB, &evicted).ok());
+  EXPECT_TRUE(evicted.empty());
+  r.Unreserve("host", 7 * kMiB);
+  // c leased, nothing to evict: refused, with the figure and its source,
+  // and nothing evicted.
+  ASSERT_TRUE(r.Acquire(c->key, "").model);
+  auto refused = r.Reserve("host", 8 * kMiB, &evicted);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_TRUE(evicted.empty());
+  EXPECT_NE(refused.error().message().find("out of memory on host"), std::string::npos)
+      << refused.error().message();
+  EXPECT_NE(refused.error().message().find("the kernel would give 9.00 MiB more (the control "
+                                           "group's limit of 1.00 GiB in F)"),
+            std::string::npos)
+      << refused.error().message();
+  EXPECT_EQ(r.Take().models.size(), 1u);
+  // No figure from the kernel: the budget alone decides.
+  r.SetRoomProbe("host", [] { return std::optional<Registry::Room>(); });
+  EXPECT_TRUE(r.Reserve("host", 8 * kMiB, &evicted).ok());
+}
+
 TEST(Registry, RoomOnEveryDeviceOrNothingEvicted) {
   Registry r(8 * kMiB);
   const std::string gpu2 = "cuda:GPU-00000000-0000-0000-0000-000000000002";

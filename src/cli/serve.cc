@@ -272,11 +272,16 @@ int RunServe(ServeOptions o) {
   // Budgets that cannot mean what they say are taken, and said.
   if (so.host_budget == 0) {
     so.log("the host budget is 0: no model can be preloaded into host memory");
-  } else if (ceiling.bytes > 0 && so.host_budget > ceiling.bytes) {
-    so.log("the host budget (" + FormatBytes(so.host_budget) + ") is more than the " +
-           FormatBytes(ceiling.bytes) + " this process may use (" +
+  } else if (ceiling.bytes > 0 && so.host_budget > ceiling.bytes - ceiling.bytes / 8) {
+    // The daemon's own memory, and anything else its group holds, come
+    // out of the same limit: preloads then find the kernel's room short
+    // before the budget (and evict for it, or are refused).
+    so.log("the host budget (" + FormatBytes(so.host_budget) +
+           ") leaves less than an eighth of the " + FormatBytes(ceiling.bytes) +
+           " this process may use (" +
            (ceiling.source == "RAM" ? "the machine's memory" : ceiling.source) +
-           "): the kernel may refuse memory, or kill for it, before the budget is reached");
+           ") for the daemon itself and everything else: preloads will find the memory short "
+           "before the budget, and evict idle models for it or be refused");
   } else if (!host_budget_given && ceiling.bytes == 0) {
     so.log("host budget " + FormatBytes(so.host_budget) +
            ": how much memory this machine has could not be told; give --budget host=SIZE");

@@ -59,6 +59,11 @@ void Registry::SetBudget(const std::string& device, uint64_t bytes) {
   accounts_[device].budget = bytes;
 }
 
+void Registry::SetRoomProbe(const std::string& device, RoomProbe probe) {
+  std::lock_guard lock(mu_);
+  AccountLocked(device).room = std::move(probe);
+}
+
 Status Registry::Reserve(const std::string& device, uint64_t bytes,
                          std::vector<Eviction>* evicted) {
   return Reserve({{device, bytes}}, evicted);
@@ -72,8 +77,12 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
     return m.key.device == device && m.leases == 0 && m.name.empty();
   };
   // Every device is checked before any model is evicted: room on all of
-  // them, or nothing evicted for a load that cannot start.
-  for (const auto& [device, bytes] : needs) {
+  // them, or nothing evicted for a load that cannot start. What idle
+  // models must free on each: within the budget, and within what the
+  // kernel would give.
+  std::vector<uint64_t> to_free_for_room(needs.size(), 0);
+  for (size_t n = 0; n < needs.size(); ++n) {
+    const auto& [device, bytes] = needs[n];
     auto account = accounts_.find(device);
     if (account == accounts_.end()) return Error("no memory budget for " + device);
     const Account& a = account->second;
@@ -106,10 +115,35 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
                    " are held: " + who + "; " +
                    (held > 0 ? "evict one or raise --budget" : "raise --budget"));
     }
+    if (!a.room) continue;
+    const std::optional<Room> room = a.room();
+    if (!room) continue;
+    // Loads in flight may not have taken their reservations' pages yet.
+    uint64_t spoken_for = 0;
+    if (__builtin_add_overflow(a.reserved, room->keep, &spoken_for)) spoken_for = UINT64_MAX;
+    const uint64_t usable = room->free - std::min(room->free, spoken_for);
+    if (bytes <= usable) continue;
+    to_free_for_room[n] = bytes - usable;
+    if (to_free_for_room[n] > idle) {
+      return Error("out of memory on " + device + ": the model needs " +
+                   protocol::FormatBytes(bytes) +
+                   ", within the budget, but the kernel would give " +
+                   protocol::FormatBytes(room->free) + " more (" + room->what + "), of which " +
+                   (a.reserved > 0 ? protocol::FormatBytes(a.reserved) + " are for loads in "
+                                                                         "progress and "
+                                   : std::string()) +
+                   protocol::FormatBytes(room->keep) + " are kept for the daemon itself" +
+                   (idle > 0 ? ", and idle models free only " + protocol::FormatBytes(idle) : "") +
+                   ". Memory outside the budget holds the rest: segments engines still map "
+                   "from a daemon that stopped, or other processes; lower --budget or free "
+                   "memory");
+    }
   }
-  for (const auto& [device, bytes] : needs) {
+  for (size_t n = 0; n < needs.size(); ++n) {
+    const auto& [device, bytes] = needs[n];
     Account& a = accounts_[device];
-    while (a.used + a.reserved + bytes > a.budget) {
+    uint64_t freed = 0;
+    while (a.used + a.reserved + bytes > a.budget || freed < to_free_for_room[n]) {
       // The idle model used least recently goes first.
       size_t victim = models_.size();
       for (size_t i = 0; i < models_.size(); ++i) {
@@ -120,6 +154,7 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
       }
       if (victim == models_.size()) break;  // cannot happen: counted above
       Eviction e = EvictLocked(victim, dropped);
+      freed += e.bytes;
       if (evicted != nullptr) evicted->push_back(std::move(e));
     }
     a.reserved += bytes;

@@ -18,9 +18,11 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -69,6 +71,21 @@ class Registry {
 
   // Sets `device`'s budget. Models already held stay, over it or not.
   void SetBudget(const std::string& device, uint64_t bytes);
+
+  // What the kernel would still give on a device, read at every
+  // reservation: `free` (its memory, or its control group's), of which a
+  // reservation leaves `keep` for the daemon's own working memory; `what`
+  // says where the figure comes from. Memory held outside the budget
+  // (segments engines still map from a daemon that stopped, other
+  // processes of the same control group) leaves less than the budget
+  // says, and idle models are evicted for it as for the budget.
+  struct Room {
+    uint64_t free = 0;
+    uint64_t keep = 0;
+    std::string what;
+  };
+  using RoomProbe = std::function<std::optional<Room>()>;
+  void SetRoomProbe(const std::string& device, RoomProbe probe);
 
   // Reserves `bytes` on `device` for a model about to be loaded, evicting
   // idle models of that device as needed (reported in `evicted`). Give the
@@ -211,6 +228,7 @@ class Registry {
     uint64_t reserved = 0;
     uint64_t evicted_leased = 0;  // of `used`
     uint64_t evicted_leased_models = 0;
+    RoomProbe room;  // may be empty
   };
   // REQUIRES: mu_ held.
   Account& AccountLocked(const std::string& device) { return accounts_[device]; }

@@ -36,6 +36,11 @@ inline constexpr uint64_t kDefaultGpuBudgetPercent = 50;
 struct ServerOptions {
   std::string socket_dir;  // resolved already (protocol::SocketDirectory)
   uint64_t host_budget = 0;
+  // Whether a host reservation is also weighed against what the kernel
+  // would still give (memory::HostMemoryRoom): memory held outside the
+  // budget is then evicted for, or refused, rather than the daemon killed
+  // for it.
+  bool check_host_room = true;
   // Budgets for GPUs, by the device as the user named it ("cuda:0" in this
   // daemon's numbering, or "cuda:GPU-<uuid>"); a GPU not named gets
   // kDefaultGpuBudgetPercent of its memory.

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <charconv>
 #include <fstream>
+#include <functional>
 #include <sstream>
 #include <vector>
 
@@ -125,11 +126,33 @@ std::optional<std::string> Below(const std::string& path, const std::string& roo
   return path.substr(root.size());
 }
 
+// A "Key:   N kB" line of /proc/meminfo, in bytes.
+std::optional<uint64_t> MeminfoKib(std::string_view meminfo, std::string_view key) {
+  for (const std::string& line : Split(meminfo, '\n')) {
+    if (line.compare(0, key.size(), key) != 0) continue;
+    size_t at = key.size();
+    while (at < line.size() && line[at] == ' ') ++at;
+    uint64_t kib = 0;
+    const auto [end, ec] = std::from_chars(line.data() + at, line.data() + line.size(), kib);
+    if (ec != std::errc() || std::string_view(end, line.data() + line.size()) != " kB" ||
+        kib > UINT64_MAX / 1024) {
+      return std::nullopt;
+    }
+    return kib * 1024;
+  }
+  return std::nullopt;
+}
+
 }  // namespace
 
-std::optional<uint64_t> CgroupMemoryLimit(std::string_view proc_self_cgroup,
-                                          std::string_view proc_self_mountinfo,
-                                          const std::string& prefix, std::string* where) {
+namespace {
+
+// Calls visit(dir, v2, own) for this process's memory group in every
+// hierarchy the mounts show (at `prefix` + the mount point), then for each
+// of its ancestors up to the mount's root (`own` false).
+void ForEachMemoryGroup(std::string_view proc_self_cgroup, std::string_view proc_self_mountinfo,
+                        const std::string& prefix,
+                        const std::function<void(const std::string&, bool, bool)>& visit) {
   // This process's group in the v2 hierarchy and in v1's memory hierarchy.
   std::optional<std::string> v2_group, v1_group;
   for (const std::string& line : Split(proc_self_cgroup, '\n')) {
@@ -147,13 +170,6 @@ std::optional<uint64_t> CgroupMemoryLimit(std::string_view proc_self_cgroup,
       if (std::find(list.begin(), list.end(), "memory") != list.end()) v1_group = path;
     }
   }
-  std::optional<uint64_t> lowest;
-  auto consider = [&](const std::string& file, std::optional<uint64_t> limit) {
-    if (limit && (!lowest || *limit < *lowest)) {
-      lowest = limit;
-      if (where != nullptr) *where = file;
-    }
-  };
   for (const CgroupMount& m : MemoryMounts(proc_self_mountinfo)) {
     const std::optional<std::string>& group = m.v2 ? v2_group : v1_group;
     if (!group) continue;
@@ -161,28 +177,107 @@ std::optional<uint64_t> CgroupMemoryLimit(std::string_view proc_self_cgroup,
     if (!rel) continue;  // this process's group is not under what is mounted there
     const std::string base = prefix + (m.point == "/" ? "" : m.point);
     for (bool own = true;; own = false) {
-      const std::string dir = base + *rel;
-      if (m.v2) {
-        const std::string file = dir + "/memory.max";
-        consider(file, ParseLimit(ReadSmallFile(file)));
-      } else {
-        const std::string file = dir + "/memory.limit_in_bytes";
-        consider(file, ParseLimit(ReadSmallFile(file)));
-        if (own) {
-          const std::string stat = dir + "/memory.stat";
-          for (const std::string& l : Split(ReadSmallFile(stat), '\n')) {
-            constexpr std::string_view kKey = "hierarchical_memory_limit ";
-            if (l.compare(0, kKey.size(), kKey) == 0) {
-              consider(stat, ParseLimit(std::string_view(l).substr(kKey.size())));
-            }
-          }
-        }
-      }
+      visit(base + *rel, m.v2, own);
       if (rel->empty()) break;
       rel->resize(rel->rfind('/'));
     }
   }
+}
+
+// The value of `key` in a memory.stat text ("key value" lines).
+std::optional<uint64_t> StatValue(std::string_view stat, std::string_view key) {
+  for (const std::string& line : Split(stat, '\n')) {
+    if (line.size() > key.size() && line.compare(0, key.size(), key) == 0 &&
+        line[key.size()] == ' ') {
+      uint64_t v = 0;
+      const char* begin = line.data() + key.size() + 1;
+      const auto [end, ec] = std::from_chars(begin, line.data() + line.size(), v);
+      if (ec == std::errc() && end == line.data() + line.size()) return v;
+    }
+  }
+  return std::nullopt;
+}
+
+// The limit on group `dir` and the file that sets it: v2's memory.max;
+// v1's memory.limit_in_bytes, or on the process's own group the
+// hierarchical_memory_limit in its memory.stat where lower (it counts
+// ancestors the mount may not show).
+std::optional<std::pair<uint64_t, std::string>> GroupLimit(const std::string& dir, bool v2,
+                                                           bool own) {
+  std::optional<std::pair<uint64_t, std::string>> lowest;
+  auto consider = [&](const std::string& file, std::optional<uint64_t> limit) {
+    if (limit && (!lowest || *limit < lowest->first)) lowest = {*limit, file};
+  };
+  if (v2) {
+    consider(dir + "/memory.max", ParseLimit(ReadSmallFile(dir + "/memory.max")));
+    return lowest;
+  }
+  consider(dir + "/memory.limit_in_bytes",
+           ParseLimit(ReadSmallFile(dir + "/memory.limit_in_bytes")));
+  if (own) {
+    const std::string stat = dir + "/memory.stat";
+    const std::optional<uint64_t> h = StatValue(ReadSmallFile(stat), "hierarchical_memory_limit");
+    if (h) consider(stat, ParseLimit(std::to_string(*h)));
+  }
   return lowest;
+}
+
+}  // namespace
+
+std::optional<uint64_t> CgroupMemoryLimit(std::string_view proc_self_cgroup,
+                                          std::string_view proc_self_mountinfo,
+                                          const std::string& prefix, std::string* where) {
+  std::optional<uint64_t> lowest;
+  ForEachMemoryGroup(proc_self_cgroup, proc_self_mountinfo, prefix,
+                     [&](const std::string& dir, bool v2, bool own) {
+                       const auto limit = GroupLimit(dir, v2, own);
+                       if (limit && (!lowest || limit->first < *lowest)) {
+                         lowest = limit->first;
+                         if (where != nullptr) *where = limit->second;
+                       }
+                     });
+  return lowest;
+}
+
+std::optional<MemoryRoom> CgroupMemoryRoom(std::string_view proc_self_cgroup,
+                                           std::string_view proc_self_mountinfo,
+                                           const std::string& prefix) {
+  std::optional<MemoryRoom> least;
+  ForEachMemoryGroup(
+      proc_self_cgroup, proc_self_mountinfo, prefix,
+      [&](const std::string& dir, bool v2, bool own) {
+        const auto limit = GroupLimit(dir, v2, own);
+        if (!limit) return;
+        // What the group holds (its descendants too), less the files' page
+        // cache, which the kernel reclaims before it kills: on the file
+        // LRU lists, where shared memory (memfds, tmpfs) never is.
+        const std::optional<uint64_t> usage =
+            ParseLimit(ReadSmallFile(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes")));
+        const std::string stat = ReadSmallFile(dir + "/memory.stat");
+        const char* active = v2 ? "active_file" : "total_active_file";
+        const char* inactive = v2 ? "inactive_file" : "total_inactive_file";
+        const uint64_t file_cache =
+            StatValue(stat, active).value_or(0) + StatValue(stat, inactive).value_or(0);
+        const uint64_t held = usage ? *usage - std::min(*usage, file_cache) : 0;
+        const uint64_t room = limit->first - std::min(limit->first, held);
+        if (!least || room < least->free)
+          least = MemoryRoom{room, limit->first, held, limit->second};
+      });
+  return least;
+}
+
+std::optional<MemoryRoom> HostMemoryRoom() {
+  std::optional<MemoryRoom> room = CgroupMemoryRoom(ReadSmallFile("/proc/self/cgroup"),
+                                                    ReadSmallFile("/proc/self/mountinfo"), "");
+  // The machine's own: what the kernel estimates it can give without
+  // swapping (free memory and the reclaimable part of its caches).
+  const std::string meminfo = ReadSmallFile("/proc/meminfo");
+  const std::optional<uint64_t> available = MeminfoKib(meminfo, "MemAvailable:");
+  const std::optional<uint64_t> total = MeminfoKib(meminfo, "MemTotal:");
+  if (available && total && (!room || *available < room->free)) {
+    room = MemoryRoom{*available, *total, *total - std::min(*total, *available), "MemAvailable"};
+  }
+  return room;
 }
 
 MemoryCeiling HostMemoryCeiling() {

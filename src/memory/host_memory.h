@@ -36,4 +36,27 @@ std::optional<uint64_t> CgroupMemoryLimit(std::string_view proc_self_cgroup,
                                           std::string_view proc_self_mountinfo,
                                           const std::string& prefix, std::string* where);
 
+// How much more memory the kernel would give before it refuses or kills:
+// the least of the machine's MemAvailable and, for each control group
+// limit this process is under, that limit less what the group holds
+// beyond the files' page cache (which is reclaimed first). Shared memory
+// an engine still maps after the daemon that made it has gone is in what
+// the group holds, and in no budget.
+struct MemoryRoom {
+  uint64_t free = 0;
+  uint64_t limit = 0;
+  uint64_t held = 0;   // what counts against `limit` and cannot be reclaimed
+  std::string source;  // "MemAvailable", or the control group file that sets `limit`
+};
+std::optional<MemoryRoom> HostMemoryRoom();
+
+// The control group part of HostMemoryRoom, read as CgroupMemoryLimit
+// reads (v2: memory.current and memory.stat's active_file and
+// inactive_file; v1: memory.usage_in_bytes and total_active_file,
+// total_inactive_file): the group with the least room; nullopt where no
+// limit is set.
+std::optional<MemoryRoom> CgroupMemoryRoom(std::string_view proc_self_cgroup,
+                                           std::string_view proc_self_mountinfo,
+                                           const std::string& prefix);
+
 }  // namespace weightd::memory

@@ -15,6 +15,7 @@
 #include <thread>
 #include <vector>
 
+#include "memory/host_memory.h"
 #include "memory/segment.h"
 
 // Linux 5.14; headers older than the kernel may lack it.
@@ -233,23 +234,6 @@ uint64_t FreeHugePages() {
          (overcommit > surplus ? overcommit - surplus : 0);
 }
 
-// MemAvailable from /proc/meminfo, in bytes; nullopt where it cannot be read.
-std::optional<uint64_t> AvailableMemory() {
-  FILE* f = std::fopen("/proc/meminfo", "r");
-  if (f == nullptr) return std::nullopt;
-  char line[256];
-  std::optional<uint64_t> out;
-  while (std::fgets(line, sizeof line, f) != nullptr) {
-    unsigned long long kib = 0;
-    if (std::sscanf(line, "MemAvailable: %llu kB", &kib) == 1) {
-      out = static_cast<uint64_t>(kib) * 1024;
-      break;
-    }
-  }
-  std::fclose(f);
-  return out;
-}
-
 }  // namespace
 
 UniqueFd& UniqueFd::operator=(UniqueFd&& other) noexcept {
@@ -316,12 +300,13 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
   }
   // Normal pages are allocated as the fill touches them, by every reading
   // thread at once (allocating them up front costs a single-threaded pass
-  // over the whole size). What would not fit in the memory the kernel says
-  // is available is refused now, with a message, rather than ending in the
-  // OOM killer halfway through.
-  if (auto available = AvailableMemory(); available && size > *available) {
+  // over the whole size). What would not fit in the memory the kernel would
+  // still give (the machine's, or a control group's) is refused now, with
+  // a message, rather than ending in the OOM killer halfway through.
+  if (auto room = HostMemoryRoom(); room && size > room->free) {
     return Error("cannot create a host segment of " + std::to_string(size) + " bytes: only " +
-                 std::to_string(*available) + " bytes of memory are available (MemAvailable)");
+                 std::to_string(room->free) + " bytes of memory are available (" + room->source +
+                 ")");
   }
   const uint64_t reserved = RoundUp(size, static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
   auto fd = MakeMemfd(label, reserved, false);
