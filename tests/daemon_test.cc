@@ -1160,7 +1160,8 @@ TEST_F(DaemonTest, SegmentsAnEarlierDaemonLeftMappedNeverGetTheNextOneKilled) {
         std::vector<std::string>{"load", path, "--hold", "300", "--socket-dir", sock_}));
     return engines.back()->WaitForOutput("source: daemon");
   };
-  for (const json& m : Status()["models"]) ASSERT_TRUE(hold(m["path"].get<std::string>()));
+  const json resident = Status()["models"];
+  for (const json& m : resident) ASSERT_TRUE(hold(m["path"].get<std::string>()));
   CommandResult refused;
   for (size_t i = 12; i < models.size() && refused.exit_code != 1; ++i) {
     refused = Run({"preload", models[i]});
