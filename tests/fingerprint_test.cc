@@ -8,6 +8,8 @@
 #include <unistd.h>
 #include <xxhash.h>
 
+#include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -537,6 +539,58 @@ TEST(StatCache, ADirectoryOthersCanWriteIsNotUsed) {
   cache->Insert("sampled-1024", {.device = 1, .inode = 2, .size = 3}, "xxh3-128:0");
   EXPECT_TRUE(cache->Save().ok());
   EXPECT_FALSE(fs::exists(dir.Join("fingerprint-stat-v3.cache")));
+}
+
+// Whether statx tells mounts apart for the whole boot (Linux 6.8): before
+// it, a mount's ID is handed to the next mount once it is gone.
+bool MountIdsAreUniqueThisBoot() {
+  struct statx sx;
+  return ::statx(AT_FDCWD, "/", 0, 0x00004000U /* STATX_MNT_ID_UNIQUE */, &sx) == 0 &&
+         (sx.stx_mask & 0x00004000U) != 0;
+}
+
+// A read-only image file system mounted, fingerprinted, unmounted, changed
+// and mounted again, most likely on the same loop device: the same device
+// number, inode, size and timestamps (an image keeps its files' times), so
+// the same stat signature, for other bytes; as two images of one layout
+// built with fixed times would be. The mount tells them apart.
+TEST(StatCache, AnotherMountOfTheSameDeviceIsNotTakenForTheFirst) {
+  if (::geteuid() != 0) GTEST_SKIP() << "needs root to mount an image";
+  if (!MountIdsAreUniqueThisBoot()) GTEST_SKIP() << "this kernel reuses mount IDs (before 6.8)";
+  TempDir dir;
+  Cached c;
+  const std::string m = Make(dir, "m", {.preset = "tiny"});
+  const std::string image = dir.Join("m.img"), mnt = dir.Join("mnt");
+  fs::create_directory(mnt);
+  if (std::system(("mke2fs -q -t ext4 -d " + m + " " + image + " 8M >/dev/null 2>&1").c_str()) != 0)
+    GTEST_SKIP() << "no mke2fs here";
+  const std::string mount = "mount -o loop,ro " + image + " " + mnt + " 2>&1";
+  const std::string unmount = "umount " + mnt;
+  struct Unmount {
+    std::string command;
+    ~Unmount() { (void)std::system((command + " 2>/dev/null").c_str()); }
+  } unmount_at_end{unmount};
+  if (std::system(mount.c_str()) != 0) GTEST_SKIP() << "cannot mount a loop device here";
+  const std::string first = c.Fp(mnt).digest;
+  EXPECT_EQ(c.Fp(mnt).cache_hits, 1u);
+  ASSERT_EQ(std::system(unmount.c_str()), 0);
+
+  // The shard's last 64 bytes (tensor data) are where they are in the
+  // image: change one of them there, under the file system's feet.
+  const std::vector<std::byte> shard = testing::ReadFileBytes(m + "/model.safetensors");
+  std::vector<std::byte> bytes = testing::ReadFileBytes(image);
+  const auto tail = shard.end() - 64;
+  const auto at = std::search(bytes.begin(), bytes.end(), tail, shard.end());
+  ASSERT_NE(at, bytes.end());
+  ASSERT_EQ(std::search(at + 1, bytes.end(), tail, shard.end()), bytes.end());
+  at[63] ^= std::byte{0x5a};
+  testing::WriteFileBytes(image, bytes);
+
+  ASSERT_EQ(std::system(mount.c_str()), 0);
+  const Fingerprint second = c.Fp(mnt);
+  EXPECT_EQ(second.cache_hits, 0u);
+  EXPECT_NE(second.digest, first);
+  EXPECT_EQ(second.digest, Digest(mnt));  // no cache
 }
 
 TEST(StatCache, ConcurrentWritersLoseNothingAndCorruptNothing) {

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
@@ -210,8 +211,35 @@ std::string StatCache::DefaultDirectory() {
   return "/tmp/weightd-cache-" + std::to_string(::geteuid());
 }
 
+// This boot's identity: mount IDs start over at every boot.
+const std::string& BootId() {
+  static const std::string id = [] {
+    std::string text(64, '\0');
+    FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f == nullptr) return std::string();
+    text.resize(std::fread(text.data(), 1, text.size(), f));
+    std::fclose(f);
+    return text;
+  }();
+  return id;
+}
+
 StatCache::Key StatCache::MakeKey(const std::string& kind, const io::StatSignature& sig) {
-  return {kind, sig.device, sig.inode, sig.size, sig.mtime_ns, sig.ctime_ns};
+  // The mount the file was seen through, of this boot, is folded into the
+  // device: another file system on a device number an earlier one had (a
+  // loop device reused for another image, whose files may have the same
+  // inode numbers, sizes and timestamps, as reproducible builds of
+  // read-only images make them) is then another key. A remount, or a
+  // reboot, makes every key of that file system new: one fingerprint
+  // reads the files again.
+  uint64_t device = sig.device;
+  if (sig.mount != 0) {
+    std::string id = BootId();
+    Put(id, sig.device);
+    Put(id, sig.mount);
+    device = Hash(id);
+  }
+  return {kind, device, sig.inode, sig.size, sig.mtime_ns, sig.ctime_ns};
 }
 
 struct StatCache::File {

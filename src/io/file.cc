@@ -3,6 +3,7 @@
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -15,13 +16,25 @@ namespace {
 
 std::string ErrnoText(int err) { return std::strerror(err); }
 
-StatSignature SignatureOf(const struct stat& st) {
+#ifndef STATX_MNT_ID_UNIQUE
+#define STATX_MNT_ID_UNIQUE 0x00004000U  // Linux 6.8; older headers lack it
+#endif
+
+// The signature of `path` (relative to `dirfd`; with AT_EMPTY_PATH, of
+// `dirfd` itself), the mount it was seen through included.
+Result<StatSignature> SignatureAt(int dirfd, const char* path, int flags, const std::string& name) {
+  struct statx sx;
+  if (::statx(dirfd, path, flags | AT_STATX_SYNC_AS_STAT, STATX_BASIC_STATS | STATX_MNT_ID_UNIQUE,
+              &sx) != 0) {
+    return Error(name + ": stat failed: " + ErrnoText(errno));
+  }
   StatSignature sig;
-  sig.device = static_cast<uint64_t>(st.st_dev);
-  sig.inode = static_cast<uint64_t>(st.st_ino);
-  sig.size = static_cast<uint64_t>(st.st_size);
-  sig.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
-  sig.ctime_ns = static_cast<int64_t>(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
+  sig.device = static_cast<uint64_t>(makedev(sx.stx_dev_major, sx.stx_dev_minor));
+  sig.inode = sx.stx_ino;
+  sig.size = sx.stx_size;
+  sig.mtime_ns = sx.stx_mtime.tv_sec * 1'000'000'000 + sx.stx_mtime.tv_nsec;
+  sig.ctime_ns = sx.stx_ctime.tv_sec * 1'000'000'000 + sx.stx_ctime.tv_nsec;
+  if ((sx.stx_mask & (STATX_MNT_ID_UNIQUE | STATX_MNT_ID)) != 0) sig.mount = sx.stx_mnt_id;
   return sig;
 }
 
@@ -57,11 +70,7 @@ class PosixFile final : public RandomAccessFile {
     return OkStatus();
   }
 
-  Result<StatSignature> Stat() const override {
-    struct stat st;
-    if (::fstat(fd_, &st) != 0) return Error(path_ + ": stat failed: " + ErrnoText(errno));
-    return SignatureOf(st);
-  }
+  Result<StatSignature> Stat() const override { return SignatureAt(fd_, "", AT_EMPTY_PATH, path_); }
 
  private:
   const std::string path_;
@@ -91,9 +100,7 @@ class Posix final : public FileSystem {
   }
 
   Result<StatSignature> Stat(const std::string& path) override {
-    struct stat st;
-    if (::stat(path.c_str(), &st) != 0) return Error(path + ": stat failed: " + ErrnoText(errno));
-    return SignatureOf(st);
+    return SignatureAt(AT_FDCWD, path.c_str(), 0, path);
   }
 
   Result<bool> IsDirectory(const std::string& path) override {

@@ -29,6 +29,10 @@ struct StatSignature {
   uint64_t size = 0;
   int64_t mtime_ns = 0;
   int64_t ctime_ns = 0;
+  // The mount the file was seen through: unique for this boot on Linux 6.8
+  // and later (STATX_MNT_ID_UNIQUE), reused once unmounted before that
+  // (STATX_MNT_ID, 5.8); 0 where the kernel does not say.
+  uint64_t mount = 0;
 
   bool operator==(const StatSignature&) const = default;
 };
