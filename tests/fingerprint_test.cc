@@ -593,6 +593,52 @@ TEST(StatCache, AnotherMountOfTheSameDeviceIsNotTakenForTheFirst) {
   EXPECT_EQ(second.digest, Digest(mnt));  // no cache
 }
 
+// Engines starting at once fingerprint the same shards and each saves the
+// same entries: the first writes them, the others find them there and
+// leave the file as it is (no rewrite of a file of 100,000 entries per
+// engine, each holding the lock the others wait on).
+TEST(StatCache, EntriesSavedAlreadyAreNotWrittenAgain) {
+  TempDir cache_dir;
+  auto first = StatCache::Load(cache_dir.path());
+  auto second = StatCache::Load(cache_dir.path());
+  const io::StatSignature sig{.device = 1, .inode = 2, .size = 3};
+  first->Insert("sampled", sig, "xxh3-128:a");
+  second->Insert("sampled", sig, "xxh3-128:a");
+  ASSERT_TRUE(first->Save().ok());
+  const std::string file = cache_dir.Join("fingerprint-stat-v3.cache");
+  struct stat before, after;
+  ASSERT_EQ(::stat(file.c_str(), &before), 0);
+  ASSERT_TRUE(second->Save().ok());
+  ASSERT_EQ(::stat(file.c_str(), &after), 0);
+  EXPECT_EQ(after.st_ino, before.st_ino) << "rewritten";
+  EXPECT_EQ(second->Lookup("sampled", sig), "xxh3-128:a");
+  // Another value for the same signature is written.
+  second->Insert("sampled", sig, "xxh3-128:b");
+  ASSERT_TRUE(second->Save().ok());
+  ASSERT_EQ(::stat(file.c_str(), &after), 0);
+  EXPECT_NE(after.st_ino, before.st_ino);
+  EXPECT_EQ(StatCache::Load(cache_dir.path())->Lookup("sampled", sig), "xxh3-128:b");
+}
+
+// A writer killed between writing its temporary file and renaming it
+// leaves the file behind; the next save removes it. One in the way of
+// this process's own name (a FIFO, say) is removed too, never opened.
+TEST(StatCache, TemporaryFilesOfKilledWritersAreRemoved) {
+  TempDir cache_dir;
+  auto cache = StatCache::Load(cache_dir.path());
+  cache->Insert("sampled", {.device = 1, .inode = 2, .size = 3}, "xxh3-128:a");
+  ASSERT_TRUE(cache->Save().ok());
+  const std::string file = cache_dir.Join("fingerprint-stat-v3.cache");
+  testing::WriteFileText(file + ".tmp-99999999", "half a cache file");
+  ASSERT_EQ(::mkfifo((file + ".tmp-" + std::to_string(::getpid())).c_str(), 0600), 0);
+  cache->Insert("sampled", {.device = 1, .inode = 3, .size = 3}, "xxh3-128:b");
+  ASSERT_TRUE(cache->Save().ok());
+  for (const auto& e : fs::directory_iterator(cache_dir.path())) {
+    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+  }
+  EXPECT_EQ(StatCache::Load(cache_dir.path())->size(), 2u);
+}
+
 TEST(StatCache, ConcurrentWritersLoseNothingAndCorruptNothing) {
   TempDir cache_dir;
   constexpr int kWriters = 8, kEach = 200;

@@ -1,5 +1,6 @@
 #include "fingerprint/stat_cache.h"
 
+#include <dirent.h>
 #include <fcntl.h>
 #include <sys/file.h>
 #include <sys/stat.h>
@@ -443,26 +444,82 @@ Status StatCache::Save() {
     return Error(dir_ + ": stat cache not saved: " + why);
   }
 
+  // Entries another process saved already (the same shards fingerprinted
+  // by engines starting at once) need no rewrite of the file: looked up in
+  // it as it is now, before the lock and again under it.
+  const std::string path = dir_ + "/" + kFileName;
+  auto on_disk = [&]() -> std::shared_ptr<const File> {
+    std::string why;
+    std::shared_ptr<const File> file = OpenFile(path, &why);
+    if (file == nullptr) return nullptr;
+    for (const auto& [key, value] : added) {
+      const std::optional<std::string> found = FindIn(*file, key, &why);
+      if (!found || *found != value) return nullptr;
+    }
+    return file;
+  };
+  auto adopt = [&](std::shared_ptr<const File> file) {
+    std::lock_guard lock(mu_);
+    file_ = std::move(file);
+    damaged_ = false;
+    for (const auto& [key, value] : added) {
+      auto it = added_.find(key);
+      if (it != added_.end() && it->second == value) added_.erase(it);
+    }
+  };
+  if (auto file = on_disk()) {
+    adopt(std::move(file));
+    return OkStatus();
+  }
+
   // One writer at a time: re-read under the lock so entries other processes
   // saved since we loaded are kept, then replace the file by rename. A lock
-  // held too long is given up on: the cache is an optimization.
+  // held too long is given up on: the cache is an optimization. A lock file
+  // removed while held (a clean-up) would let a second writer in: the one
+  // locked must still be the one there.
   const std::string lock_path = dir_ + "/" + kLockName;
-  int lock_fd =
-      ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
-  if (lock_fd < 0) return Error(lock_path + ": " + std::strerror(errno));
+  int lock_fd = -1;
   bool locked = false;
   for (int attempt = 0; attempt < kLockAttempts && !locked; ++attempt) {
+    if (lock_fd < 0) {
+      lock_fd =
+          ::open(lock_path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0600);
+      if (lock_fd < 0) return Error(lock_path + ": " + std::strerror(errno));
+    }
     locked = ::flock(lock_fd, LOCK_EX | LOCK_NB) == 0;
+    struct stat held, there;
+    if (locked && (::fstat(lock_fd, &held) != 0 || ::lstat(lock_path.c_str(), &there) != 0 ||
+                   held.st_dev != there.st_dev || held.st_ino != there.st_ino)) {
+      locked = false;
+      ::close(lock_fd);
+      lock_fd = -1;
+      continue;
+    }
     if (!locked) ::usleep(kLockRetryMicros);
   }
   if (!locked) {
-    ::close(lock_fd);
+    if (lock_fd >= 0) ::close(lock_fd);
     return Error(lock_path + ": stat cache not saved: another process holds its lock");
+  }
+  if (auto file = on_disk()) {
+    ::close(lock_fd);
+    adopt(std::move(file));
+    return OkStatus();
+  }
+  // Temporary files left by writers killed before their rename: every
+  // writer makes its own under the lock, so any there now is such a one.
+  if (DIR* d = ::opendir(dir_.c_str())) {
+    const std::string prefix = std::string(kFileName) + ".tmp-";
+    while (const dirent* e = ::readdir(d)) {
+      if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) {
+        ::unlinkat(::dirfd(d), e->d_name, 0);
+      }
+    }
+    ::closedir(d);
   }
 
   // What is there now: its sound entries, if its header is sound (else it
   // is replaced).
-  const std::string path = dir_ + "/" + kFileName;
   std::map<Key, Stored> merged;
   std::string dropped;
   std::string unsound;
@@ -533,7 +590,7 @@ Status StatCache::Save() {
 
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
   Status status = OkStatus();
-  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   bool written = fd >= 0;
   for (const std::string* part : {&head, &body, &values}) {
     for (size_t at = 0; written && at < part->size();) {
