@@ -618,7 +618,16 @@ Command AddEvictCommand(CLI::App& root) {
             } else {
               if (models.empty() && more == 0) std::cout << "nothing was resident\n";
               for (const auto& m : models) {
-                std::cout << "evicted " << Printable(m.value("description", "")) << "\n";
+                std::cout << "evicted " << Printable(m.value("description", ""));
+                if (const int leases = m.value("leases", 0); leases > 0) {
+                  std::cout << " ("
+                            << (leases == 1 ? "an engine still maps it"
+                                            : std::to_string(leases) + " engines still map it")
+                            << ": its " << FormatBytes(m.value("bytes", uint64_t{0}))
+                            << " stay held until " << (leases == 1 ? "it lets" : "they let")
+                            << " go)";
+                }
+                std::cout << "\n";
               }
               if (more > 0) std::cout << "and " << Count(more, "more model") << " evicted\n";
             }

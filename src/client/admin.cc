@@ -29,7 +29,8 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
         const bool preload = request.value("type", "") == "preload";
         return Error(
             "the daemon closed the connection before it answered: it stopped or died (its log "
-            "says which)" +
+            "says which; one killed by the kernel for memory writes nothing there, the kernel's "
+            "log says so)" +
             std::string(preload ? "; the preload was not published" : ""));
       }
       const bool silent = why == protocol::Channel::kTimedOut;

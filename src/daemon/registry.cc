@@ -35,7 +35,7 @@ Eviction Registry::EvictLocked(size_t index, Dropped& dropped) {
     ++a.evicted_leased_models;
   }
   return {m->id, protocol::ShortDescription(m->key) + (m->name.empty() ? "" : " (" + m->name + ")"),
-          bytes};
+          bytes, m->leases};
 }
 
 Status CheckPinName(std::string_view name) {

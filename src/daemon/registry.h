@@ -61,6 +61,7 @@ struct Eviction {
   uint64_t id;
   std::string description;
   uint64_t bytes;
+  int leases = 0;  // engines that still map it: its bytes stay held until they let go
 };
 
 class Registry {

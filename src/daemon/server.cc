@@ -49,7 +49,8 @@ json EvictionsJson(const std::vector<Eviction>& evicted, uint64_t* omitted) {
   std::vector<json> entries;
   entries.reserve(evicted.size());
   for (const Eviction& e : evicted) {
-    entries.push_back({{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}});
+    entries.push_back(
+        {{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}, {"leases", e.leases}});
   }
   return protocol::ListWithin(std::move(entries), protocol::kMaxBodyBytes / 2, omitted);
 }
