@@ -160,6 +160,22 @@ TEST(Registry, IdleModelsAreEvictedForRoomTheKernelLacksAndThenItRefuses) {
   EXPECT_TRUE(r.Reserve("host", 8 * kMiB, &evicted).ok());
 }
 
+// Room taken by a load still in progress is named as such: evicting
+// cannot help, that load's end can.
+TEST(Registry, ARefusalNamesLoadsInProgressApart) {
+  Registry r(8 * kMiB);
+  auto leased = Publish(r, "host", 2, "xxh3-128:a");
+  ASSERT_TRUE(r.Acquire(leased->key, "").model);
+  ASSERT_TRUE(r.Reserve("host", 5 * kMiB, nullptr).ok());
+  auto refused = r.Reserve("host", 4 * kMiB, nullptr);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find(
+                "7.00 MiB are held: 2.00 MiB by models in use or pinned, 5.00 MiB by loads in "
+                "progress (preload again when they end); evict one or raise --budget"),
+            std::string::npos)
+      << refused.error().message();
+}
+
 TEST(Registry, RoomOnEveryDeviceOrNothingEvicted) {
   Registry r(8 * kMiB);
   const std::string gpu2 = "cuda:GPU-00000000-0000-0000-0000-000000000002";

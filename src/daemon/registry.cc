@@ -97,22 +97,28 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
                    protocol::FormatBytes(a.budget) + "; raise --budget");
     }
     if (kept > a.budget - bytes) {
-      // Evicted models engines still map hold bytes no eviction frees.
+      // Evicted models engines still map hold bytes no eviction frees;
+      // loads in progress hold theirs until they end.
       const uint64_t mapped = std::min(a.evicted_leased, kept);
-      const uint64_t held = kept - mapped;
-      std::string who;
-      if (held > 0) {
-        who = protocol::FormatBytes(held) + " by models in use, pinned or being loaded";
+      const uint64_t loading = std::min(a.reserved, kept - mapped);
+      const uint64_t held = kept - mapped - loading;
+      std::vector<std::string> who;
+      if (held > 0) who.push_back(protocol::FormatBytes(held) + " by models in use or pinned");
+      if (loading > 0) {
+        who.push_back(protocol::FormatBytes(loading) +
+                      " by loads in progress (preload again when they end)");
       }
       if (mapped > 0) {
-        who += (who.empty() ? "" : ", and ") + protocol::FormatBytes(mapped) + " by " +
-               std::to_string(a.evicted_leased_models) +
-               " evicted model(s) engines still map (freed as they let go)";
+        who.push_back(protocol::FormatBytes(mapped) + " by " +
+                      std::to_string(a.evicted_leased_models) +
+                      " evicted model(s) engines still map (freed as they let go)");
       }
+      std::string listed;
+      for (const std::string& w : who) listed += (listed.empty() ? "" : ", ") + w;
       return Error("out of budget on " + device + ": the model needs " +
                    protocol::FormatBytes(bytes) + ", the budget is " +
                    protocol::FormatBytes(a.budget) + ", and " + protocol::FormatBytes(kept) +
-                   " are held: " + who + "; " +
+                   " are held: " + listed + "; " +
                    (held > 0 ? "evict one or raise --budget" : "raise --budget"));
     }
     if (!a.room) continue;
