@@ -1179,6 +1179,34 @@ TEST_F(DaemonTest, SegmentsAnEarlierDaemonLeftMappedNeverGetTheNextOneKilled) {
   EXPECT_EQ(Run({"status"}).exit_code, 0) << second.err();
 }
 
+// Daemon tests that change the system's huge-page pool: alone in their
+// ctest, as every HugePagePool* test is.
+class HugePagePoolDaemon : public DaemonTest {};
+
+// A model in huge pages takes them from the pool, which neither the
+// machine's MemAvailable nor a control group's memory counts: its
+// reservation is weighed against the budget alone. (A group with less
+// room than the model, and a pool with enough.)
+TEST_F(HugePagePoolDaemon, AModelInHugePagesIsNotWeighedAgainstTheGroupsMemory) {
+  testing::HugePagePool pool;
+  if (std::string why = pool.Raise(32); !why.empty()) GTEST_SKIP() << why;
+  MemoryGroup group(64ull << 20);
+  if (!group.skip.empty()) GTEST_SKIP() << group.skip;
+  ASSERT_EQ(group.error, "");
+  const std::string a = MakeModel("a", false, 48 << 20);  // 50.5 MiB
+  Process daemon({"serve", "--socket-dir", sock_, "--budget", "host=1G"}, group.Prefix());
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  CommandResult r = Run({"preload", a});
+  ASSERT_EQ(r.exit_code, 0) << r.err;
+  const json models = Status()["models"];
+  ASSERT_EQ(models.size(), 1u);
+  EXPECT_TRUE(models[0]["huge_pages"].get<bool>());
+  json j = Load(a);
+  EXPECT_EQ(j["source"], "daemon");
+  EXPECT_EQ(j["checksum"], DiskChecksum(a));
+  EXPECT_EQ(group.OomKills(), 0);
+}
+
 // Segments under a huge page are made of normal pages, and a preload
 // reserves those, pool or not: two small models share a budget of less
 // than one huge page. A refusal says the sizes in units that show them.

@@ -188,50 +188,7 @@ TEST(HostSegment, GatheredWritesLandInOrder) {
   EXPECT_EQ(bytes[99], std::byte{0});
 }
 
-// The system's pool of 2 MiB pages (what MFD_HUGE_2MB takes from), raised
-// for one test and put back after. Needs root and room the kernel can find
-// for the pages; with overcommitted (surplus) pages, a short pool is not
-// short, and the test's fallback case cannot be made. The change is made
-// under a lock file (two test runs at once would each restore the other's
-// value) and undone by this, the parent process: the checks run in a child,
-// which a crash cannot stop from being cleaned up after. The test runs
-// alone in its ctest (RUN_SERIAL): other tests' segments would take the
-// pages. Another test run on the same machine at the same moment could
-// still take them, or get some.
-class HugePagePool {
- public:
-  static constexpr const char* kDir = "/sys/kernel/mm/hugepages/hugepages-2048kB/";
-
-  static long Read(const char* knob) {
-    std::ifstream in(std::string(kDir) + knob);
-    long value = -1;
-    return in >> value ? value : -1;
-  }
-  // Pages free and not promised to a mapping already.
-  static long Available() { return Read("free_hugepages") - Read("resv_hugepages"); }
-
-  // Raises the pool by `pages`; why not, when it cannot (empty when it did).
-  std::string Raise(long pages) {
-    if (Read("nr_overcommit_hugepages") != 0) return "the pool is overcommitted or missing";
-    lock_fd_ = ::open("/tmp/weightd-huge-page-test.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-    if (lock_fd_ < 0 || ::flock(lock_fd_, LOCK_EX) != 0) return "no lock file";
-    old_ = Read("nr_hugepages");
-    if (old_ < 0 || !(std::ofstream(std::string(kDir) + "nr_hugepages") << old_ + pages)) {
-      old_ = -1;
-      return "the pool cannot be raised here (needs root)";
-    }
-    if (Available() < pages) return "the kernel found no room for the pages";
-    return "";
-  }
-  ~HugePagePool() {
-    if (old_ >= 0) std::ofstream(std::string(kDir) + "nr_hugepages") << old_;
-    if (lock_fd_ >= 0) ::close(lock_fd_);
-  }
-
- private:
-  int lock_fd_ = -1;
-  long old_ = -1;
-};
+using testing::HugePagePool;
 
 // In the child: a segment from the pool, filled from two threads, holes
 // read back as zeros, and normal pages when the pool is short.

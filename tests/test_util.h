@@ -2,7 +2,12 @@
 // running the real weightd binary as a separate process.
 #pragma once
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
 #include <cstddef>
+#include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
@@ -76,5 +81,50 @@ bool Eventually(const std::function<bool()>& condition, double seconds = 30);
 
 std::string ConformanceDir();
 std::string SourceDir();
+
+// The system's pool of 2 MiB pages (what MFD_HUGE_2MB takes from), raised
+// for one test and put back after. Needs root and room the kernel can find
+// for the pages; with overcommitted (surplus) pages, a short pool is not
+// short, and the test's fallback case cannot be made. The change is made
+// under a lock file (two test runs at once would each restore the other's
+// value) and undone by this object, in the test's own process (checks that
+// may crash run in a child or another process). Tests that use it are named
+// HugePagePool* and run alone in their ctest (RUN_SERIAL): other tests'
+// segments would take the pages. Another test run on the same machine at
+// the same moment could still take them, or get some.
+class HugePagePool {
+ public:
+  static constexpr const char* kDir = "/sys/kernel/mm/hugepages/hugepages-2048kB/";
+
+  static long Read(const char* knob) {
+    std::ifstream in(std::string(kDir) + knob);
+    long value = -1;
+    return in >> value ? value : -1;
+  }
+  // Pages free and not promised to a mapping already.
+  static long Available() { return Read("free_hugepages") - Read("resv_hugepages"); }
+
+  // Raises the pool by `pages`; why not, when it cannot (empty when it did).
+  std::string Raise(long pages) {
+    if (Read("nr_overcommit_hugepages") != 0) return "the pool is overcommitted or missing";
+    lock_fd_ = ::open("/tmp/weightd-huge-page-test.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (lock_fd_ < 0 || ::flock(lock_fd_, LOCK_EX) != 0) return "no lock file";
+    old_ = Read("nr_hugepages");
+    if (old_ < 0 || !(std::ofstream(std::string(kDir) + "nr_hugepages") << old_ + pages)) {
+      old_ = -1;
+      return "the pool cannot be raised here (needs root)";
+    }
+    if (Available() < pages) return "the kernel found no room for the pages";
+    return "";
+  }
+  ~HugePagePool() {
+    if (old_ >= 0) std::ofstream(std::string(kDir) + "nr_hugepages") << old_;
+    if (lock_fd_ >= 0) ::close(lock_fd_);
+  }
+
+ private:
+  int lock_fd_ = -1;
+  long old_ = -1;
+};
 
 }  // namespace weightd::testing

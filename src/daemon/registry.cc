@@ -70,7 +70,7 @@ Status Registry::Reserve(const std::string& device, uint64_t bytes,
 }
 
 Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& needs,
-                         std::vector<Eviction>* evicted) {
+                         std::vector<Eviction>* evicted, bool weigh_room) {
   Dropped dropped;  // freed after the lock is released
   std::lock_guard lock(mu_);
   auto evictable = [&](const ResidentModel& m, const std::string& device) {
@@ -121,7 +121,7 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
                    " are held: " + listed + "; " +
                    (held > 0 ? "evict one or raise --budget" : "raise --budget"));
     }
-    if (!a.room) continue;
+    if (!weigh_room || !a.room) continue;
     const std::optional<Room> room = a.room();
     if (!room) continue;
     // Loads in flight may not have taken their reservations' pages yet.

@@ -94,9 +94,11 @@ class Registry {
   // device without a budget.
   Status Reserve(const std::string& device, uint64_t bytes, std::vector<Eviction>* evicted);
   // The same on several devices (each named once) at once: room on every
-  // one, or an error with nothing evicted anywhere.
+  // one, or an error with nothing evicted anywhere. Without `weigh_room`,
+  // the budget alone decides (the bytes come from elsewhere than what the
+  // room probe measures: a huge-page pool).
   Status Reserve(const std::vector<std::pair<std::string, uint64_t>>& needs,
-                 std::vector<Eviction>* evicted);
+                 std::vector<Eviction>* evicted, bool weigh_room = true);
   void Unreserve(const std::string& device, uint64_t bytes);
 
   // Makes a complete model visible; its reservation (on the device its key

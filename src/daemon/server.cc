@@ -1253,7 +1253,10 @@ Result<json> Server::State::PreloadUnguarded(
           return Error("the ranks' segments add up to more than 64 bits");
         }
       }
-      WEIGHTD_RETURN_IF_ERROR(registry.Reserve({need.begin(), need.end()}, &evicted));
+      // Huge pages come from their own pool, which neither MemAvailable
+      // nor a control group's memory counts.
+      WEIGHTD_RETURN_IF_ERROR(registry.Reserve({need.begin(), need.end()}, &evicted,
+                                               /*weigh_room=*/!host.options.try_huge_pages));
       reserved.ranks = std::move(want);
       for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
     }
