@@ -212,7 +212,7 @@ std::string StatCache::DefaultDirectory() {
   return "/tmp/weightd-cache-" + std::to_string(::geteuid());
 }
 
-// This boot's identity: mount IDs start over at every boot.
+// This boot's identity: disk sequence numbers start over at every boot.
 const std::string& BootId() {
   static const std::string id = [] {
     std::string text(64, '\0');
@@ -226,18 +226,17 @@ const std::string& BootId() {
 }
 
 StatCache::Key StatCache::MakeKey(const std::string& kind, const io::StatSignature& sig) {
-  // The mount the file was seen through, of this boot, is folded into the
-  // device: another file system on a device number an earlier one had (a
-  // loop device reused for another image, whose files may have the same
-  // inode numbers, sizes and timestamps, as reproducible builds of
-  // read-only images make them) is then another key. A remount, or a
-  // reboot, makes every key of that file system new: one fingerprint
-  // reads the files again.
+  // The disk's sequence number, of this boot, is folded into the device:
+  // another file system on a device number an earlier one had (a loop
+  // device attached again, to another image, whose files may have the
+  // same inode numbers, sizes and timestamps, as reproducible builds of
+  // read-only images make them) is then another key. A reboot makes every
+  // key of a block device new: one fingerprint reads the files again.
   uint64_t device = sig.device;
-  if (sig.mount != 0) {
+  if (sig.disk_sequence != 0) {
     std::string id = BootId();
     Put(id, sig.device);
-    Put(id, sig.mount);
+    Put(id, sig.disk_sequence);
     device = Hash(id);
   }
   return {kind, device, sig.inode, sig.size, sig.mtime_ns, sig.ctime_ns};

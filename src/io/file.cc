@@ -16,25 +16,41 @@ namespace {
 
 std::string ErrnoText(int err) { return std::strerror(err); }
 
-#ifndef STATX_MNT_ID_UNIQUE
-#define STATX_MNT_ID_UNIQUE 0x00004000U  // Linux 6.8; older headers lack it
-#endif
+// The sequence number of the disk behind block device `dev` (Linux 5.15:
+// /sys/dev/block/MAJ:MIN/diskseq, a partition's from its disk), or 0.
+uint64_t DiskSequence(dev_t dev) {
+  if (major(dev) == 0) return 0;  // no block device: NFS, FUSE, tmpfs, overlay
+  const std::string base =
+      "/sys/dev/block/" + std::to_string(major(dev)) + ":" + std::to_string(minor(dev));
+  for (const char* file : {"/diskseq", "/../diskseq"}) {
+    const int fd = ::open((base + file).c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    char text[32];
+    const ssize_t n = ::read(fd, text, sizeof text - 1);
+    ::close(fd);
+    if (n <= 0) continue;
+    text[n] = '\0';
+    char* end = nullptr;
+    const unsigned long long seq = std::strtoull(text, &end, 10);
+    if (end != text) return seq;
+  }
+  return 0;
+}
 
 // The signature of `path` (relative to `dirfd`; with AT_EMPTY_PATH, of
-// `dirfd` itself), the mount it was seen through included.
+// `dirfd` itself), the disk's sequence number included.
 Result<StatSignature> SignatureAt(int dirfd, const char* path, int flags, const std::string& name) {
-  struct statx sx;
-  if (::statx(dirfd, path, flags | AT_STATX_SYNC_AS_STAT, STATX_BASIC_STATS | STATX_MNT_ID_UNIQUE,
-              &sx) != 0) {
+  struct stat st;
+  if (::fstatat(dirfd, path, &st, flags) != 0) {
     return Error(name + ": stat failed: " + ErrnoText(errno));
   }
   StatSignature sig;
-  sig.device = static_cast<uint64_t>(makedev(sx.stx_dev_major, sx.stx_dev_minor));
-  sig.inode = sx.stx_ino;
-  sig.size = sx.stx_size;
-  sig.mtime_ns = sx.stx_mtime.tv_sec * 1'000'000'000 + sx.stx_mtime.tv_nsec;
-  sig.ctime_ns = sx.stx_ctime.tv_sec * 1'000'000'000 + sx.stx_ctime.tv_nsec;
-  if ((sx.stx_mask & (STATX_MNT_ID_UNIQUE | STATX_MNT_ID)) != 0) sig.mount = sx.stx_mnt_id;
+  sig.device = static_cast<uint64_t>(st.st_dev);
+  sig.inode = static_cast<uint64_t>(st.st_ino);
+  sig.size = static_cast<uint64_t>(st.st_size);
+  sig.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1'000'000'000 + st.st_mtim.tv_nsec;
+  sig.ctime_ns = static_cast<int64_t>(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
+  sig.disk_sequence = DiskSequence(st.st_dev);
   return sig;
 }
 

@@ -29,10 +29,12 @@ struct StatSignature {
   uint64_t size = 0;
   int64_t mtime_ns = 0;
   int64_t ctime_ns = 0;
-  // The mount the file was seen through: unique for this boot on Linux 6.8
-  // and later (STATX_MNT_ID_UNIQUE), reused once unmounted before that
-  // (STATX_MNT_ID, 5.8); 0 where the kernel does not say.
-  uint64_t mount = 0;
+  // Which attachment of its block device the file was seen through: the
+  // disk's sequence number (Linux 5.15), new at every attach of a loop
+  // device and unique for the boot, the same in every mount namespace; 0
+  // without a block device (NFS, FUSE, tmpfs) or where the kernel does
+  // not say.
+  uint64_t disk_sequence = 0;
 
   bool operator==(const StatSignature&) const = default;
 };
