@@ -616,21 +616,29 @@ TEST(StatCache, EntriesSavedAlreadyAreNotWrittenAgain) {
 }
 
 // A writer killed between writing its temporary file and renaming it
-// leaves the file behind; the next save removes it. One in the way of
-// this process's own name (a FIFO, say) is removed too, never opened.
+// leaves the file behind; a save a minute later removes it (a younger one
+// may be another host's, in use). One in the way of this process's own
+// name (a FIFO, say) is replaced, never opened.
 TEST(StatCache, TemporaryFilesOfKilledWritersAreRemoved) {
   TempDir cache_dir;
   auto cache = StatCache::Load(cache_dir.path());
   cache->Insert("sampled", {.device = 1, .inode = 2, .size = 3}, "xxh3-128:a");
   ASSERT_TRUE(cache->Save().ok());
   const std::string file = cache_dir.Join("fingerprint-stat-v3.cache");
-  testing::WriteFileText(file + ".tmp-99999999", "half a cache file");
+  testing::WriteFileText(file + ".tmp-99999998", "half a cache file");
+  testing::WriteFileText(file + ".tmp-99999999", "another, in use");
+  fs::last_write_time(file + ".tmp-99999998",
+                      fs::file_time_type::clock::now() - std::chrono::minutes(2));
   ASSERT_EQ(::mkfifo((file + ".tmp-" + std::to_string(::getpid())).c_str(), 0600), 0);
   cache->Insert("sampled", {.device = 1, .inode = 3, .size = 3}, "xxh3-128:b");
   ASSERT_TRUE(cache->Save().ok());
+  std::vector<std::string> left;
   for (const auto& e : fs::directory_iterator(cache_dir.path())) {
-    EXPECT_EQ(e.path().filename().string().find(".tmp-"), std::string::npos) << e.path();
+    if (e.path().filename().string().find(".tmp-") != std::string::npos) {
+      left.push_back(e.path().filename().string());
+    }
   }
+  EXPECT_EQ(left, std::vector<std::string>{"fingerprint-stat-v3.cache.tmp-99999999"});
   EXPECT_EQ(StatCache::Load(cache_dir.path())->size(), 2u);
 }
 

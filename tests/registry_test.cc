@@ -108,8 +108,6 @@ TEST(Registry, ALeasedModelOnAGpuLeavesNoRoomAndTheErrorNamesTheDevice) {
   EXPECT_EQ(Find(r.Take(), kGpu)->used, 0u);
 }
 
-// Ranks on several devices reserve together: when one device has no room,
-// nothing is evicted on the others for a load that cannot start.
 // Room the kernel would still give, less than the budget says (memory
 // held outside it): idle models are evicted for it, the least recently
 // used first; with none left to evict, a refusal that says whose figure
@@ -176,6 +174,8 @@ TEST(Registry, ARefusalNamesLoadsInProgressApart) {
       << refused.error().message();
 }
 
+// Ranks on several devices reserve together: when one device has no room,
+// nothing is evicted on the others for a load that cannot start.
 TEST(Registry, RoomOnEveryDeviceOrNothingEvicted) {
   Registry r(8 * kMiB);
   const std::string gpu2 = "cuda:GPU-00000000-0000-0000-0000-000000000002";

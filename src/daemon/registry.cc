@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cctype>
+#include <map>
 #include <tuple>
 
 #include "protocol/text.h"
@@ -60,8 +61,8 @@ void Registry::SetBudget(const std::string& device, uint64_t bytes) {
 }
 
 void Registry::SetRoomProbe(const std::string& device, RoomProbe probe) {
-  std::lock_guard lock(mu_);
-  AccountLocked(device).room = std::move(probe);
+  std::lock_guard lock(probes_mu_);
+  room_probes_[device] = std::move(probe);
 }
 
 Status Registry::Reserve(const std::string& device, uint64_t bytes,
@@ -71,11 +72,32 @@ Status Registry::Reserve(const std::string& device, uint64_t bytes,
 
 Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& needs,
                          std::vector<Eviction>* evicted, bool weigh_room) {
+  // The kernel's figures first, without the registry's lock: reading them
+  // takes a few files (a long mountinfo, a control group's statistics),
+  // and acquires must not wait for that.
+  std::map<std::string, Room> rooms;
+  if (weigh_room) {
+    std::vector<std::pair<std::string, RoomProbe>> probes;
+    {
+      std::lock_guard lock(probes_mu_);
+      for (const auto& [device, bytes] : needs) {
+        if (auto it = room_probes_.find(device); it != room_probes_.end()) {
+          probes.emplace_back(device, it->second);
+        }
+      }
+    }
+    for (const auto& [device, probe] : probes) {
+      if (std::optional<Room> room = probe()) rooms[device] = std::move(*room);
+    }
+  }
   Dropped dropped;  // freed after the lock is released
   std::lock_guard lock(mu_);
   auto evictable = [&](const ResidentModel& m, const std::string& device) {
     return m.key.device == device && m.leases == 0 && m.name.empty();
   };
+  // Huge pages come from their own pool: evicting a model in them gives
+  // the kernel's figure nothing back.
+  auto frees_room = [](const ResidentModel& m) { return !m.segment->huge_pages(); };
   // Every device is checked before any model is evicted: room on all of
   // them, or nothing evicted for a load that cannot start. What idle
   // models must free on each: within the budget, and within what the
@@ -86,9 +108,11 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
     auto account = accounts_.find(device);
     if (account == accounts_.end()) return Error("no memory budget for " + device);
     const Account& a = account->second;
-    uint64_t idle = 0;
+    uint64_t idle = 0, idle_room = 0;
     for (const auto& m : models_) {
-      if (evictable(*m, device)) idle += m->segment->reserved_bytes();
+      if (!evictable(*m, device)) continue;
+      idle += m->segment->reserved_bytes();
+      if (frees_room(*m)) idle_room += m->segment->reserved_bytes();
     }
     const uint64_t kept = a.used + a.reserved - std::min(idle, a.used);
     if (bytes > a.budget) {
@@ -121,46 +145,54 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
                    " are held: " + listed + "; " +
                    (held > 0 ? "evict one or raise --budget" : "raise --budget"));
     }
-    if (!weigh_room || !a.room) continue;
-    const std::optional<Room> room = a.room();
-    if (!room) continue;
-    // Loads in flight may not have taken their reservations' pages yet.
+    const auto found = rooms.find(device);
+    if (found == rooms.end()) continue;
+    const Room& room = found->second;
+    // Loads in progress may not have taken their reservations' pages yet:
+    // counted as taken (they may have, in part: then twice).
     uint64_t spoken_for = 0;
-    if (__builtin_add_overflow(a.reserved, room->keep, &spoken_for)) spoken_for = UINT64_MAX;
-    const uint64_t usable = room->free - std::min(room->free, spoken_for);
+    if (__builtin_add_overflow(a.reserved, room.keep, &spoken_for)) spoken_for = UINT64_MAX;
+    const uint64_t usable = room.free - std::min(room.free, spoken_for);
     if (bytes <= usable) continue;
     to_free_for_room[n] = bytes - usable;
-    if (to_free_for_room[n] > idle) {
-      return Error("out of memory on " + device + ": the model needs " +
-                   protocol::FormatBytes(bytes) +
-                   ", within the budget, but the kernel would give " +
-                   protocol::FormatBytes(room->free) + " more (" + room->what + "), of which " +
-                   (a.reserved > 0 ? protocol::FormatBytes(a.reserved) + " are for loads in "
-                                                                         "progress and "
-                                   : std::string()) +
-                   protocol::FormatBytes(room->keep) + " are kept for the daemon itself" +
-                   (idle > 0 ? ", and idle models free only " + protocol::FormatBytes(idle) : "") +
-                   ". Memory outside the budget holds the rest: segments engines still map "
-                   "from a daemon that stopped, or other processes; lower --budget or free "
-                   "memory");
+    if (to_free_for_room[n] > idle_room) {
+      std::string why = "out of memory on " + device + ": the model needs " +
+                        protocol::FormatBytes(bytes) +
+                        ", within the budget, but the kernel would give " +
+                        protocol::FormatBytes(room.free) + " more (" + room.what + "), of which " +
+                        protocol::FormatBytes(room.keep) + " are kept for the daemon itself";
+      if (a.reserved > 0) {
+        why += " and " + protocol::FormatBytes(a.reserved) +
+               " are counted for loads in progress (preload again when they end)";
+      }
+      if (idle_room > 0) why += "; idle models would free only " + protocol::FormatBytes(idle_room);
+      why +=
+          ". The rest is held outside the budget: segments engines still map from a daemon that "
+          "stopped, the daemon itself, or other processes; lower --budget or free memory";
+      return Error(why);
     }
   }
   for (size_t n = 0; n < needs.size(); ++n) {
     const auto& [device, bytes] = needs[n];
     Account& a = accounts_[device];
-    uint64_t freed = 0;
+    uint64_t freed = 0;  // of the kernel's figure
     while (a.used + a.reserved + bytes > a.budget || freed < to_free_for_room[n]) {
-      // The idle model used least recently goes first.
+      // The idle model used least recently goes first; once the budget has
+      // room, one that gives the kernel's figure something back.
+      const bool budget_short = a.used + a.reserved + bytes > a.budget;
       size_t victim = models_.size();
       for (size_t i = 0; i < models_.size(); ++i) {
-        if (!evictable(*models_[i], device)) continue;
+        if (!evictable(*models_[i], device) || (!budget_short && !frees_room(*models_[i]))) {
+          continue;
+        }
         if (victim == models_.size() || models_[i]->last_used < models_[victim]->last_used) {
           victim = i;
         }
       }
       if (victim == models_.size()) break;  // cannot happen: counted above
+      const bool gives_room = frees_room(*models_[victim]);
       Eviction e = EvictLocked(victim, dropped);
-      freed += e.bytes;
+      if (gives_room) freed += e.bytes;
       if (evicted != nullptr) evicted->push_back(std::move(e));
     }
     a.reserved += bytes;

@@ -231,13 +231,15 @@ class Registry {
     uint64_t reserved = 0;
     uint64_t evicted_leased = 0;  // of `used`
     uint64_t evicted_leased_models = 0;
-    RoomProbe room;  // may be empty
   };
   // REQUIRES: mu_ held.
   Account& AccountLocked(const std::string& device) { return accounts_[device]; }
 
   std::vector<std::shared_ptr<ResidentModel>> models_;
   std::map<std::string, Account> accounts_;  // by device
+  // Called without mu_ (they read files): set apart, under a lock of their own.
+  std::mutex probes_mu_;
+  std::map<std::string, RoomProbe> room_probes_;  // by device
   uint64_t next_id_ = 1;
 };
 

@@ -505,12 +505,18 @@ Status StatCache::Save() {
     adopt(std::move(file));
     return OkStatus();
   }
-  // Temporary files left by writers killed before their rename: every
-  // writer makes its own under the lock, so any there now is such a one.
+  // Temporary files left by writers killed before their rename. Every
+  // writer makes its own under the lock and renames it within moments;
+  // where a lock is local to each host (NFS mounted local_lock) another's
+  // may be in use now: only those a minute old go.
   if (DIR* d = ::opendir(dir_.c_str())) {
     const std::string prefix = std::string(kFileName) + ".tmp-";
+    const time_t minute_ago = ::time(nullptr) - 60;
     while (const dirent* e = ::readdir(d)) {
-      if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0) {
+      struct stat st;
+      if (std::strncmp(e->d_name, prefix.c_str(), prefix.size()) == 0 &&
+          ::fstatat(::dirfd(d), e->d_name, &st, AT_SYMLINK_NOFOLLOW) == 0 &&
+          st.st_mtime < minute_ago) {
         ::unlinkat(::dirfd(d), e->d_name, 0);
       }
     }
@@ -589,6 +595,9 @@ Status StatCache::Save() {
 
   const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
   Status status = OkStatus();
+  // This process's own name: whatever is there (an earlier process of the
+  // same PID, a FIFO) is not opened, but replaced.
+  ::unlink(tmp.c_str());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   bool written = fd >= 0;
   for (const std::string* part : {&head, &body, &values}) {
