@@ -949,7 +949,8 @@ Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte>, c
   return BuiltWithoutCuda();
 }
 
-Result<WriteAttempt> TryWriteOnGpu(const std::string&, uint64_t, uint64_t) {
+Result<WriteAttempt> TryWriteOnGpu(const std::string&, uint64_t, uint64_t,
+                                   const std::function<void()>&) {
   return BuiltWithoutCuda();
 }
 
