@@ -10,6 +10,8 @@
 #include <climits>
 #include <cstdlib>
 #include <cstring>
+#include <map>
+#include <mutex>
 
 namespace weightd::io {
 namespace {
@@ -18,21 +20,41 @@ std::string ErrnoText(int err) { return std::strerror(err); }
 
 // The sequence number of the disk behind block device `dev` (Linux 5.15:
 // /sys/dev/block/MAJ:MIN/diskseq, a partition's from its disk), or 0.
+// Each device's file stays open and is read again at every call (a sysfs
+// file reads its current value at offset 0): one pread, where opening it
+// each time cost a stat 9 µs instead of 0.5.
 uint64_t DiskSequence(dev_t dev) {
   if (major(dev) == 0) return 0;  // no block device: NFS, FUSE, tmpfs, overlay
+  static std::mutex mu;
+  static std::map<dev_t, int>* open_files = new std::map<dev_t, int>;  // never freed
+  constexpr size_t kMostDevices = 256;
+  auto read_seq = [](int fd) -> uint64_t {
+    char text[32];
+    const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
+    if (n <= 0) return 0;
+    text[n] = '\0';
+    char* end = nullptr;
+    const unsigned long long seq = std::strtoull(text, &end, 10);
+    return end != text ? seq : 0;
+  };
+  std::lock_guard lock(mu);
+  if (auto it = open_files->find(dev); it != open_files->end()) {
+    if (const uint64_t seq = read_seq(it->second); seq != 0) return seq;
+    ::close(it->second);  // the device went away: look again
+    open_files->erase(it);
+  }
   const std::string base =
       "/sys/dev/block/" + std::to_string(major(dev)) + ":" + std::to_string(minor(dev));
   for (const char* file : {"/diskseq", "/../diskseq"}) {
     const int fd = ::open((base + file).c_str(), O_RDONLY | O_CLOEXEC);
     if (fd < 0) continue;
-    char text[32];
-    const ssize_t n = ::read(fd, text, sizeof text - 1);
-    ::close(fd);
-    if (n <= 0) continue;
-    text[n] = '\0';
-    char* end = nullptr;
-    const unsigned long long seq = std::strtoull(text, &end, 10);
-    if (end != text) return seq;
+    const uint64_t seq = read_seq(fd);
+    if (seq != 0 && open_files->size() < kMostDevices) {
+      open_files->emplace(dev, fd);
+    } else {
+      ::close(fd);
+    }
+    if (seq != 0) return seq;
   }
   return 0;
 }
