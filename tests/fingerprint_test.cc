@@ -617,8 +617,8 @@ TEST(StatCache, EntriesSavedAlreadyAreNotWrittenAgain) {
 
 // A writer killed between writing its temporary file and renaming it
 // leaves the file behind; a save a minute later removes it (a younger one
-// may be another host's, in use). One in the way of this process's own
-// name (a FIFO, say) is replaced, never opened.
+// may be another host's, in use). A FIFO there is removed as well, never
+// opened.
 TEST(StatCache, TemporaryFilesOfKilledWritersAreRemoved) {
   TempDir cache_dir;
   auto cache = StatCache::Load(cache_dir.path());
@@ -629,7 +629,9 @@ TEST(StatCache, TemporaryFilesOfKilledWritersAreRemoved) {
   testing::WriteFileText(file + ".tmp-99999999", "another, in use");
   fs::last_write_time(file + ".tmp-99999998",
                       fs::file_time_type::clock::now() - std::chrono::minutes(2));
-  ASSERT_EQ(::mkfifo((file + ".tmp-" + std::to_string(::getpid())).c_str(), 0600), 0);
+  const std::string fifo = file + ".tmp-" + std::to_string(::getpid()) + "-1";
+  ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
+  fs::last_write_time(fifo, fs::file_time_type::clock::now() - std::chrono::minutes(2));
   cache->Insert("sampled", {.device = 1, .inode = 3, .size = 3}, "xxh3-128:b");
   ASSERT_TRUE(cache->Save().ok());
   std::vector<std::string> left;

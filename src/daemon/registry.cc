@@ -75,7 +75,11 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
   // The kernel's figures first, without the registry's lock: reading them
   // takes a few files (a long mountinfo, a control group's statistics),
   // and acquires must not wait for that.
+  // A load that publishes meanwhile takes its bytes out of `reserved`,
+  // while figures read before it may not show all its pages yet: what was
+  // published since they were read is counted as taken too.
   std::map<std::string, Room> rooms;
+  std::map<std::string, uint64_t> published_before;
   if (weigh_room) {
     std::vector<std::pair<std::string, RoomProbe>> probes;
     {
@@ -84,6 +88,12 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
         if (auto it = room_probes_.find(device); it != room_probes_.end()) {
           probes.emplace_back(device, it->second);
         }
+      }
+    }
+    if (!probes.empty()) {
+      std::lock_guard lock(mu_);
+      for (const auto& [device, probe] : probes) {
+        published_before[device] = AccountLocked(device).published_bytes;
       }
     }
     for (const auto& [device, probe] : probes) {
@@ -150,8 +160,12 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
     const Room& room = found->second;
     // Loads in progress may not have taken their reservations' pages yet:
     // counted as taken (they may have, in part: then twice).
+    const uint64_t since = a.published_bytes - published_before[device];
     uint64_t spoken_for = 0;
-    if (__builtin_add_overflow(a.reserved, room.keep, &spoken_for)) spoken_for = UINT64_MAX;
+    if (__builtin_add_overflow(a.reserved, room.keep, &spoken_for) ||
+        __builtin_add_overflow(spoken_for, since, &spoken_for)) {
+      spoken_for = UINT64_MAX;
+    }
     const uint64_t usable = room.free - std::min(room.free, spoken_for);
     if (bytes <= usable) continue;
     to_free_for_room[n] = bytes - usable;
@@ -177,16 +191,19 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
     Account& a = accounts_[device];
     uint64_t freed = 0;  // of the kernel's figure
     while (a.used + a.reserved + bytes > a.budget || freed < to_free_for_room[n]) {
-      // The idle model used least recently goes first; once the budget has
-      // room, one that gives the kernel's figure something back.
-      const bool budget_short = a.used + a.reserved + bytes > a.budget;
+      // The idle model used least recently goes first; while the kernel's
+      // figure is short, one that gives it something back (any, once only
+      // the budget is short).
+      const bool room_short = freed < to_free_for_room[n];
       size_t victim = models_.size();
-      for (size_t i = 0; i < models_.size(); ++i) {
-        if (!evictable(*models_[i], device) || (!budget_short && !frees_room(*models_[i]))) {
-          continue;
-        }
-        if (victim == models_.size() || models_[i]->last_used < models_[victim]->last_used) {
-          victim = i;
+      for (int pass = room_short ? 0 : 1; pass < 2 && victim == models_.size(); ++pass) {
+        for (size_t i = 0; i < models_.size(); ++i) {
+          if (!evictable(*models_[i], device) || (pass == 0 && !frees_room(*models_[i]))) {
+            continue;
+          }
+          if (victim == models_.size() || models_[i]->last_used < models_[victim]->last_used) {
+            victim = i;
+          }
         }
       }
       if (victim == models_.size()) break;  // cannot happen: counted above
@@ -243,6 +260,7 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
   Account& a = AccountLocked(published->key.device);
   a.reserved -= std::min(a.reserved, reserved_bytes);
   a.used += published->segment->reserved_bytes();
+  a.published_bytes += reserved_bytes;
   models_.push_back(published);
   return published;
 }

@@ -190,6 +190,7 @@ class Registry {
     // last of them lets go.
     uint64_t evicted_leased = 0;
     uint64_t evicted_leased_models = 0;
+    uint64_t published_bytes = 0;  // reservations made use, all told
   };
   struct Snapshot {
     std::vector<std::shared_ptr<ResidentModel>> models;
@@ -231,6 +232,7 @@ class Registry {
     uint64_t reserved = 0;
     uint64_t evicted_leased = 0;  // of `used`
     uint64_t evicted_leased_models = 0;
+    uint64_t published_bytes = 0;  // reservations made use, all told
   };
   // REQUIRES: mu_ held.
   Account& AccountLocked(const std::string& device) { return accounts_[device]; }

@@ -13,6 +13,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <ctime>
+#include <random>
 #include <vector>
 
 namespace weightd::fingerprint {
@@ -593,11 +594,13 @@ Status StatCache::Save() {
   Put(head, static_cast<uint64_t>(values.size()));
   Put(head, Hash(head));
 
-  const std::string tmp = path + ".tmp-" + std::to_string(::getpid());
+  // A name of its own, made only here (O_EXCL: never a file, or a FIFO,
+  // found there): processes of the same PID on other hosts (containers'
+  // PID 1) may share the directory.
+  std::random_device entropy;
+  const std::string tmp = path + ".tmp-" + std::to_string(::getpid()) + "-" +
+                          std::to_string(entropy()) + std::to_string(entropy());
   Status status = OkStatus();
-  // This process's own name: whatever is there (an earlier process of the
-  // same PID, a FIFO) is not opened, but replaced.
-  ::unlink(tmp.c_str());
   int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC | O_NOFOLLOW, 0600);
   bool written = fd >= 0;
   for (const std::string* part : {&head, &body, &values}) {
