@@ -93,7 +93,9 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
     if (!probes.empty()) {
       std::lock_guard lock(mu_);
       for (const auto& [device, probe] : probes) {
-        published_before[device] = AccountLocked(device).published_bytes;
+        if (auto it = accounts_.find(device); it != accounts_.end()) {
+          published_before[device] = it->second.published_bytes;
+        }
       }
     }
     for (const auto& [device, probe] : probes) {
