@@ -1176,6 +1176,12 @@ TEST_F(DaemonTest, SegmentsAnEarlierDaemonLeftMappedNeverGetTheNextOneKilled) {
   EXPECT_NE(refused.err.find("the control group's limit of 256.00 MiB"), std::string::npos)
       << refused.err;
   EXPECT_EQ(group.OomKills(), 0);
+  // status shows the same figure, beside the budget.
+  const json host = Status()["devices"][0];
+  ASSERT_TRUE(host.contains("room")) << host.dump();
+  EXPECT_LT(host["room"]["free"].get<uint64_t>(), 256ull << 20);
+  EXPECT_EQ(host["room"]["kept"], 32ull << 20);
+  EXPECT_NE(Run({"status"}).out.find("  the kernel would give "), std::string::npos);
   EXPECT_EQ(Run({"status"}).exit_code, 0) << second.err();
 }
 

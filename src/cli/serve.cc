@@ -552,6 +552,13 @@ Command AddStatusCommand(CLI::App& root) {
                         << (reserved > 0 ? ", " + FormatBytes(reserved) + " for preloads under way"
                                          : "")
                         << "\n";
+              if (const json room = d.value("room", json()); room.is_object()) {
+                std::cout << "  the kernel would give "
+                          << FormatBytes(room.value("free", uint64_t{0})) << " more ("
+                          << Printable(room.value("what", "")) << "), "
+                          << FormatBytes(room.value("kept", uint64_t{0}))
+                          << " of it kept for the daemon itself\n";
+              }
             }
             if (const json cuda = reply->value("cuda", json::object()); !cuda.empty()) {
               if (!cuda.value("available", false)) {

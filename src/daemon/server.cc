@@ -932,6 +932,16 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     ApplyGpuBudgets(/*wait=*/false);
     Registry::Snapshot snap = registry.Take();
     json reply = {{"type", type}, {"devices", DeviceJson(snap)}, {"cuda", CudaStatus()}};
+    // What the kernel would still give in host memory, as preloads are
+    // weighed against it: why one is refused within the budget.
+    if (options.check_host_room) {
+      if (const std::optional<Registry::Room> room = HostRoom()) {
+        for (json& d : reply["devices"]) {
+          if (d.value("name", "") != "host") continue;
+          d["room"] = {{"free", room->free}, {"kept", room->keep}, {"what", room->what}};
+        }
+      }
+    }
     if (type == "status") {
       // The list fits one frame: past about 3/4 of it (a thousand ranks
       // with long paths), the rest are counted, not listed.
