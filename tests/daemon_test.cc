@@ -1185,6 +1185,19 @@ TEST_F(DaemonTest, SegmentsAnEarlierDaemonLeftMappedNeverGetTheNextOneKilled) {
   EXPECT_EQ(Run({"status"}).exit_code, 0) << second.err();
 }
 
+// With --budget-only, the budget alone decides (where memory the kernel
+// does not count comes back on demand): status shows no room.
+TEST_F(DaemonTest, BudgetOnlyLeavesTheKernelsFigureOut) {
+  {
+    auto daemon = StartDaemon({"--budget-only"});
+    EXPECT_FALSE(Status()["devices"][0].contains("room"));
+    daemon->Signal(SIGTERM);
+    EXPECT_EQ(daemon->Wait(), 0);
+  }
+  auto daemon = StartDaemon();
+  EXPECT_TRUE(Status()["devices"][0].contains("room"));
+}
+
 // Daemon tests that change the system's huge-page pool: alone in their
 // ctest, as every HugePagePool* test is.
 class HugePagePoolDaemon : public DaemonTest {};

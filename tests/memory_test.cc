@@ -798,7 +798,9 @@ TEST(HostMemory, RoomIsTheLimitLessWhatTheGroupCannotGiveBack) {
   put("v2/a/b/memory.max", std::to_string(1024 * kMiB));
   put("v2/a/b/memory.current", std::to_string(600 * kMiB));
   put("v2/a/b/memory.stat", "anon 1\nfile 1\nactive_file " + std::to_string(200 * kMiB) +
-                                "\ninactive_file " + std::to_string(100 * kMiB) + "\nshmem 5\n");
+                                "\ninactive_file " + std::to_string(80 * kMiB) +
+                                "\nshmem 5\nslab_reclaimable " + std::to_string(20 * kMiB) +
+                                "\nslab_unreclaimable 7\n");
   put("v2/a/memory.max", std::to_string(2048 * kMiB));
   put("v2/a/memory.current", std::to_string(1000 * kMiB));
   auto room = memory::CgroupMemoryRoom("0::/a/b\n", v2, root.path());

@@ -1,7 +1,6 @@
 #include "daemon/server.h"
 
 #include <fcntl.h>
-#include <malloc.h>
 #include <poll.h>
 #include <sys/file.h>
 #include <sys/resource.h>
@@ -124,20 +123,6 @@ json DeviceJson(const Registry::Snapshot& s) {
                    {"evicted_in_use_models", d.evicted_leased_models}});
   }
   return out;
-}
-
-// A preload's headers, plans and buffers (about 150 MB at its peak for a
-// model of 70,000 tensors), once freed, stay in the allocator's arena of
-// the thread that served it. glibc gives every thread an arena of its own,
-// up to 8 per core: a daemon that had served many preloads held that much
-// per serving thread (650 MB after 20 such preloads on 2 cores), outside
-// any budget. Two arenas keep that within about what two preloads take,
-// and cost a preload nothing (giving the memory back after each one would
-// cost the next a quarter of its time, faulting it in again).
-void ShareTwoArenas() {
-#ifdef __GLIBC__
-  ::mallopt(M_ARENA_MAX, 2);
-#endif
 }
 
 // What the kernel would still give in host memory, as the registry weighs
@@ -339,7 +324,6 @@ bool Server::stopping() const { return state_->stopping.load(); }
 
 Status Server::Start() {
   State& s = *state_;
-  ShareTwoArenas();
   // A preload holds every shard open and each engine a connection: take
   // all the descriptors the system allows this process.
   rlimit files{};

@@ -18,64 +18,64 @@ namespace {
 
 std::string ErrnoText(int err) { return std::strerror(err); }
 
-// The sequence number of the disk behind block device `dev` (Linux 5.15:
-// /sys/dev/block/MAJ:MIN/diskseq, a partition's from its disk), or 0.
-// Each device's file stays open and is read again at every call (a sysfs
-// file reads its current value at offset 0): one pread, where opening it
-// each time cost a stat 9 µs instead of 0.5. A partition's disk file does
-// not go when the partition does, and its number may go to a partition of
-// another disk: the partition's own `partition` file, kept open too, fails
-// to read once it is gone, and both are opened again.
+// A loop device's disk sequence number (Linux 5.15:
+// /sys/dev/block/7:N/diskseq), new at every attach; 0 for any other device.
+// Only loop devices are attached again to other contents under the same
+// number as a matter of course (a read-only image each time); a disk's
+// number also moves at every boot, which would cost every cache entry of
+// every disk at every reboot.
+//
+// Each loop device's file stays open and is read again at every call (a
+// sysfs file reads its current value at offset 0): one pread, where
+// opening it each time cost a stat 9 µs instead of 0.5. Its inode is
+// checked first: a process that closed descriptors it did not open may
+// have the number reused for another file.
 uint64_t DiskSequence(dev_t dev) {
-  if (major(dev) == 0) return 0;  // no block device: NFS, FUSE, tmpfs, overlay
-  struct Files {
-    int diskseq = -1;
-    int partition = -1;  // a partition's own file; -1 for a whole disk
-    void Close() const {
-      ::close(diskseq);
-      if (partition >= 0) ::close(partition);
-    }
+  constexpr unsigned kLoopMajor = 7;
+  if (major(dev) != kLoopMajor) return 0;
+  struct File {
+    int fd = -1;
+    ino_t inode = 0;
   };
   static std::mutex mu;
-  static std::map<dev_t, Files>* open_files = new std::map<dev_t, Files>;  // never freed
+  static std::map<dev_t, File>* open_files = new std::map<dev_t, File>;  // never freed
   constexpr size_t kMostDevices = 256;
-  auto read_number = [](int fd) -> uint64_t {
+  auto read_number = [](const File& f) -> uint64_t {
+    struct stat st;
+    if (::fstat(f.fd, &st) != 0 || st.st_ino != f.inode) return 0;
     char text[32];
-    const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
+    const ssize_t n = ::pread(f.fd, text, sizeof text - 1, 0);
     if (n <= 0) return 0;
     text[n] = '\0';
     char* end = nullptr;
     const unsigned long long v = std::strtoull(text, &end, 10);
     return end != text ? v : 0;
   };
-  auto sequence = [&](const Files& f) -> uint64_t {
-    if (f.partition >= 0 && read_number(f.partition) == 0) return 0;
-    return read_number(f.diskseq);
-  };
   std::lock_guard lock(mu);
   if (auto it = open_files->find(dev); it != open_files->end()) {
-    if (const uint64_t seq = sequence(it->second); seq != 0) return seq;
-    it->second.Close();  // the device went away: look again
+    if (const uint64_t seq = read_number(it->second); seq != 0) return seq;
+    // The device went away, or the descriptor is not ours any more (then
+    // it is left to whoever has it now).
+    struct stat st;
+    if (::fstat(it->second.fd, &st) == 0 && st.st_ino == it->second.inode) ::close(it->second.fd);
     open_files->erase(it);
   }
-  const std::string base =
-      "/sys/dev/block/" + std::to_string(major(dev)) + ":" + std::to_string(minor(dev));
-  Files f;
-  f.diskseq = ::open((base + "/diskseq").c_str(), O_RDONLY | O_CLOEXEC);
-  if (f.diskseq < 0) {
-    f.partition = ::open((base + "/partition").c_str(), O_RDONLY | O_CLOEXEC);
-    if (f.partition < 0) return 0;
-    f.diskseq = ::open((base + "/../diskseq").c_str(), O_RDONLY | O_CLOEXEC);
-    if (f.diskseq < 0) {
-      ::close(f.partition);
-      return 0;
-    }
+  const std::string path = "/sys/dev/block/" + std::to_string(major(dev)) + ":" +
+                           std::to_string(minor(dev)) + "/diskseq";
+  File f;
+  f.fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (f.fd < 0) return 0;
+  struct stat st;
+  if (::fstat(f.fd, &st) != 0) {
+    ::close(f.fd);
+    return 0;
   }
-  const uint64_t seq = sequence(f);
+  f.inode = st.st_ino;
+  const uint64_t seq = read_number(f);
   if (seq != 0 && open_files->size() < kMostDevices) {
     open_files->emplace(dev, f);
   } else {
-    f.Close();
+    ::close(f.fd);
   }
   return seq;
 }

@@ -29,11 +29,10 @@ struct StatSignature {
   uint64_t size = 0;
   int64_t mtime_ns = 0;
   int64_t ctime_ns = 0;
-  // Which attachment of its block device the file was seen through: the
-  // disk's sequence number (Linux 5.15), new at every attach of a loop
-  // device and unique for the boot, the same in every mount namespace; 0
-  // without a block device (NFS, FUSE, tmpfs) or where the kernel does
-  // not say.
+  // On a loop device, which attachment the file was seen through: its
+  // disk sequence number (Linux 5.15), new at every attach and unique for
+  // the boot, the same in every mount namespace; 0 on any other device,
+  // or where the kernel does not say.
   uint64_t disk_sequence = 0;
 
   bool operator==(const StatSignature&) const = default;

@@ -250,14 +250,16 @@ std::optional<MemoryRoom> CgroupMemoryRoom(std::string_view proc_self_cgroup,
         if (!limit) return;
         // What the group holds (its descendants too), less the files' page
         // cache, which the kernel reclaims before it kills: on the file
-        // LRU lists, where shared memory (memfds, tmpfs) never is.
+        // LRU lists, where shared memory (memfds, tmpfs) never is; and on
+        // v2 the kernel's reclaimable caches (dentries, inodes).
         const std::optional<uint64_t> usage =
             ParseLimit(ReadSmallFile(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes")));
         const std::string stat = ReadSmallFile(dir + "/memory.stat");
         const char* active = v2 ? "active_file" : "total_active_file";
         const char* inactive = v2 ? "inactive_file" : "total_inactive_file";
-        const uint64_t file_cache =
-            StatValue(stat, active).value_or(0) + StatValue(stat, inactive).value_or(0);
+        const uint64_t file_cache = StatValue(stat, active).value_or(0) +
+                                    StatValue(stat, inactive).value_or(0) +
+                                    (v2 ? StatValue(stat, "slab_reclaimable").value_or(0) : 0);
         const uint64_t held = usage ? *usage - std::min(*usage, file_cache) : 0;
         const uint64_t room = limit->first - std::min(limit->first, held);
         if (!least || room < least->free)
