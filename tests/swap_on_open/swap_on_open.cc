@@ -29,38 +29,26 @@ void BeforeOpen(const char* path) {
   if (rename(with, target) != 0) perror("swap_on_open: rename");
 }
 
-using OpenFn = int (*)(const char*, int, ...);
+}  // namespace
 
-int Forward(const char* name, const char* path, int flags, mode_t mode) {
-  static std::atomic<OpenFn> real[2];
-  const int which = strcmp(name, "open") == 0 ? 0 : 1;
-  OpenFn fn = real[which].load();
+// open and open64 are one call on a 64-bit system: one definition, under
+// both names, forwards to the C library's open.
+extern "C" __attribute__((visibility("default"))) int open(const char* path, int flags, ...) {
+  using OpenFn = int (*)(const char*, int, ...);
+  static std::atomic<OpenFn> real{nullptr};
+  OpenFn fn = real.load();
   if (fn == nullptr) {
-    fn = reinterpret_cast<OpenFn>(dlsym(RTLD_NEXT, name));
-    real[which].store(fn);
+    fn = reinterpret_cast<OpenFn>(dlsym(RTLD_NEXT, "open"));
+    real.store(fn);
   }
+  va_list args;
+  va_start(args, flags);
+  const mode_t mode =
+      (flags & O_CREAT) != 0 || (flags & O_TMPFILE) == O_TMPFILE ? va_arg(args, mode_t) : 0;
+  va_end(args);
   BeforeOpen(path);
   return fn(path, flags, mode);
 }
 
-mode_t ModeOf(int flags, va_list args) {
-  return (flags & O_CREAT) != 0 || (flags & O_TMPFILE) == O_TMPFILE ? va_arg(args, mode_t) : 0;
-}
-
-}  // namespace
-
-extern "C" __attribute__((visibility("default"))) int open(const char* path, int flags, ...) {
-  va_list args;
-  va_start(args, flags);
-  const mode_t mode = ModeOf(flags, args);
-  va_end(args);
-  return Forward("open", path, flags, mode);
-}
-
-extern "C" __attribute__((visibility("default"))) int open64(const char* path, int flags, ...) {
-  va_list args;
-  va_start(args, flags);
-  const mode_t mode = ModeOf(flags, args);
-  va_end(args);
-  return Forward("open64", path, flags, mode);
-}
+extern "C" __attribute__((visibility("default"), alias("open"))) int open64(const char* path,
+                                                                            int flags, ...);
