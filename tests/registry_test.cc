@@ -113,9 +113,9 @@ TEST(Registry, ALeasedModelOnAGpuLeavesNoRoomAndTheErrorNamesTheDevice) {
 // used first; with none left to evict, a refusal that says whose figure
 // it is. Loads in flight count against it until they end.
 TEST(Registry, IdleModelsAreEvictedForRoomTheKernelLacksAndThenItRefuses) {
-  Registry r(64 * kMiB);
   Registry::Room room{12 * kMiB, 2 * kMiB, "the control group's limit of 1.00 GiB in F"};
-  r.SetRoomProbe("host", [&] { return room; });
+  bool known = true;
+  Registry r(64 * kMiB, [&] { return known ? std::optional(room) : std::nullopt; });
   auto a = Publish(r, "host", 4, "xxh3-128:a");
   auto b = Publish(r, "host", 4, "xxh3-128:b");
   auto c = Publish(r, "host", 1, "xxh3-128:c");
@@ -154,7 +154,7 @@ TEST(Registry, IdleModelsAreEvictedForRoomTheKernelLacksAndThenItRefuses) {
       << refused.error().message();
   EXPECT_EQ(r.Take().models.size(), 1u);
   // No figure from the kernel: the budget alone decides.
-  r.SetRoomProbe("host", [] { return std::optional<Registry::Room>(); });
+  known = false;
   EXPECT_TRUE(r.Reserve("host", 8 * kMiB, &evicted).ok());
 }
 

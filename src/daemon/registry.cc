@@ -60,11 +60,6 @@ void Registry::SetBudget(const std::string& device, uint64_t bytes) {
   accounts_[device].budget = bytes;
 }
 
-void Registry::SetRoomProbe(const std::string& device, RoomProbe probe) {
-  std::lock_guard lock(probes_mu_);
-  room_probes_[device] = std::move(probe);
-}
-
 Status Registry::Reserve(const std::string& device, uint64_t bytes,
                          std::vector<Eviction>* evicted) {
   return Reserve({{device, bytes}}, evicted);
@@ -72,35 +67,21 @@ Status Registry::Reserve(const std::string& device, uint64_t bytes,
 
 Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& needs,
                          std::vector<Eviction>* evicted, bool weigh_room) {
-  // The kernel's figures first, without the registry's lock: reading them
+  // The kernel's figure first, without the registry's lock: reading it
   // takes a few files (a long mountinfo, a control group's statistics),
-  // and acquires must not wait for that.
-  // A load that publishes meanwhile takes its bytes out of `reserved`,
-  // while figures read before it may not show all its pages yet: what was
-  // published since they were read is counted as taken too.
-  std::map<std::string, Room> rooms;
-  std::map<std::string, uint64_t> published_before;
-  if (weigh_room) {
-    std::vector<std::pair<std::string, RoomProbe>> probes;
+  // and acquires must not wait for that. A load that publishes meanwhile
+  // takes its bytes out of `reserved`, while a figure read before may not
+  // show all its pages yet: what was published since is counted as taken.
+  std::optional<Room> host_room;
+  uint64_t published_before = 0;
+  const bool for_host = std::any_of(needs.begin(), needs.end(),
+                                    [](const auto& need) { return need.first == "host"; });
+  if (weigh_room && for_host && host_room_) {
     {
-      std::lock_guard lock(probes_mu_);
-      for (const auto& [device, bytes] : needs) {
-        if (auto it = room_probes_.find(device); it != room_probes_.end()) {
-          probes.emplace_back(device, it->second);
-        }
-      }
-    }
-    if (!probes.empty()) {
       std::lock_guard lock(mu_);
-      for (const auto& [device, probe] : probes) {
-        if (auto it = accounts_.find(device); it != accounts_.end()) {
-          published_before[device] = it->second.published_bytes;
-        }
-      }
+      published_before = accounts_["host"].published_bytes;
     }
-    for (const auto& [device, probe] : probes) {
-      if (std::optional<Room> room = probe()) rooms[device] = std::move(*room);
-    }
+    host_room = host_room_();
   }
   Dropped dropped;  // freed after the lock is released
   std::lock_guard lock(mu_);
@@ -157,12 +138,11 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
                    " are held: " + listed + "; " +
                    (held > 0 ? "evict one or raise --budget" : "raise --budget"));
     }
-    const auto found = rooms.find(device);
-    if (found == rooms.end()) continue;
-    const Room& room = found->second;
+    if (device != "host" || !host_room) continue;
+    const Room& room = *host_room;
     // Loads in progress may not have taken their reservations' pages yet:
     // counted as taken (they may have, in part: then twice).
-    const uint64_t since = a.published_bytes - published_before[device];
+    const uint64_t since = a.published_bytes - published_before;
     uint64_t spoken_for = 0;
     if (__builtin_add_overflow(a.reserved, room.keep, &spoken_for) ||
         __builtin_add_overflow(spoken_for, since, &spoken_for)) {

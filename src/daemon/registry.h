@@ -66,27 +66,30 @@ struct Eviction {
 
 class Registry {
  public:
-  // Devices are named as keys name them ("host", "cuda:GPU-..."); the host
-  // has a budget from the start, a GPU once SetBudget gives it one.
-  explicit Registry(uint64_t host_budget) { accounts_["host"].budget = host_budget; }
-
-  // Sets `device`'s budget. Models already held stay, over it or not.
-  void SetBudget(const std::string& device, uint64_t bytes);
-
-  // What the kernel would still give on a device, read at every
-  // reservation: `free` (its memory, or its control group's), of which a
-  // reservation leaves `keep` for the daemon's own working memory; `what`
-  // says where the figure comes from. Memory held outside the budget
-  // (segments engines still map from a daemon that stopped, other
-  // processes of the same control group) leaves less than the budget
-  // says, and idle models are evicted for it as for the budget.
+  // What the kernel would still give in host memory, read at every host
+  // reservation: `free` (the machine's memory, or its control group's), of
+  // which a reservation leaves `keep` for the daemon's own working memory;
+  // `what` says where the figure comes from. Memory held outside the
+  // budget (segments engines still map from a daemon that stopped, other
+  // processes of the same control group) leaves less than the budget says,
+  // and idle models are evicted for it as for the budget.
   struct Room {
     uint64_t free = 0;
     uint64_t keep = 0;
     std::string what;
   };
   using RoomProbe = std::function<std::optional<Room>()>;
-  void SetRoomProbe(const std::string& device, RoomProbe probe);
+
+  // Devices are named as keys name them ("host", "cuda:GPU-..."); the host
+  // has a budget from the start, a GPU once SetBudget gives it one. Without
+  // `host_room` (or where it has no figure), the budget alone decides.
+  explicit Registry(uint64_t host_budget, RoomProbe host_room = {})
+      : host_room_(std::move(host_room)) {
+    accounts_["host"].budget = host_budget;
+  }
+
+  // Sets `device`'s budget. Models already held stay, over it or not.
+  void SetBudget(const std::string& device, uint64_t bytes);
 
   // Reserves `bytes` on `device` for a model about to be loaded, evicting
   // idle models of that device as needed (reported in `evicted`). Give the
@@ -239,9 +242,7 @@ class Registry {
 
   std::vector<std::shared_ptr<ResidentModel>> models_;
   std::map<std::string, Account> accounts_;  // by device
-  // Called without mu_ (they read files): set apart, under a lock of their own.
-  std::mutex probes_mu_;
-  std::map<std::string, RoomProbe> room_probes_;  // by device
+  const RoomProbe host_room_;                // called without mu_: it reads files
   uint64_t next_id_ = 1;
 };
 

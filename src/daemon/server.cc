@@ -143,9 +143,10 @@ std::optional<Registry::Room> HostRoom() {
 }  // namespace
 
 struct Server::State {
-  explicit State(ServerOptions o) : options(std::move(o)), registry(options.host_budget) {
-    if (options.check_host_room) registry.SetRoomProbe("host", HostRoom);
-  }
+  explicit State(ServerOptions o)
+      : options(std::move(o)),
+        registry(options.host_budget,
+                 options.check_host_room ? Registry::RoomProbe(HostRoom) : Registry::RoomProbe()) {}
 
   ServerOptions options;
   Registry registry;
