@@ -227,12 +227,12 @@ const std::string& BootId() {
 }
 
 StatCache::Key StatCache::MakeKey(const std::string& kind, const io::StatSignature& sig) {
-  // The disk's sequence number, of this boot, is folded into the device:
-  // another file system on a device number an earlier one had (a loop
-  // device attached again, to another image, whose files may have the
-  // same inode numbers, sizes and timestamps, as reproducible builds of
-  // read-only images make them) is then another key. A reboot makes every
-  // key of a block device new: one fingerprint reads the files again.
+  // A loop device's sequence number, of this boot, is folded into the
+  // device: another file system on a loop device an earlier one had
+  // (attached again, to another image, whose files may have the same inode
+  // numbers, sizes and timestamps, as reproducible builds of read-only
+  // images make them) is then another key. A reboot makes every key on a
+  // loop device new: one fingerprint reads the files again.
   uint64_t device = sig.device;
   if (sig.disk_sequence != 0) {
     std::string id = BootId();
