@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <mutex>
 #include <new>
@@ -203,6 +205,39 @@ TEST(WorkerPool, EverySlotRunsOnceAndAllAtOnce) {
     cv.wait(lock, [&] { return arrived == kSlots; });
   });
   EXPECT_EQ(runs, std::vector<int>(kSlots, 1));
+}
+
+TEST(WorkerPool, AChildOfForkRunsItsTeamsAtOnce) {
+  // The parent's threads exist and are idle when it forks; the child has
+  // none of them and must make its own.
+  std::atomic<int> total{0};
+  WorkerPool::Shared().RunTeam(8, [&](int) { total.fetch_add(1); });
+  ASSERT_EQ(total.load(), 8);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    // Four slots that must all be running at once; each waits a long
+    // while for the others, then gives up (a pool that ran them one after
+    // another would wait forever).
+    constexpr int kSlots = 4;
+    std::mutex mu;
+    std::condition_variable cv;
+    int arrived = 0;
+    bool met = true;
+    WorkerPool::Shared().RunTeam(kSlots, [&](int) {
+      std::unique_lock lock(mu);
+      ++arrived;
+      cv.notify_all();
+      if (!cv.wait_for(lock, std::chrono::seconds(20), [&] { return arrived == kSlots; })) {
+        met = false;
+      }
+    });
+    ::_exit(met ? 0 : 1);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status));
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "the child's slots ran one after another";
 }
 
 TEST(WorkerPool, TeamsFromManyThreadsAndReserve) {

@@ -1,6 +1,9 @@
 #include "io/worker_pool.h"
 
+#include <unistd.h>
+
 #include <algorithm>
+#include <atomic>
 #include <exception>
 #include <system_error>
 #include <thread>
@@ -8,7 +11,18 @@
 namespace weightd::io {
 
 WorkerPool& WorkerPool::Shared() {
-  static WorkerPool* pool = new WorkerPool();  // never destroyed: its threads outlive statics
+  // Never destroyed: its threads outlive statics. A child of fork() has
+  // none of them, while its copy of the pool counts them (and its lock may
+  // have been held by one of them): the child makes a pool of its own.
+  static std::atomic<WorkerPool*> current{nullptr};
+  const pid_t pid = ::getpid();
+  WorkerPool* pool = current.load(std::memory_order_acquire);
+  while (pool == nullptr || pool->owner_ != pid) {
+    auto* fresh = new WorkerPool();
+    fresh->owner_ = pid;
+    if (current.compare_exchange_strong(pool, fresh, std::memory_order_acq_rel)) return *fresh;
+    delete fresh;  // another thread of this process made one first
+  }
   return *pool;
 }
 

@@ -8,6 +8,8 @@
 // Thread safety: all members may be called from any thread.
 #pragma once
 
+#include <sys/types.h>
+
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -19,7 +21,8 @@ namespace weightd::io {
 class WorkerPool {
  public:
   // The process's pool; never destroyed (its threads live as long as the
-  // process and sleep when there is no work).
+  // process and sleep when there is no work). A child of fork() gets a new
+  // one, with threads of its own.
   static WorkerPool& Shared();
 
   WorkerPool(const WorkerPool&) = delete;
@@ -63,6 +66,7 @@ class WorkerPool {
   // Claims an unclaimed slot of any team; REQUIRES: mu_ held.
   bool Claim(Team** team, int* slot);
 
+  pid_t owner_ = 0;  // the process whose threads these are
   mutable std::mutex mu_;
   std::condition_variable work_;
   std::condition_variable done_;
