@@ -3,7 +3,9 @@
 #include <gtest/gtest.h>
 #include <sys/file.h>
 #include <sys/mman.h>
+#include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -14,6 +16,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <limits>
 #include <thread>
 
@@ -585,6 +588,60 @@ TEST(Channel, CarriesTwoDescriptorsInOrderAndRefusesThree) {
   }
   const std::vector<const memory::UniqueFd*> three = {&handles[0], &handles[1], &handles[2]};
   EXPECT_FALSE(a.Send({{"type", "acquired"}}, three).ok());
+}
+
+// Runs `child` in a child process and returns its exit status; a child
+// still running after a minute (hung) is killed and reported as 99.
+int RunInChild(const std::function<int()>& child) {
+  const pid_t pid = ::fork();
+  if (pid == 0) ::_exit(child());
+  for (int i = 0; i < 600; ++i) {
+    int status = 0;
+    if (::waitpid(pid, &status, WNOHANG) == pid)
+      return WIFEXITED(status) ? WEXITSTATUS(status) : 98;
+    ::usleep(100'000);
+  }
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  return 99;
+}
+
+TEST(Channel, AWaitInterruptedBySignalsStillEnds) {
+  // An engine with a periodic timer: each signal interrupts the wait,
+  // which must go on for what is left of it, not start again.
+  const int status = RunInChild([] {
+    int fds[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return 2;
+    protocol::Channel a{memory::UniqueFd(fds[0])}, b{memory::UniqueFd(fds[1])};
+    struct sigaction tick {};
+    tick.sa_handler = [](int) {};
+    ::sigaction(SIGALRM, &tick, nullptr);  // no SA_RESTART: poll returns EINTR
+    const itimerval every_5ms{{0, 5'000}, {0, 5'000}};
+    ::setitimer(ITIMER_REAL, &every_5ms, nullptr);
+    auto m = b.Receive(300);
+    return !m.ok() && m.error().message() == protocol::Channel::kTimedOut ? 0 : 1;
+  });
+  EXPECT_EQ(status, 0) << (status == 99 ? "the wait never ended" : "not a timeout");
+}
+
+TEST(Channel, SaysWhenThisProcessHasNoDescriptorLeft) {
+  const int status = RunInChild([] {
+    int fds[2];
+    if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return 2;
+    protocol::Channel a{memory::UniqueFd(fds[0])}, b{memory::UniqueFd(fds[1])};
+    memory::UniqueFd sent(::memfd_create("sent", MFD_CLOEXEC));
+    if (!a.Send({{"type", "x"}}, &sent).ok()) return 3;
+    // Every slot below the limit taken.
+    const rlimit few{64, 64};
+    if (::setrlimit(RLIMIT_NOFILE, &few) != 0) return 4;
+    while (::fcntl(0, F_DUPFD, 0) >= 0) {
+    }
+    auto m = b.Receive(1000);
+    if (m.ok()) return 5;
+    std::fprintf(stderr, "%s\n", m.error().message().c_str());
+    return m.error().message().find("no file descriptor left") != std::string::npos ? 0 : 1;
+  });
+  EXPECT_EQ(status, 0);
 }
 
 TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {

@@ -11,6 +11,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstring>
+#include <optional>
 #include <thread>
 
 #include "protocol/paths.h"
@@ -33,36 +34,45 @@ uint32_t GetU32(const char* p) {
 
 void PutU32(std::string& out, uint32_t v) { out.append(reinterpret_cast<const char*>(&v), 4); }
 
-// Waits until the socket is readable; false on timeout.
-Result<bool> WaitReadable(int fd, int timeout_ms) {
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+// Waits until the socket is readable; false once `deadline` has passed
+// (never, when it is nullopt). A signal wakes the wait early: it goes on
+// for what is left, so that a process with a periodic timer still gives up.
+Result<bool> WaitReadable(int fd, std::optional<Deadline> deadline) {
   pollfd p{fd, POLLIN, 0};
   while (true) {
-    int n = ::poll(&p, 1, timeout_ms);
+    int timeout = -1;
+    if (deadline) {
+      const auto left =
+          std::chrono::ceil<std::chrono::milliseconds>(*deadline - Clock::now()).count();
+      timeout = static_cast<int>(std::clamp<int64_t>(left, 0, INT32_MAX));
+    }
+    int n = ::poll(&p, 1, timeout);
     if (n > 0) return true;
     if (n == 0) return false;
     if (errno != EINTR) return Error(Errno("poll"));
   }
 }
 
-using Deadline = std::chrono::steady_clock::time_point;
-
 // Reads exactly `n` bytes into `dst`, collecting any descriptors that come
 // along (more than kMaxDescriptors ends the frame at once). `first` tells
-// whether a clean EOF before any byte is "closed"; once a frame has started,
-// all of it must arrive before `deadline`.
+// whether a clean EOF before any byte is "closed", and whether the wait for
+// the first byte has `first_timeout_ms` (-1: none); once a frame has
+// started, all of it must arrive before `deadline`.
 Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds, bool first,
                 int first_timeout_ms, Deadline& deadline) {
+  std::optional<Deadline> first_deadline;
+  if (first_timeout_ms >= 0)
+    first_deadline = Clock::now() + std::chrono::milliseconds(first_timeout_ms);
   size_t got = 0;
   while (got < n) {
-    int timeout = first_timeout_ms;
-    if (!(got == 0 && first)) {
-      const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(
-          deadline - std::chrono::steady_clock::now());
-      timeout = static_cast<int>(std::max<int64_t>(left.count(), 0));
-    }
-    WEIGHTD_ASSIGN_OR_RETURN(bool ready, WaitReadable(fd, timeout));
+    const bool waiting_first = got == 0 && first;
+    WEIGHTD_ASSIGN_OR_RETURN(bool ready,
+                             WaitReadable(fd, waiting_first ? first_deadline : deadline));
     if (!ready) {
-      return Error(got == 0 && first ? Channel::kTimedOut : "frame timed out halfway");
+      return Error(waiting_first ? Channel::kTimedOut : "frame timed out halfway");
     }
     iovec iov{dst + got, n - got};
     alignas(cmsghdr) char control[kControlRoom];
@@ -88,6 +98,16 @@ Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds,
         fds.emplace_back(received);
       }
     }
+    if (msg.msg_flags & MSG_CTRUNC) {
+      // Cut short by the sender's count, or by this process's limit: the
+      // kernel stops installing descriptors at the first it has no slot for.
+      const int probe = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (probe < 0 && (errno == EMFILE || errno == ENFILE)) {
+        return Error(Errno("no file descriptor left to receive one in") +
+                     "; raise this process's limit (ulimit -n) or close descriptors");
+      }
+      if (probe >= 0) ::close(probe);
+    }
     if ((msg.msg_flags & MSG_CTRUNC) || fds.size() > kMaxDescriptors) {
       return Error("frame carried more descriptors than allowed");
     }
@@ -96,8 +116,7 @@ Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds,
                                      : "connection closed halfway through a frame");
     }
     if (got == 0 && first) {
-      deadline =
-          std::chrono::steady_clock::now() + std::chrono::milliseconds(Channel::kBodyTimeoutMs);
+      deadline = Clock::now() + std::chrono::milliseconds(Channel::kBodyTimeoutMs);
     }
     got += static_cast<size_t>(r);
   }
