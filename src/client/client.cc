@@ -188,7 +188,15 @@ Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
                                  double extra_seconds = 0) {
   const int timeout_ms = static_cast<int>(
       std::min<double>(kReplyTimeoutMs + extra_seconds * 1000, std::numeric_limits<int>::max()));
-  WEIGHTD_ASSIGN_OR_RETURN(protocol::Message m, ch.Receive(timeout_ms));
+  auto received = ch.Receive(timeout_ms);
+  if (!received.ok() && received.error().message() == protocol::Channel::kTimedOut) {
+    char waited[32];
+    std::snprintf(waited, sizeof waited, "%g", timeout_ms / 1000.0);
+    return Error(std::string("the daemon did not answer within ") + waited +
+                 " s: stopped (SIGSTOP), or too busy? `weightd status` shows whether it serves");
+  }
+  if (!received.ok()) return received.error();
+  protocol::Message m = std::move(received).value();
   if (m.type() == "error") {
     auto it = m.body.find("message");
     return Error("the daemon says: " +
@@ -223,8 +231,13 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
       std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   const double wait_left = std::max(0.0, wait - waited);
   miss.daemon_reachable = true;
+  // What went wrong on the connection; not the daemon's protocol when this
+  // process could not take the descriptors it was sent, or was not answered.
   auto fail = [&](const std::string& what, const Error& e) {
-    miss.reason = what + ": " + e.message();
+    const std::string& m = e.message();
+    const bool ours =
+        m.starts_with("no file descriptor left") || m.starts_with("the daemon did not answer");
+    miss.reason = ours ? m : what + ": " + m;
     return nullptr;
   };
   // Hello and acquire go out together: one round trip, not two. A daemon
