@@ -1469,6 +1469,19 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
   EXPECT_EQ(bad.exit_code, 2);
   EXPECT_NE(bad.err.find("pinned as `p`"), std::string::npos) << bad.err;
+  // ...and a model has one name: the second preload would move it.
+  testing::WriteFileText(config,
+                         "[[model]]\npath = \"a\"\npin = \"p\"\n[[model]]\npath = "
+                         "\"" +
+                             a + "\"\npin = \"q\"\n");
+  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("pinned as `p` and as `q`"), std::string::npos) << bad.err;
+  // One budget per device; `cpu` is the host.
+  testing::WriteFileText(config, "[budget]\nhost = \"1G\"\ncpu = \"2G\"\n");
+  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
+  EXPECT_EQ(bad.exit_code, 2);
+  EXPECT_NE(bad.err.find("[budget] names host twice"), std::string::npos) << bad.err;
   // A size that is not one is named as such, in the file.
   testing::WriteFileText(config, "[budget]\nhost = \"lots\"\n");
   bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});

@@ -126,6 +126,7 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
       }
     } else if (k == "budget") {
       if (!value.is_table()) return fail("[budget] must be a table");
+      std::set<std::string> given;  // `host` and `cpu` are one device
       for (const auto& [device, size] : *value.as_table()) {
         if (!size.is_string() && !size.is_integer()) {
           return fail("budget." + std::string(device.str()) + " must be a size like \"64G\"");
@@ -135,6 +136,10 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
         auto budget = ParseBudget(std::string(device.str()), amount);
         if (!budget.ok()) {
           return fail("budget." + std::string(device.str()) + ": " + budget.error().message());
+        }
+        if (!given.insert(budget->host ? "host" : budget->device).second) {
+          return fail("[budget] names " + (budget->host ? std::string("host") : budget->device) +
+                      " twice (`host` and `cpu` are one device); give one budget per device");
         }
         o.config_budgets.push_back(*budget);
       }
@@ -204,6 +209,12 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
             if (other.pin == m.pin) {
               return fail("two [[model]] entries are pinned as `" + m.pin +
                           "`; a name pins one model");
+            }
+            // The second preload would find the first's model resident and
+            // move the name: the first would name nothing.
+            if (!other.pin.empty() && other.path == m.path && other.processing == m.processing) {
+              return fail("[[model]] " + m.path + " is pinned as `" + other.pin + "` and as `" +
+                          m.pin + "` with the same processing; a model has one name");
             }
           }
         }

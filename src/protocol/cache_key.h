@@ -64,6 +64,8 @@ struct Processing {
   // first KiB) or full (every byte). Not a key field of its own: the
   // digest's tag (xxh3-128: or sha256:) says it, and the two never match.
   std::string fingerprint = "sampled";
+
+  bool operator==(const Processing&) const = default;
 };
 
 // An error naming the flag when the rank or the device cannot be served.
