@@ -11,6 +11,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <filesystem>
@@ -683,6 +684,78 @@ TEST_F(DaemonTest, KilledEngineReleasesItsLease) {
                                std::to_string(held.pid()) + ", its 1 lease(s) with it"),
             std::string::npos)
       << daemon->err();
+}
+
+// The daemon's threads that accept and serve connections, now.
+int ServingThreads(int pid) {
+  int n = 0;
+  for (const auto& t :
+       std::filesystem::directory_iterator("/proc/" + std::to_string(pid) + "/task")) {
+    std::ifstream comm(t.path() / "comm");
+    std::string name;
+    std::getline(comm, name);
+    n += name == daemon::kServingThreadName;
+  }
+  return n;
+}
+
+// Engines holding their views, and peers that connect and say nothing,
+// cost the daemon a descriptor each, not a thread each; those without a
+// lease are closed once quiet for --idle-timeout.
+TEST_F(DaemonTest, QuietConnectionsHoldNoThreadAndThoseWithoutLeasesAreClosed) {
+  constexpr int kEngines = 100, kSilent = 300;
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon({"--idle-timeout", "10"});
+  Preload(a);
+  const int before = ServingThreads(daemon->pid());
+  ASSERT_GT(before, 0);
+
+  AcquireOptions options;
+  options.socket_dir = sock_;
+  options.fallback = false;
+  std::vector<std::unique_ptr<Weights>> views;
+  for (int i = 0; i < kEngines; ++i) {
+    auto w = Acquire({.path = a}, options);
+    ASSERT_TRUE(w.ok()) << w.error().message();
+    views.push_back(std::move(w).value());
+  }
+  // Ten at a time, each ten accepted before the next: no burst that needs
+  // more threads at once than the daemon keeps.
+  std::vector<memory::UniqueFd> silent;
+  for (int i = 0; i < kSilent; ++i) {
+    if (i % 10 == 0) {
+      ASSERT_TRUE(Eventually([&] { return Status()["connections"] == kEngines + i + 1; }))
+          << Status().dump();
+    }
+    memory::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    const std::string path = sock_ + "/weightd.sock";
+    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+    ASSERT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
+    silent.push_back(std::move(fd));
+  }
+  // All accepted (and the status's own connection)...
+  ASSERT_TRUE(Eventually([&] { return Status()["connections"] == kEngines + kSilent + 1; }))
+      << Status().dump();
+  // ...where a thread each would be kEngines + kSilent more.
+  EXPECT_LT(ServingThreads(daemon->pid()), before + 100) << before << " before";
+  EXPECT_EQ(TotalLeases(), kEngines);
+
+  // The silent ones are closed (the peer reads the end), the engines' kept.
+  auto closed = [](const memory::UniqueFd& fd) {
+    char byte;
+    return ::recv(fd.get(), &byte, 1, MSG_DONTWAIT) == 0;
+  };
+  EXPECT_TRUE(Eventually([&] { return std::all_of(silent.begin(), silent.end(), closed); }));
+  EXPECT_NE(daemon->err().find("no request for 10 s and no lease; closing it"), std::string::npos)
+      << daemon->err();
+  EXPECT_EQ(TotalLeases(), kEngines);
+  EXPECT_EQ(Load(a)["source"], "daemon");
+
+  // A parked engine's close is seen: its lease goes back.
+  views.clear();
+  EXPECT_TRUE(Eventually([&] { return TotalLeases() == 0; })) << Status().dump();
 }
 
 TEST_F(DaemonTest, SecondDaemonOnTheSameDirectoryExitsNamingTheFirst) {

@@ -72,6 +72,7 @@ struct ServeOptions {
   bool no_cache = false;
   bool budget_only = false;
   double stop_timeout = 10;
+  double idle_seconds = 60;
 };
 
 struct ConfigModel {
@@ -262,6 +263,7 @@ int RunServe(ServeOptions o) {
   so.use_stat_cache = !o.no_cache;
   so.check_host_room = !o.budget_only;
   so.stop_grace_seconds = o.stop_timeout;
+  so.idle_seconds = o.idle_seconds;
   // The file's first, then the flags: for a device named in both, the last
   // one given (the flag) is the one that holds.
   std::vector<Budget> budgets = o.config_budgets;
@@ -463,6 +465,10 @@ Command AddServeCommand(CLI::App& root) {
                    "seconds SIGTERM waits for busy connections and preloads (a read stuck on a "
                    "hung network file system) before the daemon exits without them (default 10)",
                    3600);
+  AddSecondsOption(*app, "--idle-timeout", o->idle_seconds,
+                   "seconds a connection that holds no lease may stay silent before it is "
+                   "closed (default 60); an engine's connection holding its weights is kept",
+                   86400);
   app->add_option("--config", o->config,
                   "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path, pin, device and "
                   "tp_size/shard_plan/dtype/quant to preload at start (see docs/cli.md)");

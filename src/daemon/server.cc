@@ -2,6 +2,9 @@
 
 #include <fcntl.h>
 #include <poll.h>
+#include <pthread.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
@@ -60,6 +63,12 @@ constexpr auto kHeartbeat = std::chrono::seconds(5);
 // Serving threads kept ready (each mostly an idle stack), and how long one
 // more than those waits for a connection before it ends.
 constexpr int kKeptWorkers = 64;
+// A connection with no request for this long between two is parked: it
+// waits in an epoll set instead of holding a thread. With more than
+// kBusyServing threads serving, at once: a flood of peers that connect and
+// say nothing holds that many threads, not one each.
+constexpr int kParkAfterMs = 200;
+constexpr int kBusyServing = 2 * kKeptWorkers;
 constexpr auto kIdleExit = std::chrono::seconds(60);
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
@@ -148,6 +157,16 @@ struct Server::State {
         registry(options.host_budget,
                  options.check_host_room ? Registry::RoomProbe(HostRoom) : Registry::RoomProbe()) {}
 
+  // A connection, between its requests and while one is handled.
+  struct Connection {
+    Connection(uint64_t i, memory::UniqueFd fd, const ucred& p)
+        : id(i), ch(std::move(fd)), peer(p) {}
+    uint64_t id;
+    protocol::Channel ch;
+    ucred peer;
+    std::vector<std::shared_ptr<ResidentModel>> leases;
+    std::chrono::steady_clock::time_point parked_at;
+  };
   ServerOptions options;
   Registry registry;
   memory::UniqueFd lock_fd;
@@ -194,9 +213,13 @@ struct Server::State {
   // connections over put two wake-ups on every attach, one after another
   // through that thread: with 64 engines busy on every core it was starved
   // and the attaches queued behind it.
-  int workers = 0;
-  int idle_workers = 0;                     // blocked in accept()
-  std::atomic<int64_t> last_accept_log{0};  // steady_clock ticks
+  int workers = 0;              // the park thread is one
+  int idle_workers = 0;         // blocked in accept()
+  std::atomic<int> serving{0};  // threads in Serve
+  memory::UniqueFd park_epoll;  // the parked connections' sockets
+  memory::UniqueFd park_wake;   // an eventfd: Run wakes the park thread to stop
+  std::map<int, std::unique_ptr<Connection>> parked;  // by socket; guarded by conn_mu
+  std::atomic<int64_t> last_accept_log{0};            // steady_clock ticks
   std::shared_future<Result<std::vector<memory::CudaDevice>>> cuda_probe;
   std::once_flag gpu_budgets_applied;
   std::atomic<bool> gpu_budgets_done{false};
@@ -217,8 +240,21 @@ struct Server::State {
     if (options.log) options.log(line);
   }
 
-  void Serve(uint64_t id, memory::UniqueFd fd, ucred peer);
+  // Serves the connection's requests until it closes, or parks it.
+  void Serve(std::unique_ptr<Connection> c);
+  // Ends a connection: its leases go back, its socket is closed, it stops
+  // being counted.
+  void Finish(std::unique_ptr<Connection> c);
+  // Hands a quiet connection to the park thread; false (and `c` kept)
+  // when the daemon stops or the epoll set refuses it.
+  bool Park(std::unique_ptr<Connection>& c);
+  // The park thread: a parked connection that becomes readable (a request,
+  // or its close) is served again on a thread of its own; one without
+  // leases quiet for options.idle_seconds is closed; a stop ends them all.
+  void ParkLoop();
   void WorkerLoop();
+  // Logs `what` with errno `error`, at most once every few seconds.
+  void LogNowAndThen(const std::string& what, int error);
   // Checks a new connection's peer; false (logged, answered) when refused.
   bool Admit(memory::UniqueFd& conn, ucred* peer);
   // Starts one more serving thread; false when the system refuses.
@@ -427,9 +463,37 @@ Status Server::Start() {
   // Start does, so that no failure leaves them running.
   // Counted here, not read from `workers`: a stop asked for meanwhile (a
   // signal) ends them at once, and then Run, not this, waits for them.
+  s.park_epoll.Reset(::epoll_create1(EPOLL_CLOEXEC));
+  s.park_wake.Reset(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK));
+  if (!s.park_epoll.valid() || !s.park_wake.valid()) return Error(Errno("epoll"));
+  epoll_event wake{};
+  wake.events = EPOLLIN;
+  wake.data.fd = s.park_wake.get();
+  if (::epoll_ctl(s.park_epoll.get(), EPOLL_CTL_ADD, s.park_wake.get(), &wake) != 0) {
+    return Error(Errno("epoll_ctl"));
+  }
+  {
+    std::lock_guard lock(s.conn_mu);
+    ++s.workers;
+  }
+  try {
+    std::thread([&s] { s.ParkLoop(); }).detach();
+  } catch (const std::system_error&) {
+    std::lock_guard lock(s.conn_mu);
+    --s.workers;
+    return Error("cannot start the thread that keeps quiet connections");
+  }
   int started = 0;
   while (started < kKeptWorkers && s.SpawnWorker()) ++started;
-  if (started == 0) return Error("cannot start any serving thread");
+  if (started == 0) {
+    // The park thread ends before the state it uses can go.
+    s.stopping.store(true);
+    const uint64_t one = 1;
+    (void)!::write(s.park_wake.get(), &one, sizeof one);
+    std::unique_lock lock(s.conn_mu);
+    s.conn_done.wait(lock, [&] { return s.workers == 0; });
+    return Error("cannot start any serving thread");
+  }
   return OkStatus();
 }
 
@@ -456,6 +520,8 @@ bool Server::Run() {
   // find, every connection ended.
   ::shutdown(s.listen_fd.get(), SHUT_RDWR);
   ::unlink(s.socket_path.c_str());
+  const uint64_t one = 1;
+  (void)!::write(s.park_wake.get(), &one, sizeof one);
   std::unique_lock lock(s.conn_mu);
   for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
   const bool ended = s.conn_done.wait_for(
@@ -519,6 +585,7 @@ bool Server::State::SpawnWorker() {
 }
 
 void Server::State::WorkerLoop() {
+  ::pthread_setname_np(::pthread_self(), kServingThreadName);
   while (!stopping.load()) {
     {
       std::lock_guard lock(conn_mu);
@@ -536,26 +603,19 @@ void Server::State::WorkerLoop() {
     }
     // Someone must be in accept() while this thread serves. Where the
     // system gives no thread, connections wait in the backlog for one.
-    if (spawn) SpawnWorker();
+    if (spawn && !SpawnWorker()) {
+      LogNowAndThen("no thread for the next connection (connections wait for one to be free)",
+                    EAGAIN);
+    }
     if (!conn.valid()) {
       if (stopping.load()) break;
-      // One line every few seconds, not one per thread and try.
-      auto log_now_and_then = [&](const std::string& what) {
-        const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
-        auto last = last_accept_log.load();
-        if (now - last > std::chrono::nanoseconds(std::chrono::seconds(5)).count() &&
-            last_accept_log.compare_exchange_strong(last, now)) {
-          errno = error;
-          Log(Errno(what));
-        }
-      };
       if (error == EMFILE || error == ENFILE) {
         // Out of descriptors: waiting connections stay in the backlog; wait
         // for some descriptors to be closed instead of spinning.
-        log_now_and_then("accept (waiting for descriptors to be closed)");
+        LogNowAndThen("accept (waiting for descriptors to be closed)", error);
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
       } else if (error != EINTR && error != EAGAIN && error != ECONNABORTED) {
-        log_now_and_then("accept");
+        LogNowAndThen("accept", error);
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
       }
       continue;
@@ -563,15 +623,15 @@ void Server::State::WorkerLoop() {
     try {
       ucred peer{};
       if (!Admit(conn, &peer)) continue;
-      uint64_t id;
+      auto c = std::make_unique<Connection>(0, std::move(conn), peer);
       {
         std::lock_guard lock(conn_mu);
         if (stopping.load()) break;  // Run() shut the others down already
-        id = next_connection++;
-        open_sockets.insert(conn.get());
+        c->id = next_connection++;
+        open_sockets.insert(c->ch.fd());
         ++live_connections;
       }
-      Serve(id, std::move(conn), peer);
+      Serve(std::move(c));
     } catch (...) {
       // Out of memory for this connection (a log line, a set's node):
       // it is closed, and this thread serves the next.
@@ -582,69 +642,189 @@ void Server::State::WorkerLoop() {
   conn_done.notify_all();
 }
 
-void Server::State::Serve(uint64_t id, memory::UniqueFd fd, ucred peer) {
-  const int raw = fd.get();
-  std::vector<std::shared_ptr<ResidentModel>> leases;
-  // However this ends, an exception included: the connection stops being
-  // counted (last), and before its channel closes the descriptor, the
-  // socket leaves the list a stop shuts down and the leases go back.
-  struct Uncount {
+void Server::State::LogNowAndThen(const std::string& what, int error) {
+  const auto now = std::chrono::steady_clock::now().time_since_epoch().count();
+  auto last = last_accept_log.load();
+  if (now - last > std::chrono::nanoseconds(std::chrono::seconds(5)).count() &&
+      last_accept_log.compare_exchange_strong(last, now)) {
+    errno = error;
+    Log(Errno(what));
+  }
+}
+
+void Server::State::Serve(std::unique_ptr<Connection> c) {
+  // However this ends, an exception included, unless it was parked.
+  ++serving;
+  struct End {
     State& s;
-    ~Uncount() {
-      std::lock_guard lock(s.conn_mu);
-      --s.live_connections;
-      s.conn_done.notify_all();
+    std::unique_ptr<Connection>& c;
+    ~End() {
+      --s.serving;
+      if (c) s.Finish(std::move(c));
     }
-  } uncount{*this};
-  {
-    protocol::Channel ch(std::move(fd));
-    struct Close {
-      State& s;
-      int raw;
-      std::vector<std::shared_ptr<ResidentModel>>& leases;
-      ~Close() {
-        for (const auto& model : leases) s.registry.Release(model);
-        std::lock_guard lock(s.conn_mu);
-        s.open_sockets.erase(raw);
+  } end{*this, c};
+  while (!stopping.load()) {
+    // Quiet for a moment (an engine holding its view, most often): parked,
+    // so that it holds no thread while it says nothing.
+    pollfd next{c->ch.fd(), POLLIN, 0};
+    const int ready = ::poll(&next, 1, serving.load() > kBusyServing ? 0 : kParkAfterMs);
+    if (ready < 0 && errno == EINTR) continue;
+    if (ready == 0 && Park(c)) return;
+    auto m = c->ch.Receive();
+    if (!m.ok()) {
+      if (m.error().message() != protocol::Channel::kClosed) {
+        Log("connection " + std::to_string(c->id) + " (pid " + std::to_string(c->peer.pid) +
+            "): " + m.error().message() + "; closing it");
+        (void)c->ch.Send({{"type", "error"}, {"message", m.error().message()}});
       }
-    } closing{*this, raw, leases};
-    while (!stopping.load()) {
-      auto m = ch.Receive();
-      if (!m.ok()) {
-        if (m.error().message() != protocol::Channel::kClosed) {
-          Log("connection " + std::to_string(id) + " (pid " + std::to_string(peer.pid) +
-              "): " + m.error().message() + "; closing it");
-          (void)ch.Send({{"type", "error"}, {"message", m.error().message()}});
-        }
-        break;
-      }
-      Status st = OkStatus();
-      try {
-        st = Handle(ch, *m, id, peer, leases);
-      } catch (const std::exception& e) {
-        // The last line of defence (an allocation refused, a library
-        // throwing): this connection is closed, the daemon serves on.
-        st = Error("could not handle a `" + m->type() + "` request: " + e.what());
-      }
-      if (!st.ok()) {
-        if (st.error().message() == protocol::Channel::kClosed) break;  // the peer went first
-        Log("connection " + std::to_string(id) + " (pid " + std::to_string(peer.pid) +
-            "): " + st.error().message() + "; closing it");
-        (void)ch.Send({{"type", "error"}, {"message", st.error().message()}});
-        break;
-      }
+      break;
     }
-    if (!leases.empty()) {
-      const std::string n = std::to_string(leases.size()) + " lease(s)";
-      // A stop closes every connection: the engine is still there, and what
-      // it mapped stays valid. Logged before `closing` releases the leases:
-      // whoever sees them gone finds the line.
-      Log(stopping.load()
-              ? "stopping: closed the connection of pid " + std::to_string(peer.pid) + ", its " +
-                    n + " with it (what it mapped stays valid)"
-              : "pid " + std::to_string(peer.pid) + " closed its connection; " + n + " released");
+    Status st = OkStatus();
+    try {
+      st = Handle(c->ch, *m, c->id, c->peer, c->leases);
+    } catch (const std::exception& e) {
+      // The last line of defence (an allocation refused, a library
+      // throwing): this connection is closed, the daemon serves on.
+      st = Error("could not handle a `" + m->type() + "` request: " + e.what());
+    }
+    if (!st.ok()) {
+      if (st.error().message() == protocol::Channel::kClosed) break;  // the peer went first
+      Log("connection " + std::to_string(c->id) + " (pid " + std::to_string(c->peer.pid) +
+          "): " + st.error().message() + "; closing it");
+      (void)c->ch.Send({{"type", "error"}, {"message", st.error().message()}});
+      break;
     }
   }
+}
+
+void Server::State::Finish(std::unique_ptr<Connection> c) {
+  try {
+    if (!c->leases.empty()) {
+      const std::string n = std::to_string(c->leases.size()) + " lease(s)";
+      const std::string pid = std::to_string(c->peer.pid);
+      // A stop closes every connection: the engine is still there, and what
+      // it mapped stays valid. Logged before the leases go back: whoever
+      // sees them gone finds the line.
+      Log(stopping.load() ? "stopping: closed the connection of pid " + pid + ", its " + n +
+                                " with it (what it mapped stays valid)"
+                          : "pid " + pid + " closed its connection; " + n + " released");
+    }
+  } catch (...) {
+    // No memory for the line; the leases go back all the same.
+  }
+  for (const auto& model : c->leases) registry.Release(model);
+  c->leases.clear();
+  // Off the list a stop shuts down before its descriptor is closed (the
+  // number may be reused at once), and counted last.
+  {
+    std::lock_guard lock(conn_mu);
+    open_sockets.erase(c->ch.fd());
+  }
+  c.reset();
+  std::lock_guard lock(conn_mu);
+  --live_connections;
+  conn_done.notify_all();
+}
+
+bool Server::State::Park(std::unique_ptr<Connection>& c) {
+  std::lock_guard lock(conn_mu);
+  if (stopping.load()) return false;
+  const int fd = c->ch.fd();
+  c->parked_at = std::chrono::steady_clock::now();
+  // Level-triggered and armed once: a request that came meanwhile wakes
+  // the park thread at once.
+  epoll_event ev{};
+  ev.events = EPOLLIN | EPOLLRDHUP | EPOLLONESHOT;
+  ev.data.fd = fd;
+  auto [it, inserted] = parked.emplace(fd, std::move(c));
+  if (::epoll_ctl(park_epoll.get(), EPOLL_CTL_ADD, fd, &ev) != 0) {
+    c = std::move(it->second);
+    parked.erase(it);
+    return false;
+  }
+  return true;
+}
+
+void Server::State::ParkLoop() {
+  ::pthread_setname_np(::pthread_self(), "weightd-park");
+  std::vector<epoll_event> events(64);
+  auto last_sweep = std::chrono::steady_clock::now();
+  const auto idle = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+      std::chrono::duration<double>(std::max(options.idle_seconds, 0.0)));
+  while (true) {
+    const int n =
+        ::epoll_wait(park_epoll.get(), events.data(), static_cast<int>(events.size()), 1000);
+    if (n < 0 && errno != EINTR) {
+      LogNowAndThen("epoll_wait", errno);
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    // Taken out of the set under the lock: each is served by one thread.
+    std::vector<std::unique_ptr<Connection>> woken, ending;
+    const auto now = std::chrono::steady_clock::now();
+    const bool sweep = now - last_sweep >= std::chrono::seconds(1);
+    if (sweep) last_sweep = now;
+    bool stop = false;
+    try {
+      std::lock_guard lock(conn_mu);
+      auto take = [&](std::map<int, std::unique_ptr<Connection>>::iterator it,
+                      std::vector<std::unique_ptr<Connection>>& into) {
+        ::epoll_ctl(park_epoll.get(), EPOLL_CTL_DEL, it->first, nullptr);
+        into.push_back(std::move(it->second));
+        return parked.erase(it);
+      };
+      for (int i = 0; i < n; ++i) {
+        auto it = parked.find(events[static_cast<size_t>(i)].data.fd);
+        if (it != parked.end()) take(it, woken);
+      }
+      stop = stopping.load();
+      for (auto it = parked.begin(); it != parked.end();) {
+        const bool quiet =
+            sweep && it->second->leases.empty() && now - it->second->parked_at >= idle;
+        it = stop || quiet ? take(it, ending) : std::next(it);
+      }
+    } catch (...) {
+      // No memory for the lists: what was taken is handled below, the rest
+      // waits for the next turn.
+    }
+    if (stop) {
+      for (auto& c : woken) ending.push_back(std::move(c));
+      woken.clear();
+    }
+    for (auto& c : ending) {
+      if (!c) continue;
+      if (!stop) {
+        try {
+          char quiet[32];
+          std::snprintf(quiet, sizeof quiet, "%g", options.idle_seconds);
+          Log("connection " + std::to_string(c->id) + " (pid " + std::to_string(c->peer.pid) +
+              "): no request for " + quiet + " s and no lease; closing it");
+        } catch (...) {
+          // No memory for the line; it is closed all the same.
+        }
+      }
+      Finish(std::move(c));
+    }
+    if (stop) break;
+    for (auto& c : woken) {
+      Connection* raw = c.release();
+      try {
+        std::thread([this, raw] {
+          ::pthread_setname_np(::pthread_self(), kServingThreadName);
+          Serve(std::unique_ptr<Connection>(raw));
+        }).detach();
+      } catch (...) {
+        // No thread now: parked again (it is readable, so back here at
+        // once), after a pause.
+        c.reset(raw);
+        LogNowAndThen("no thread for a connection with a request (tried again)", EAGAIN);
+        std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        if (!Park(c)) Finish(std::move(c));
+      }
+    }
+  }
+  std::lock_guard lock(conn_mu);
+  --workers;
+  conn_done.notify_all();
 }
 
 Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, uint64_t id,

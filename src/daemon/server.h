@@ -33,6 +33,10 @@ namespace weightd::daemon {
 
 inline constexpr uint64_t kDefaultGpuBudgetPercent = 50;
 
+// The name (in /proc/PID/task/TID/comm, top -H) of the threads that accept
+// and serve connections.
+inline constexpr char kServingThreadName[] = "weightd-serve";
+
 struct ServerOptions {
   std::string socket_dir;  // resolved already (protocol::SocketDirectory)
   uint64_t host_budget = 0;
@@ -54,6 +58,10 @@ struct ServerOptions {
   // that never returns, on a hung network file system) before giving up on
   // them.
   double stop_grace_seconds = 10;
+  // A connection that holds no lease and sends nothing for this long is
+  // closed. One that holds leases (an engine's view) is kept however long it
+  // stays quiet; either waits without a thread of its own.
+  double idle_seconds = 60;
 };
 
 class Server {

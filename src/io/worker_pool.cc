@@ -1,5 +1,6 @@
 #include "io/worker_pool.h"
 
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -94,6 +95,7 @@ bool WorkerPool::Claim(Team** team, int* slot) {
 }
 
 void WorkerPool::WorkerLoop() {
+  ::pthread_setname_np(::pthread_self(), "weightd-io");
   std::unique_lock lock(mu_);
   while (true) {
     Team* team;
