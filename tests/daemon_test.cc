@@ -699,6 +699,40 @@ int ServingThreads(int pid) {
   return n;
 }
 
+// A connection to the daemon's socket that has said nothing yet.
+memory::UniqueFd ConnectSilently(const std::string& socket_dir) {
+  memory::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  const std::string path = socket_dir + "/weightd.sock";
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  EXPECT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0)
+      << std::strerror(errno);
+  return fd;
+}
+
+// Out of descriptors, the daemon tells a peer so at once, instead of leaving
+// it in the queue until it gives up.
+TEST_F(DaemonTest, ADaemonOutOfDescriptorsSaysSo) {
+  constexpr int kLimit = 48;
+  Process daemon({"serve", "--socket-dir", sock_},
+                 {"prlimit", "--nofile=" + std::to_string(kLimit) + ":" + std::to_string(kLimit)});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  std::vector<memory::UniqueFd> silent;
+  for (int i = 0; i < kLimit; ++i) silent.push_back(ConnectSilently(sock_));
+  ASSERT_TRUE(Eventually([&] {
+    return daemon.err().find("Too many open files") != std::string::npos;
+  })) << daemon.err();
+  CommandResult r = Run({"status", "--json"});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("the daemon has no file descriptor left (its limit is 48)"),
+            std::string::npos)
+      << r.err;
+  // Room again, served again.
+  silent.clear();
+  EXPECT_TRUE(Eventually([&] { return Run({"status", "--json"}).exit_code == 0; }));
+}
+
 // Engines holding their views, and peers that connect and say nothing,
 // cost the daemon a descriptor each, not a thread each; those without a
 // lease are closed once quiet for --idle-timeout.
@@ -727,13 +761,7 @@ TEST_F(DaemonTest, QuietConnectionsHoldNoThreadAndThoseWithoutLeasesAreClosed) {
       ASSERT_TRUE(Eventually([&] { return Status()["connections"] == kEngines + i + 1; }))
           << Status().dump();
     }
-    memory::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
-    sockaddr_un addr{};
-    addr.sun_family = AF_UNIX;
-    const std::string path = sock_ + "/weightd.sock";
-    std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-    ASSERT_EQ(::connect(fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0);
-    silent.push_back(std::move(fd));
+    silent.push_back(ConnectSilently(sock_));
   }
   // All accepted (and the status's own connection)...
   ASSERT_TRUE(Eventually([&] { return Status()["connections"] == kEngines + kSilent + 1; }))

@@ -216,6 +216,12 @@ struct Server::State {
   int workers = 0;              // the park thread is one
   int idle_workers = 0;         // blocked in accept()
   std::atomic<int> serving{0};  // threads in Serve
+  std::mutex spare_mu;
+  // A descriptor in reserve (Start), a copy of null_fd; guarded by spare_mu.
+  memory::UniqueFd null_fd, spare_fd;
+  // Out of descriptors: takes one waiting connection with the one in
+  // reserve and tells it why it cannot be served.
+  void RefuseOneForWantOfDescriptors();
   memory::UniqueFd park_epoll;  // the parked connections' sockets
   memory::UniqueFd park_wake;   // an eventfd: Run wakes the park thread to stop
   std::map<int, std::unique_ptr<Connection>> parked;  // by socket; guarded by conn_mu
@@ -368,6 +374,10 @@ Status Server::Start() {
     files.rlim_cur = files.rlim_max;
     ::setrlimit(RLIMIT_NOFILE, &files);
   }
+  // Kept for the day the others run out: closed to accept one connection
+  // and tell it so, rather than leave every peer waiting in the backlog.
+  s.null_fd.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  if (s.null_fd.valid()) s.spare_fd.Reset(::fcntl(s.null_fd.get(), F_DUPFD_CLOEXEC, 0));
   const std::string& dir = s.options.socket_dir;
   // Checked before the directory is made, so a refusal leaves nothing behind.
   s.socket_path = protocol::SocketPath(dir);
@@ -613,6 +623,7 @@ void Server::State::WorkerLoop() {
         // Out of descriptors: waiting connections stay in the backlog; wait
         // for some descriptors to be closed instead of spinning.
         LogNowAndThen("accept (waiting for descriptors to be closed)", error);
+        RefuseOneForWantOfDescriptors();
         std::this_thread::sleep_for(std::chrono::milliseconds(200));
       } else if (error != EINTR && error != EAGAIN && error != ECONNABORTED) {
         LogNowAndThen("accept", error);
@@ -640,6 +651,32 @@ void Server::State::WorkerLoop() {
   std::lock_guard lock(conn_mu);
   --workers;
   conn_done.notify_all();
+}
+
+void Server::State::RefuseOneForWantOfDescriptors() {
+  std::lock_guard lock(spare_mu);
+  // Lost when another thread took its place first: back once one is free.
+  if (!spare_fd.valid()) spare_fd.Reset(::fcntl(null_fd.get(), F_DUPFD_CLOEXEC, 0));
+  if (!spare_fd.valid()) return;
+  pollfd waiting{listen_fd.get(), POLLIN, 0};
+  if (::poll(&waiting, 1, 0) != 1) return;
+  spare_fd.Reset();
+  // Another thread may take the waiting one first: then this accept waits,
+  // and takes the next (or times out with the listening socket's timeout).
+  const int conn = ::accept4(listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC);
+  if (conn < 0) return;
+  rlimit files{};
+  ::getrlimit(RLIMIT_NOFILE, &files);
+  const std::string why = "the daemon has no file descriptor left (its limit is " +
+                          std::to_string(files.rlim_cur) +
+                          "): raise it (ulimit -n, LimitNOFILE=), or find who holds so many "
+                          "connections (weightd status)";
+  protocol::Channel refused{memory::UniqueFd(conn)};
+  (void)refused.Send({{"type", "error"}, {"message", why}});
+  memory::UniqueFd socket = std::move(refused).TakeSocket();
+  // The connection's place becomes the reserve again in one step (dup2
+  // closes the socket), so no other thread can take it meanwhile.
+  if (::dup3(null_fd.get(), socket.get(), O_CLOEXEC) == socket.get()) spare_fd = std::move(socket);
 }
 
 void Server::State::LogNowAndThen(const std::string& what, int error) {

@@ -60,6 +60,8 @@ class Channel {
   Result<Message> Receive(int timeout_ms = -1);
 
   int fd() const { return socket_.get(); }
+  // The socket, no longer the channel's.
+  memory::UniqueFd TakeSocket() && { return std::move(socket_); }
 
   static constexpr const char* kClosed = "connection closed";
   // ...and one whose timeout passed before a frame began: kTimedOut.
