@@ -626,12 +626,38 @@ TEST_F(DaemonTest, ProcessedRanksAreTheSameFromTheDaemonAndFromDisk) {
       EXPECT_EQ(testing::ReadFileBytes(saved_warm), testing::ReadFileBytes(saved_cold));
       EXPECT_EQ(RunWeightd({"inspect", saved_warm}).exit_code, 0);
       distinct.insert(warm["checksum"].get<std::string>());
+      std::filesystem::remove(saved_warm);  // --save writes new files only
+      std::filesystem::remove(saved_cold);
     }
     // Split plans give every rank its own share.
     if (config[3] != "replicate") {
       EXPECT_EQ(distinct.size(), static_cast<size_t>(ranks));
     }
   }
+}
+
+// `load --json` that fails after the weights came (writing --save) prints
+// the failure's document, not a success's; and --save never overwrites.
+TEST_F(DaemonTest, LoadSaveFailuresAreOneErrorDocument) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  Preload(a);
+  CommandResult r = Run({"load", a, "--json", "--save", dir_.Join("no-such-dir/x.safetensors")});
+  EXPECT_EQ(r.exit_code, 1);
+  const json doc = json::parse(r.out);
+  EXPECT_TRUE(doc["source"].is_null()) << r.out;
+  EXPECT_NE(doc["error"].get<std::string>().find("x.safetensors"), std::string::npos) << r.out;
+
+  std::string shard;
+  for (const auto& f : std::filesystem::directory_iterator(a)) {
+    if (f.path().extension() == ".safetensors") shard = f.path().string();
+  }
+  ASSERT_FALSE(shard.empty());
+  const std::vector<std::byte> before = testing::ReadFileBytes(shard);
+  r = Run({"load", a, "--save", shard});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("exists; --save writes a new file"), std::string::npos) << r.err;
+  EXPECT_EQ(testing::ReadFileBytes(shard), before);
 }
 
 TEST_F(DaemonTest, EngineKeepsItsWeightsWhenTheDaemonIsKilled) {

@@ -77,28 +77,44 @@ int RunLoad(LoadCommandOptions& o) {
   ao.fingerprint = o.processing.fingerprint;
   AcquireOptions::Miss miss;
   ao.miss = &miss;
+  // Refused before anything is loaded: not a file the user has, and never
+  // a shard of the checkpoint itself.
+  if (!o.save.empty()) {
+    std::error_code ec;
+    if (std::filesystem::symlink_status(o.save, ec).type() !=
+        std::filesystem::file_type::not_found) {
+      return ReportError("load --save",
+                         o.save + " exists; --save writes a new file (remove it first)",
+                         kExitUsage);
+    }
+  }
   auto weights = Acquire(o.spec, ao);
-  if (!weights.ok()) {
+  // With --json, a failure is one document on stdout too, as a success is:
+  // a script reads why, and what differed, from it.
+  auto fail = [&](const std::string& command, const std::string& why) {
     if (o.json) {
-      // A script reads why, and what differed, from stdout as on success.
       std::cout << DumpJson({{"path", o.spec.path},
                              {"source", nullptr},
-                             {"error", weights.error().message()},
+                             {"error", why},
                              {"reason", miss.reason},
                              {"mismatch", miss.fields},
                              {"mismatch_details", miss.mismatch}},
                             2)
                 << std::endl;
     }
-    return ReportError("load", weights.error().message());
-  }
+    return ReportError(command, why);
+  };
+  if (!weights.ok()) return fail("load", weights.error().message());
   const double seconds = SecondsSince(start);
   const Weights& w = **weights;
   std::string checksum;
   if (o.checksum) {
     auto sum = w.Checksum();
-    if (!sum.ok()) return ReportError("load --checksum", sum.error().message());
+    if (!sum.ok()) return fail("load --checksum", sum.error().message());
     checksum = *sum;
+  }
+  if (!o.save.empty()) {
+    if (Status s = SaveWeights(w, o.save); !s.ok()) return fail("load --save", s.error().message());
   }
 
   if (o.json) {
@@ -123,10 +139,6 @@ int RunLoad(LoadCommandOptions& o) {
               << "\n";
     if (o.checksum) std::cout << "checksum: " << checksum << "\n";
     std::cout << std::flush;
-  }
-  if (!o.save.empty()) {
-    if (Status s = SaveWeights(w, o.save); !s.ok())
-      return ReportError("load --save", s.error().message());
   }
   if (o.hold > 0) {
     // Keep the view (and its lease) as an engine would, then prove the
