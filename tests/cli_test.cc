@@ -90,6 +90,22 @@ TEST(Cli, UsageErrorsExitTwo) {
     EXPECT_EQ(RunWeightd({"serve", "--socket-dir", dir.Join("s"), "--stop-timeout", bad}).exit_code,
               2)
         << bad;
+    EXPECT_EQ(RunWeightd({"serve", "--socket-dir", dir.Join("s"), "--idle-timeout", bad}).exit_code,
+              2)
+        << bad;
+  }
+  // An empty socket directory (a script's unset variable) is not the
+  // default one.
+  for (const char* command : {"serve", "status", "preload", "evict", "load"}) {
+    std::vector<std::string> args = {command};
+    if (std::string(command) == "preload" || std::string(command) == "load") {
+      args.push_back(dir.path());
+    }
+    if (std::string(command) == "evict") args.push_back("all");
+    args.insert(args.end(), {"--socket-dir", ""});
+    r = RunWeightd(args);
+    EXPECT_EQ(r.exit_code, 2) << command << ": " << r.err;
+    EXPECT_NE(r.err.find("--socket-dir: must not be empty"), std::string::npos) << r.err;
   }
 }
 

@@ -79,6 +79,14 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
+CLI::Validator NotEmpty() {
+  return CLI::Validator(
+      [](std::string& text) -> std::string {
+        return text.empty() ? "must not be empty (leave the flag out for the default)" : "";
+      },
+      "", "not empty");
+}
+
 void AddSecondsOption(CLI::App& app, const std::string& name, double& value,
                       const std::string& help, double max) {
   app.add_option(name, value, help)

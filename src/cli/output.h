@@ -15,7 +15,8 @@
 
 namespace CLI {
 class App;
-}
+class Validator;
+}  // namespace CLI
 
 namespace weightd::cli {
 
@@ -62,6 +63,10 @@ Command AddPreloadCommand(CLI::App& root);
 Command AddStatusCommand(CLI::App& root);
 Command AddEvictCommand(CLI::App& root);
 Command AddLoadCommand(CLI::App& root);
+
+// Refuses an empty value: `--socket-dir ""` (an unset variable in a
+// script) must not quietly mean the default.
+CLI::Validator NotEmpty();
 
 // An option of seconds: a finite number in [0, max] (nan and inf are usage
 // errors, as CLI11's Range lets nan through).

@@ -449,7 +449,8 @@ Command AddServeCommand(CLI::App& root) {
       "on stdout when it accepts requests; logs every acquire, miss and eviction on stderr.\n"
       "SIGTERM, SIGINT or SIGHUP stops it (engines keep the weights they have mapped).");
   app->add_option("--socket-dir", o->socket_dir,
-                  "default: $WEIGHTD_SOCKET_DIR, $XDG_RUNTIME_DIR/weightd, /tmp/weightd-$UID");
+                  "default: $WEIGHTD_SOCKET_DIR, $XDG_RUNTIME_DIR/weightd, /tmp/weightd-$UID")
+      ->check(NotEmpty());
   app->add_option("--budget", o->budgets,
                   "memory the daemon may hold per device, DEVICE=SIZE: host=64G (or 64G), "
                   "cuda:0=70G (this daemon's numbering), cuda:GPU-<uuid>=70G; repeatable "
@@ -492,7 +493,8 @@ Command AddPreloadCommand(CLI::App& root) {
   AddProcessingFlags(*app, o->processing);
   app->add_option("--pin", o->pin,
                   "name the model, so engines may `load --trust NAME` without a content check");
-  app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");
+  app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
+      ->check(NotEmpty());
   AddSecondsOption(*app, "--wait-for-daemon", o->wait,
                    "seconds to wait for a daemon that is starting", 3600);
   app->add_flag("--json", o->json, "print the daemon's reply as JSON");
@@ -569,7 +571,8 @@ Command AddStatusCommand(CLI::App& root) {
   auto o = std::make_shared<Options>();
   CLI::App* app = root.add_subcommand(
       "status", "What the daemon holds: each model's key, bytes, device and leases.");
-  app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");
+  app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
+      ->check(NotEmpty());
   app->add_flag("--json", o->json, "print JSON: models (key, bytes, device, leases), devices");
   return {app, [o] {
             auto reply = client::Request(o->socket_dir, {{"type", "status"}});
@@ -645,7 +648,8 @@ Command AddEvictCommand(CLI::App& root) {
       "checkpoint digest, or #ID for one model as `status --json` numbers it (one rank). Engines\n"
       "that mapped them keep their bytes until they let go.");
   app->add_option("WHAT", o->what, "all | NAME | DIGEST-PREFIX | #ID")->required();
-  app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory");
+  app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
+      ->check(NotEmpty());
   app->add_flag("--json", o->json, "print JSON: models evicted");
   return {app, [o] {
             auto reply = client::Request(o->socket_dir, {{"type", "evict"}, {"what", o->what}});
