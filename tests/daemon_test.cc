@@ -812,6 +812,21 @@ TEST_F(DaemonTest, QuietConnectionsHoldNoThreadAndThoseWithoutLeasesAreClosed) {
   EXPECT_TRUE(Eventually([&] { return TotalLeases() == 0; })) << Status().dump();
 }
 
+// The `ready` line names the socket so that a script can use it from any
+// directory, and a refused status says what to do.
+TEST_F(DaemonTest, TheReadyLineNamesTheSocketAbsolutely) {
+  Process daemon({"serve", "--socket-dir", "relative"}, {"env", "-C", dir_.path()});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  EXPECT_NE(daemon.out().find("serving " + dir_.Join("relative") + "/weightd.sock"),
+            std::string::npos)
+      << daemon.out();
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0);
+  CommandResult r = RunWeightd({"status", "--socket-dir", dir_.Join("relative")});
+  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_NE(r.err.find("start one with `weightd serve`"), std::string::npos) << r.err;
+}
+
 TEST_F(DaemonTest, SecondDaemonOnTheSameDirectoryExitsNamingTheFirst) {
   auto daemon = StartDaemon();
   CommandResult r = RunWeightd({"serve", "--socket-dir", sock_});

@@ -254,7 +254,14 @@ int RunServe(ServeOptions o) {
     }
   }
   daemon::ServerOptions so;
+  // Absolute, so that the `ready` line names a socket a script can use from
+  // anywhere.
   so.socket_dir = protocol::SocketDirectory(o.socket_dir);
+  if (!so.socket_dir.empty() && so.socket_dir.front() != '/') {
+    std::error_code ec;
+    const std::filesystem::path absolute = std::filesystem::absolute(so.socket_dir, ec);
+    if (!ec) so.socket_dir = absolute.string();
+  }
   // Half of what this process may take: the machine's memory, or its
   // control group's limit where that is lower (a container's).
   const memory::MemoryCeiling ceiling = memory::HostMemoryCeiling();

@@ -1,5 +1,8 @@
 #include "client/admin.h"
 
+#include <cerrno>
+#include <cstring>
+
 #include "protocol/channel.h"
 #include "protocol/paths.h"
 
@@ -16,7 +19,15 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
                                double wait_for_daemon_seconds) {
   const std::string dir = protocol::SocketDirectory(socket_dir);
   auto ch = protocol::ConnectToDaemonWaiting(dir, wait_for_daemon_seconds);
-  if (!ch.ok()) return Error("no daemon: " + ch.error().message());
+  if (!ch.ok()) {
+    // Nothing there, or something there that is refused: said apart.
+    const std::string& why = ch.error().message();
+    const bool absent = why.find(std::strerror(ENOENT)) != std::string::npos ||
+                        why.find(std::strerror(ECONNREFUSED)) != std::string::npos;
+    return Error(absent ? "no daemon: " + why +
+                              " (start one with `weightd serve`, or name its --socket-dir)"
+                        : "cannot reach the daemon: " + why);
+  }
   WEIGHTD_RETURN_IF_ERROR(ch->Send(request));
   while (true) {
     // A preload sends progress, or a heartbeat, every few seconds; anything

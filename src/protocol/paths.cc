@@ -54,7 +54,9 @@ Status CheckSocketDirectory(const std::string& named) {
   if (!S_ISDIR(st.st_mode)) return Error("socket directory " + dir + " is not a directory");
   if (st.st_uid != ::geteuid()) {
     return Error("socket directory " + dir + " is owned by uid " + std::to_string(st.st_uid) +
-                 ", not by this user (uid " + std::to_string(::geteuid()) + ")");
+                 ", not by this user (uid " + std::to_string(::geteuid()) +
+                 "); use a directory of your own (--socket-dir, $WEIGHTD_SOCKET_DIR), or have "
+                 "its owner remove it");
   }
   if ((st.st_mode & 077) != 0) {
     char mode[8];
