@@ -652,8 +652,8 @@ Command AddEvictCommand(CLI::App& root) {
   CLI::App* app = root.add_subcommand(
       "evict",
       "Drop resident models: WHAT is `all`, a pinned name, the start (8+ characters) of a\n"
-      "checkpoint digest, or #ID for one model as `status --json` numbers it (one rank). Engines\n"
-      "that mapped them keep their bytes until they let go.");
+      "checkpoint digest, or '#ID' (quoted: # starts a shell comment) for one model as `status`\n"
+      "numbers it (one rank). Engines that mapped them keep their bytes until they let go.");
   app->add_option("WHAT", o->what, "all | NAME | DIGEST-PREFIX | #ID")->required();
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
       ->check(NotEmpty());
