@@ -4,7 +4,8 @@
 //
 //   weightd::LoadSpec spec{.path = "/models/llama-3-8b"};
 //   auto weights = weightd::Acquire(spec, {});
-//   if (!weights.ok()) ...;                       // only with fallback off
+//   if (!weights.ok()) ...;  // the disk load failed too (a missing or broken
+//                            // checkpoint, no memory), or fallback is off
 //   for (const weightd::Tensor& t : (*weights)->tensors()) use(t.name, t.data);
 //
 // The engine computes the checkpoint's content key itself (the sampled
