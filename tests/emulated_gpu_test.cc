@@ -269,6 +269,17 @@ TEST_F(EmulatedGpuTest, AGpuBudgetEvictsOnThatGpuOnly) {
   EXPECT_EQ(Status()["models"].size(), 2u);
 }
 
+// Two budgets that name one GPU (by its number and by its UUID): the last
+// holds, and that is said.
+TEST_F(EmulatedGpuTest, TwoBudgetsForOneGpuAreSaid) {
+  const std::string by_uuid = std::string(kGpu0).substr(5);  // GPU-...
+  auto daemon = StartDaemon({"--budget", "cuda:0=40M", "--budget", "cuda:" + by_uuid + "=60M"});
+  EXPECT_EQ(DeviceStatus(kGpu0)["budget"].get<uint64_t>(), uint64_t{60} << 20);
+  EXPECT_NE(daemon->err().find("budgets for cuda:0 and cuda:" + by_uuid + " name the same GPU"),
+            std::string::npos)
+      << daemon->err();
+}
+
 // A GPU whose allocations come in 8 MiB steps: a 22 MiB model takes 24 MiB
 // of it, and the budget is reserved as the allocation will be made. Two
 // would fit a 46 MiB budget in 2 MiB steps; in 8 MiB steps the second

@@ -1204,6 +1204,7 @@ void Server::State::ApplyGpuBudgets(bool wait) {
          devices.ok() ? *devices : std::vector<memory::CudaDevice>{}) {
       if (!d.served()) continue;
       uint64_t budget = d.total_bytes / 100 * kDefaultGpuBudgetPercent;
+      std::string named_by;  // the budget that holds, as the user wrote it
       for (size_t i = 0; i < options.gpu_budgets.size(); ++i) {
         auto spec = memory::ParseDevice(options.gpu_budgets[i].first);
         if (!spec.ok()) continue;
@@ -1212,6 +1213,13 @@ void Server::State::ApplyGpuBudgets(bool wait) {
             (spec->kind == memory::DeviceSpec::Kind::kCudaUuid &&
              memory::SameGpu(spec->uuid, d.uuid));
         if (!named) continue;
+        // The config's come first, then --budget's: the last one holds.
+        if (!named_by.empty()) {
+          Log("budgets for " + named_by + " and " + options.gpu_budgets[i].first +
+              " name the same GPU (cuda:" + d.uuid + "); " + options.gpu_budgets[i].first +
+              "'s holds");
+        }
+        named_by = options.gpu_budgets[i].first;
         budget = options.gpu_budgets[i].second;
         used[i] = true;
       }
