@@ -1256,6 +1256,23 @@ TEST_F(DaemonTest, TheDefaultHostBudgetIsHalfOfTheControlGroupsLimit) {
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }
 
+// An engine in a small control group asking for a copy of a model bigger
+// than its room is told so; it is not killed for memory.
+TEST_F(DaemonTest, ACopyThatWouldNotFitIsRefusedNotKilled) {
+  MemoryGroup group(48ull << 20);
+  if (!group.skip.empty()) GTEST_SKIP() << group.skip;
+  ASSERT_EQ(group.error, "");
+  const std::string a = MakeModel("a", false, 96 << 20);
+  auto daemon = StartDaemon();
+  Preload(a);
+  Process engine({"load", a, "--mode", "copy", "--no-fallback", "--socket-dir", sock_},
+                 group.Prefix());
+  const int exit = engine.Wait();
+  EXPECT_EQ(exit, 1) << engine.err();
+  EXPECT_NE(engine.err().find("cannot copy"), std::string::npos) << engine.err();
+  EXPECT_EQ(group.OomKills(), 0);
+}
+
 // Segments engines still map after their daemon was killed stay charged
 // to its control group, and a new daemon's budget knows nothing of them.
 // Its preloads must then evict idle models for the room the group has

@@ -15,6 +15,7 @@
 #include "io/file.h"
 #include "loader/loader.h"
 #include "memory/cuda.h"
+#include "memory/host_memory.h"
 #include "memory/manifest.h"
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
@@ -34,6 +35,15 @@ constexpr int kReplyTimeoutMs = 30'000;
 class OwnedBytes {
  public:
   static Result<OwnedBytes> Copy(std::span<const std::byte> from) {
+    // What would not fit in the memory the kernel would still give this
+    // process (its control group's, or the machine's) is refused, rather
+    // than the engine killed for it halfway through the copy.
+    if (auto room = memory::HostMemoryRoom(); room && from.size() > room->free) {
+      return Error("cannot copy " + std::to_string(from.size()) +
+                   " bytes into this process: only " + std::to_string(room->free) +
+                   " bytes of memory are available (" + room->source +
+                   "); zero_copy maps the daemon's copy instead");
+    }
     void* p = ::mmap(nullptr, std::max<size_t>(from.size(), 1), PROT_READ | PROT_WRITE,
                      MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (p == MAP_FAILED) {
