@@ -1,6 +1,7 @@
 #include "daemon/server.h"
 
 #include <fcntl.h>
+#include <malloc.h>
 #include <poll.h>
 #include <pthread.h>
 #include <sys/epoll.h>
@@ -68,6 +69,13 @@ constexpr int kKeptWorkers = 64;
 // kBusyServing threads serving, at once: a flood of peers that connect and
 // say nothing holds that many threads, not one each.
 constexpr int kParkAfterMs = 200;
+constexpr uint64_t kTrimAfterTensors = 250'000;
+
+void TrimHeap() {
+#ifdef __GLIBC__
+  ::malloc_trim(0);
+#endif
+}
 constexpr int kBusyServing = 2 * kKeptWorkers;
 constexpr auto kIdleExit = std::chrono::seconds(60);
 
@@ -327,6 +335,11 @@ struct Server::State {
     Result<json> r = Error("");
     try {
       r = PreloadUnguarded(path, processing, pin, only, progress, marks);
+      // A header of a million tensors leaves hundreds of megabytes of freed
+      // heap behind (its parse, the plan), given back now rather than kept
+      // for good. Not after every preload: the next would fault its memory
+      // in again.
+      if (r.ok() && r->value("tensors", uint64_t{0}) >= kTrimAfterTensors) TrimHeap();
     } catch (const std::exception& e) {
       const bool memory = dynamic_cast<const std::bad_alloc*>(&e) != nullptr;
       r = Error(path + ": the preload failed: " +
