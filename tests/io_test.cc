@@ -213,6 +213,13 @@ TEST(WorkerPool, AChildOfForkRunsItsTeamsAtOnce) {
   std::atomic<int> total{0};
   WorkerPool::Shared().RunTeam(8, [&](int) { total.fetch_add(1); });
   ASSERT_EQ(total.load(), 8);
+  // Forked once they all wait for work, as a supervisor forks an engine
+  // between loads: a fork while threads are busy copies whatever locks
+  // they hold (ASan's own, in CI), which no pool can undo.
+  for (int i = 0; i < 1000 && WorkerPool::Shared().idle_threads() < WorkerPool::Shared().threads();
+       ++i) {
+    ::usleep(10'000);
+  }
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {

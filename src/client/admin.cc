@@ -28,7 +28,10 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
                               " (start one with `weightd serve`, or name its --socket-dir)"
                         : "cannot reach the daemon: " + why);
   }
-  WEIGHTD_RETURN_IF_ERROR(ch->Send(request));
+  if (Status sent = ch->Send(request); !sent.ok()) {
+    if (auto said = ch->ErrorSentBeforeClosing()) return Error("the daemon says: " + *said);
+    return sent.error();
+  }
   while (true) {
     // A preload sends progress, or a heartbeat, every few seconds; anything
     // else answers at once. Silence this long is a stopped or hung daemon.

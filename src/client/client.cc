@@ -256,11 +256,16 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   if (!o.trust.empty()) request["trust"] = o.trust;
   if (wait_left > 0) request["wait_seconds"] = wait_left;
   if (!checkpoint.empty()) request["path"] = protocol::PathToJson(checkpoint);
+  auto send_failed = [&](const Error& e) {
+    if (auto said = ch->ErrorSentBeforeClosing())
+      return fail("refused", Error("the daemon says: " + *said));
+    return fail("protocol error", e);
+  };
   if (Status s = ch->Send({{"type", "hello"}, {"versions", {protocol::kProtocolVersion}}});
       !s.ok()) {
-    return fail("protocol error", s.error());
+    return send_failed(s.error());
   }
-  if (Status s = ch->Send(request); !s.ok()) return fail("protocol error", s.error());
+  if (Status s = ch->Send(request); !s.ok()) return send_failed(s.error());
   if (auto hello = Expect(*ch, "hello"); !hello.ok()) return fail("protocol error", hello.error());
   auto reply = Expect(*ch, "acquired", wait_left);
   if (!reply.ok()) return fail("protocol error", reply.error());

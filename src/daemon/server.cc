@@ -225,11 +225,17 @@ struct Server::State {
   int idle_workers = 0;         // blocked in accept()
   std::atomic<int> serving{0};  // threads in Serve
   std::mutex spare_mu;
+  std::condition_variable spare_cv;
   // A descriptor in reserve (Start), a copy of null_fd; guarded by spare_mu.
   memory::UniqueFd null_fd, spare_fd;
-  // Out of descriptors: takes one waiting connection with the one in
-  // reserve and tells it why it cannot be served.
-  void RefuseOneForWantOfDescriptors();
+  bool refusing = false;      // a thread runs RefuseWhileOutOfDescriptors; guarded by spare_mu
+  std::string refusal_frame;  // what a peer refused for want of descriptors is sent
+  // Out of descriptors (accept said so). One thread at a time: until a
+  // descriptor is free again, it takes each waiting connection with the
+  // one in reserve and tells it why it cannot be served; the others wait,
+  // and call accept() no more meanwhile (one could take the reserve's
+  // place while it is given up, and keep it).
+  void RefuseWhileOutOfDescriptors();
   memory::UniqueFd park_epoll;  // the parked connections' sockets
   memory::UniqueFd park_wake;   // an eventfd: Run wakes the park thread to stop
   std::map<int, std::unique_ptr<Connection>> parked;  // by socket; guarded by conn_mu
@@ -390,6 +396,19 @@ Status Server::Start() {
   // Kept for the day the others run out: closed to accept one connection
   // and tell it so, rather than leave every peer waiting in the backlog.
   s.null_fd.Reset(::open("/dev/null", O_RDONLY | O_CLOEXEC));
+  {
+    // Made now: out of descriptors, the daemon makes nothing it can avoid.
+    rlimit now{};
+    ::getrlimit(RLIMIT_NOFILE, &now);
+    const std::string body =
+        json{{"type", "error"},
+             {"message", "the daemon has no file descriptor left (its limit is " +
+                             std::to_string(now.rlim_cur) +
+                             "): raise it (ulimit -n, LimitNOFILE=), or find who holds so many "
+                             "connections (weightd status)"}}
+            .dump();
+    s.refusal_frame = protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) + body;
+  }
   if (s.null_fd.valid()) s.spare_fd.Reset(::fcntl(s.null_fd.get(), F_DUPFD_CLOEXEC, 0));
   const std::string& dir = s.options.socket_dir;
   // Checked before the directory is made, so a refusal leaves nothing behind.
@@ -636,8 +655,7 @@ void Server::State::WorkerLoop() {
         // Out of descriptors: waiting connections stay in the backlog; wait
         // for some descriptors to be closed instead of spinning.
         LogNowAndThen("accept (waiting for descriptors to be closed)", error);
-        RefuseOneForWantOfDescriptors();
-        std::this_thread::sleep_for(std::chrono::milliseconds(200));
+        RefuseWhileOutOfDescriptors();
       } else if (error != EINTR && error != EAGAIN && error != ECONNABORTED) {
         LogNowAndThen("accept", error);
         std::this_thread::sleep_for(std::chrono::milliseconds(10));
@@ -666,30 +684,45 @@ void Server::State::WorkerLoop() {
   conn_done.notify_all();
 }
 
-void Server::State::RefuseOneForWantOfDescriptors() {
-  std::lock_guard lock(spare_mu);
-  // Lost when another thread took its place first: back once one is free.
-  if (!spare_fd.valid()) spare_fd.Reset(::fcntl(null_fd.get(), F_DUPFD_CLOEXEC, 0));
-  if (!spare_fd.valid()) return;
-  pollfd waiting{listen_fd.get(), POLLIN, 0};
-  if (::poll(&waiting, 1, 0) != 1) return;
-  spare_fd.Reset();
-  // Another thread may take the waiting one first: then this accept waits,
-  // and takes the next (or times out with the listening socket's timeout).
-  const int conn = ::accept4(listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC);
-  if (conn < 0) return;
-  rlimit files{};
-  ::getrlimit(RLIMIT_NOFILE, &files);
-  const std::string why = "the daemon has no file descriptor left (its limit is " +
-                          std::to_string(files.rlim_cur) +
-                          "): raise it (ulimit -n, LimitNOFILE=), or find who holds so many "
-                          "connections (weightd status)";
-  protocol::Channel refused{memory::UniqueFd(conn)};
-  (void)refused.Send({{"type", "error"}, {"message", why}});
-  memory::UniqueFd socket = std::move(refused).TakeSocket();
-  // The connection's place becomes the reserve again in one step (dup2
-  // closes the socket), so no other thread can take it meanwhile.
-  if (::dup3(null_fd.get(), socket.get(), O_CLOEXEC) == socket.get()) spare_fd = std::move(socket);
+void Server::State::RefuseWhileOutOfDescriptors() {
+  std::unique_lock lock(spare_mu);
+  if (refusing) {
+    spare_cv.wait_for(lock, std::chrono::seconds(1), [&] { return !refusing || stopping.load(); });
+    return;
+  }
+  refusing = true;
+  while (!stopping.load()) {
+    // A descriptor free: the reserve back if it was lost, else the end.
+    const int probe = ::fcntl(null_fd.get(), F_DUPFD_CLOEXEC, 0);
+    if (probe >= 0) {
+      if (spare_fd.valid()) {
+        ::close(probe);
+        break;
+      }
+      spare_fd.Reset(probe);
+      continue;
+    }
+    lock.unlock();
+    pollfd waiting{listen_fd.get(), POLLIN, 0};
+    const int ready = ::poll(&waiting, 1, 200);
+    lock.lock();
+    if (ready != 1 || !spare_fd.valid()) continue;
+    spare_fd.Reset();
+    // A thread already in accept() (holding a place of its own) may take
+    // the waiting one first: then this one waits for the next, or for the
+    // listening socket's timeout.
+    memory::UniqueFd socket(::accept4(listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC));
+    if (!socket.valid()) continue;
+    (void)!::send(socket.get(), refusal_frame.data(), refusal_frame.size(),
+                  MSG_NOSIGNAL | MSG_DONTWAIT);
+    // The connection's place becomes the reserve again in one step (dup3
+    // closes the socket).
+    if (::dup3(null_fd.get(), socket.get(), O_CLOEXEC) == socket.get()) {
+      spare_fd = std::move(socket);
+    }
+  }
+  refusing = false;
+  spare_cv.notify_all();
 }
 
 void Server::State::LogNowAndThen(const std::string& what, int error) {

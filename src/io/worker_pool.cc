@@ -32,6 +32,11 @@ int WorkerPool::threads() const {
   return threads_;
 }
 
+int WorkerPool::idle_threads() const {
+  std::lock_guard lock(mu_);
+  return idle_;
+}
+
 int WorkerPool::Spawn(int n) {
   for (int i = 0; i < n; ++i) {
     {

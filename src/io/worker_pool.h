@@ -42,6 +42,8 @@ class WorkerPool {
   void RunTeam(int workers, const std::function<void(int slot)>& body);
 
   int threads() const;
+  // Threads waiting for work now.
+  int idle_threads() const;
 
   static constexpr int kMaxThreads = 2048;
 

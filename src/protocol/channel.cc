@@ -238,6 +238,13 @@ Result<Message> Channel::Receive(int timeout_ms) {
   return m;
 }
 
+std::optional<std::string> Channel::ErrorSentBeforeClosing() {
+  auto said = Receive(0);
+  if (!said.ok() || said->type() != "error") return std::nullopt;
+  auto it = said->body.find("message");
+  return it != said->body.end() && it->is_string() ? it->get<std::string>() : "error";
+}
+
 Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;

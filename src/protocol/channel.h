@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <nlohmann/json.hpp>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -60,8 +61,11 @@ class Channel {
   Result<Message> Receive(int timeout_ms = -1);
 
   int fd() const { return socket_.get(); }
-  // The socket, no longer the channel's.
-  memory::UniqueFd TakeSocket() && { return std::move(socket_); }
+
+  // After a Send that failed (the peer closed): the error the peer sent
+  // before it closed, if it sent one (a daemon out of descriptors refuses
+  // a connection so, before any request is read).
+  std::optional<std::string> ErrorSentBeforeClosing();
 
   static constexpr const char* kClosed = "connection closed";
   // ...and one whose timeout passed before a frame began: kTimedOut.
@@ -98,7 +102,8 @@ Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wai
 // A reply over the frame limit would not be sent at all.
 nlohmann::json ListWithin(std::vector<nlohmann::json> entries, size_t max_bytes, uint64_t* omitted);
 
-// Builds the header of a frame (for tests that send broken ones).
+// Builds the header of a frame (for frames made ahead, and tests that send
+// broken ones).
 std::string FrameHeader(uint32_t body_bytes, uint32_t descriptors,
                         uint32_t version = kProtocolVersion);
 
