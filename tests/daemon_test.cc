@@ -1623,58 +1623,45 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   beside.Signal(SIGTERM);
   EXPECT_EQ(beside.Wait(), 0) << beside.err();
 
+  // A config the daemon refuses at start, saying `said` (and no `ready`).
+  auto ExpectRefused = [&](const std::string& text, const std::string& said) {
+    testing::WriteFileText(config, text);
+    CommandResult r = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
+    EXPECT_EQ(r.exit_code, 2) << text;
+    EXPECT_EQ(r.out.find("ready"), std::string::npos) << r.out;
+    EXPECT_NE(r.err.find(said), std::string::npos) << r.err;
+  };
   // Processing is checked at start, as preload's flags are.
-  testing::WriteFileText(config, "[[model]]\npath = \"" + a + "\"\ntp_size = 2\n");
-  CommandResult bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
-  EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.err.find("[[model]] " + a + ": name a --shard-plan"), std::string::npos) << bad.err;
-  testing::WriteFileText(config, "[[model]]\npath = \"a\"\ntp_rank = 1\n");
-  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
-  EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.err.find("not `tp_rank`"), std::string::npos) << bad.err;
-  testing::WriteFileText(config, "[[model]]\npath = \"a\"\nfingerprint = \"most\"\n");
-  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
-  EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.err.find("fingerprint `most` is neither sampled nor full"), std::string::npos)
-      << bad.err;
+  ExpectRefused("[[model]]\npath = \"" + a + "\"\ntp_size = 2\n",
+                "[[model]] " + a + ": name a --shard-plan");
+  ExpectRefused("[[model]]\npath = \"a\"\ntp_rank = 1\n", "not `tp_rank`");
+  ExpectRefused("[[model]]\npath = \"a\"\nfingerprint = \"most\"\n",
+                "fingerprint `most` is neither sampled nor full");
   // A name pins one model.
-  testing::WriteFileText(config,
-                         "[[model]]\npath = \"a\"\npin = \"p\"\n[[model]]\npath = "
-                         "\"b\"\npin = \"p\"\n");
-  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
-  EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.err.find("pinned as `p`"), std::string::npos) << bad.err;
+  ExpectRefused(
+      "[[model]]\npath = \"a\"\npin = \"p\"\n[[model]]\npath = "
+      "\"b\"\npin = \"p\"\n",
+      "pinned as `p`");
   // ...and a model has one name: the second preload would move it.
-  testing::WriteFileText(config,
-                         "[[model]]\npath = \"a\"\npin = \"p\"\n[[model]]\npath = "
-                         "\"" +
-                             a + "\"\npin = \"q\"\n");
-  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
-  EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.err.find("pinned as `p` and as `q`"), std::string::npos) << bad.err;
+  ExpectRefused(
+      "[[model]]\npath = \"a\"\npin = \"p\"\n[[model]]\npath = "
+      "\"" +
+          a + "\"\npin = \"q\"\n",
+      "pinned as `p` and as `q`");
   // One budget per device; `cpu` is the host.
-  testing::WriteFileText(config, "[budget]\nhost = \"1G\"\ncpu = \"2G\"\n");
-  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
-  EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.err.find("[budget] names host twice"), std::string::npos) << bad.err;
+  ExpectRefused("[budget]\nhost = \"1G\"\ncpu = \"2G\"\n", "[budget] names host twice");
   // A size that is not one is named as such, in the file.
-  testing::WriteFileText(config, "[budget]\nhost = \"lots\"\n");
-  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
-  EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_NE(bad.err.find("budget.host: `lots` is not a size"), std::string::npos) << bad.err;
+  ExpectRefused("[budget]\nhost = \"lots\"\n", "budget.host: `lots` is not a size");
   // A device that is none is an error at start, not a failed preload after
   // `ready`.
-  testing::WriteFileText(config, "[[model]]\npath = \"a\"\ndevice = \"gpu\"\n");
-  bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", config});
-  EXPECT_EQ(bad.exit_code, 2);
-  EXPECT_EQ(bad.out.find("ready"), std::string::npos) << bad.out;
-  EXPECT_NE(bad.err.find("device `gpu`"), std::string::npos) << bad.err;
+  ExpectRefused("[[model]]\npath = \"a\"\ndevice = \"gpu\"\n", "device `gpu`");
   // Neither a directory nor a FIFO is a config file: an error, not defaults
   // or a wait.
   const std::string fifo = dir_.Join("fifo.toml");
   ASSERT_EQ(::mkfifo(fifo.c_str(), 0600), 0);
   for (const std::string& not_a_file : {dir_.path(), fifo}) {
-    bad = RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", not_a_file});
+    CommandResult bad =
+        RunWeightd({"serve", "--socket-dir", dir_.Join("other"), "--config", not_a_file});
     EXPECT_EQ(bad.exit_code, 2);
     EXPECT_NE(bad.err.find("not a regular file"), std::string::npos) << bad.err;
   }
