@@ -77,7 +77,7 @@ void TrimHeap() {
 #endif
 }
 constexpr int kBusyServing = 2 * kKeptWorkers;
-constexpr auto kIdleExit = std::chrono::seconds(60);
+constexpr auto kIdleExit = std::chrono::seconds(10);
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
@@ -221,12 +221,13 @@ struct Server::State {
   // connections over put two wake-ups on every attach, one after another
   // through that thread: with 64 engines busy on every core it was starved
   // and the attaches queued behind it.
-  int workers = 0;              // the park thread is one
+  int workers = 0;              // accepting threads, the park thread, and those it started
   int idle_workers = 0;         // blocked in accept()
   std::atomic<int> serving{0};  // threads in Serve
   std::mutex spare_mu;
   std::condition_variable spare_cv;
-  // A descriptor in reserve (Start), a copy of null_fd; guarded by spare_mu.
+  // A descriptor in reserve (Start), a copy of null_fd; only the thread
+  // that set `refusing` touches spare_fd after Start.
   memory::UniqueFd null_fd, spare_fd;
   bool refusing = false;      // a thread runs RefuseWhileOutOfDescriptors; guarded by spare_mu
   std::string refusal_frame;  // what a peer refused for want of descriptors is sent
@@ -404,8 +405,8 @@ Status Server::Start() {
         json{{"type", "error"},
              {"message", "the daemon has no file descriptor left (its limit is " +
                              std::to_string(now.rlim_cur) +
-                             "): raise it (ulimit -n, LimitNOFILE=), or find who holds so many "
-                             "connections (weightd status)"}}
+                             "): raise it (ulimit -n, LimitNOFILE=); each engine holding weights, "
+                             "and each resident model, keeps one"}}
             .dump();
     s.refusal_frame = protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) + body;
   }
@@ -685,12 +686,16 @@ void Server::State::WorkerLoop() {
 }
 
 void Server::State::RefuseWhileOutOfDescriptors() {
-  std::unique_lock lock(spare_mu);
-  if (refusing) {
-    spare_cv.wait_for(lock, std::chrono::seconds(1), [&] { return !refusing || stopping.load(); });
-    return;
+  {
+    std::unique_lock lock(spare_mu);
+    if (refusing) {
+      spare_cv.wait_for(lock, std::chrono::seconds(1),
+                        [&] { return !refusing || stopping.load(); });
+      return;
+    }
+    refusing = true;
   }
-  refusing = true;
+  // Only this thread touches the reserve until `refusing` is false again.
   while (!stopping.load()) {
     // A descriptor free: the reserve back if it was lost, else the end.
     const int probe = ::fcntl(null_fd.get(), F_DUPFD_CLOEXEC, 0);
@@ -702,11 +707,15 @@ void Server::State::RefuseWhileOutOfDescriptors() {
       spare_fd.Reset(probe);
       continue;
     }
-    lock.unlock();
     pollfd waiting{listen_fd.get(), POLLIN, 0};
     const int ready = ::poll(&waiting, 1, 200);
-    lock.lock();
-    if (ready != 1 || !spare_fd.valid()) continue;
+    if (ready != 1) continue;
+    if (!spare_fd.valid()) {
+      // Lost (something took its place while it was given up): nothing to
+      // refuse with until a descriptor is free; not a spin meanwhile.
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      continue;
+    }
     spare_fd.Reset();
     // A thread already in accept() (holding a place of its own) may take
     // the waiting one first: then this one waits for the next, or for the
@@ -721,6 +730,7 @@ void Server::State::RefuseWhileOutOfDescriptors() {
       spare_fd = std::move(socket);
     }
   }
+  std::lock_guard lock(spare_mu);
   refusing = false;
   spare_cv.notify_all();
 }
@@ -849,10 +859,12 @@ void Server::State::ParkLoop() {
     bool stop = false;
     try {
       std::lock_guard lock(conn_mu);
+      // Listed first: if that throws, the connection stays parked and
+      // watched.
       auto take = [&](std::map<int, std::unique_ptr<Connection>>::iterator it,
                       std::vector<std::unique_ptr<Connection>>& into) {
-        ::epoll_ctl(park_epoll.get(), EPOLL_CTL_DEL, it->first, nullptr);
         into.push_back(std::move(it->second));
+        ::epoll_ctl(park_epoll.get(), EPOLL_CTL_DEL, it->first, nullptr);
         return parked.erase(it);
       };
       for (int i = 0; i < n; ++i) {
@@ -861,8 +873,11 @@ void Server::State::ParkLoop() {
       }
       stop = stopping.load();
       for (auto it = parked.begin(); it != parked.end();) {
-        const bool quiet =
-            sweep && it->second->leases.empty() && now - it->second->parked_at >= idle;
+        // A request that came since the wait returned is served next turn,
+        // not cut off.
+        pollfd asked{it->first, POLLIN, 0};
+        const bool quiet = sweep && it->second->leases.empty() &&
+                           now - it->second->parked_at >= idle && ::poll(&asked, 1, 0) == 0;
         it = stop || quiet ? take(it, ending) : std::next(it);
       }
     } catch (...) {
@@ -890,12 +905,25 @@ void Server::State::ParkLoop() {
     if (stop) break;
     for (auto& c : woken) {
       Connection* raw = c.release();
+      // Counted as a worker, so that a stop waits for it to end: it
+      // touches the state after it parks the connection again.
+      {
+        std::lock_guard lock(conn_mu);
+        ++workers;
+      }
       try {
         std::thread([this, raw] {
           ::pthread_setname_np(::pthread_self(), kServingThreadName);
           Serve(std::unique_ptr<Connection>(raw));
+          std::lock_guard lock(conn_mu);
+          --workers;
+          conn_done.notify_all();
         }).detach();
       } catch (...) {
+        {
+          std::lock_guard lock(conn_mu);
+          --workers;
+        }
         // No thread now: parked again (it is readable, so back here at
         // once), after a pause.
         c.reset(raw);
