@@ -62,22 +62,25 @@ constexpr auto kProgressEvery = std::chrono::milliseconds(100);
 // A preload's asker hears from the daemon at least this often.
 constexpr auto kHeartbeat = std::chrono::seconds(5);
 // Serving threads kept ready (each mostly an idle stack), and how long one
-// more than those waits for a connection before it ends.
+// more than those waits for a connection before it ends (one waiting in
+// accept() holds a descriptor's place).
 constexpr int kKeptWorkers = 64;
+constexpr auto kIdleExit = std::chrono::seconds(10);
 // A connection with no request for this long between two is parked: it
 // waits in an epoll set instead of holding a thread. With more than
 // kBusyServing threads serving, at once: a flood of peers that connect and
 // say nothing holds that many threads, not one each.
 constexpr int kParkAfterMs = 200;
-constexpr uint64_t kTrimAfterTensors = 250'000;
+constexpr int kBusyServing = 2 * kKeptWorkers;
 
+// After a preload of this many tensors or more, the freed heap goes back
+// to the system (see Preload).
+constexpr uint64_t kTrimAfterTensors = 250'000;
 void TrimHeap() {
 #ifdef __GLIBC__
   ::malloc_trim(0);
 #endif
 }
-constexpr int kBusyServing = 2 * kKeptWorkers;
-constexpr auto kIdleExit = std::chrono::seconds(10);
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
@@ -273,6 +276,12 @@ struct Server::State {
   // or its close) is served again on a thread of its own; one without
   // leases quiet for options.idle_seconds is closed; a stop ends them all.
   void ParkLoop();
+  // Once `stopping` is set: the park thread ends every parked connection
+  // and itself.
+  void WakeParkThread() {
+    const uint64_t one = 1;
+    (void)!::write(park_wake.get(), &one, sizeof one);
+  }
   void WorkerLoop();
   // Logs `what` with errno `error`, at most once every few seconds.
   void LogNowAndThen(const std::string& what, int error);
@@ -531,8 +540,7 @@ Status Server::Start() {
   if (started == 0) {
     // The park thread ends before the state it uses can go.
     s.stopping.store(true);
-    const uint64_t one = 1;
-    (void)!::write(s.park_wake.get(), &one, sizeof one);
+    s.WakeParkThread();
     std::unique_lock lock(s.conn_mu);
     s.conn_done.wait(lock, [&] { return s.workers == 0; });
     return Error("cannot start any serving thread");
@@ -563,8 +571,7 @@ bool Server::Run() {
   // find, every connection ended.
   ::shutdown(s.listen_fd.get(), SHUT_RDWR);
   ::unlink(s.socket_path.c_str());
-  const uint64_t one = 1;
-  (void)!::write(s.park_wake.get(), &one, sizeof one);
+  s.WakeParkThread();
   std::unique_lock lock(s.conn_mu);
   for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
   const bool ended = s.conn_done.wait_for(
@@ -872,7 +879,9 @@ void Server::State::ParkLoop() {
         if (it != parked.end()) take(it, woken);
       }
       stop = stopping.load();
-      for (auto it = parked.begin(); it != parked.end();) {
+      // The whole list only once a second, or at a stop: not at every
+      // engine that lets go.
+      for (auto it = parked.begin(); (sweep || stop) && it != parked.end();) {
         // A request that came since the wait returned is served next turn,
         // not cut off.
         pollfd asked{it->first, POLLIN, 0};
