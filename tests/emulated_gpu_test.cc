@@ -183,6 +183,9 @@ TEST_F(EmulatedGpuTest, TheWriteProbeReportsWhatTheDriverDidWithTheWrite) {
   out = probe("ignore");
   EXPECT_NE(out.find("write_probe_copy: accepted"), std::string::npos) << out;
   EXPECT_NE(out.find("write_probe_memset: accepted"), std::string::npos) << out;
+  // The emulated driver runs no kernels: the store by one is not tried.
+  EXPECT_NE(out.find("write_probe_kernel: not tried (the driver has no module"), std::string::npos)
+      << out;
   EXPECT_NE(out.find("write_probe_bytes_changed: YES"), std::string::npos) << out;
   const std::string seen_key = "write_probe_new_engine_checksum: ";
   const size_t seen_at = out.find(seen_key);
@@ -240,6 +243,17 @@ TEST_F(EmulatedGpuTest, TheHostTierReloadCopiesRegisteredOrStaged) {
             std::string::npos)
       << staged["reason"];
   EXPECT_EQ(staged["checksum"], disk);
+  // The model is registered and copied in parts, by several threads: one
+  // part the driver will not register is staged, the others are not.
+  json mixed = WithEnv({{"WEIGHTD_EMULATED_CUDA_HOST_REGISTER", "refuse-first"}}, [&] {
+    return Load(model, {"--device", "cuda:0", "--no-fallback", "--mode", "copy"});
+  });
+  EXPECT_NE(
+      mixed["reason"].get<std::string>().find(
+          "through staging buffers; 1 of 2 parts, cuMemHostRegister: operation not supported"),
+      std::string::npos)
+      << mixed["reason"];
+  EXPECT_EQ(mixed["checksum"], disk);
 }
 
 TEST_F(EmulatedGpuTest, AGpuBudgetEvictsOnThatGpuOnly) {

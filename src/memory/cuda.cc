@@ -3,6 +3,7 @@
 #include <dlfcn.h>
 
 #include <algorithm>
+#include <atomic>
 #include <charconv>
 #include <condition_variable>
 #include <cstdio>
@@ -10,6 +11,8 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <system_error>
+#include <thread>
 
 #ifdef WEIGHTD_CUDA_HEADERS
 #include <cuda.h>
@@ -185,6 +188,12 @@ struct Driver {
   CUresult (*cuEventRecord)(CUevent, CUstream) = nullptr;
   CUresult (*cuEventSynchronize)(CUevent) = nullptr;
   CUresult (*cuEventDestroy)(CUevent) = nullptr;
+  // Optional (a tool's write by a kernel; a driver without them still serves).
+  CUresult (*cuModuleLoadData)(CUmodule*, const void*) = nullptr;
+  CUresult (*cuModuleUnload)(CUmodule) = nullptr;
+  CUresult (*cuModuleGetFunction)(CUfunction*, CUmodule, const char*) = nullptr;
+  CUresult (*cuLaunchKernel)(CUfunction, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
+                             unsigned, CUstream, void**, void**) = nullptr;
 
   std::string Describe(CUresult r) const {
     const char* s = nullptr;
@@ -214,12 +223,12 @@ Result<const Driver*> LoadDriver() {
       failure = "the CUDA driver is older than 12.0 (no cuGetProcAddress_v2)";
       return;
     }
-    auto load = [&](const char* name, auto& fn) {
+    auto load = [&](const char* name, auto& fn, bool required = true) {
       void* p = nullptr;
       CUdriverProcAddressQueryResult found{};
       if (get(name, &p, kApiVersion, CU_GET_PROC_ADDRESS_DEFAULT, &found) != CUDA_SUCCESS ||
           found != CU_GET_PROC_ADDRESS_SUCCESS || p == nullptr) {
-        if (failure.empty()) failure = std::string("the CUDA driver has no ") + name;
+        if (required && failure.empty()) failure = std::string("the CUDA driver has no ") + name;
         return;
       }
       fn = reinterpret_cast<std::remove_reference_t<decltype(fn)>>(p);
@@ -267,6 +276,10 @@ Result<const Driver*> LoadDriver() {
     load("cuEventSynchronize", driver.cuEventSynchronize);
     load("cuEventDestroy", driver.cuEventDestroy);
     if (!failure.empty()) return;
+    load("cuModuleLoadData", driver.cuModuleLoadData, /*required=*/false);
+    load("cuModuleUnload", driver.cuModuleUnload, /*required=*/false);
+    load("cuModuleGetFunction", driver.cuModuleGetFunction, /*required=*/false);
+    load("cuLaunchKernel", driver.cuLaunchKernel, /*required=*/false);
     if (CUresult r = driver.cuInit(0); r == CUDA_ERROR_NO_DEVICE) {
       failure = "no CUDA device: " + driver.Describe(r);
     } else if (r != CUDA_SUCCESS) {
@@ -655,52 +668,91 @@ class CudaSegment final : public Segment {
     return staging_.Copy(m_->address + offset, pieces);
   }
 
-  // Copies `host` to `offset` straight from where it is, after registering
-  // it as pinned memory (read-only: a sealed mapping qualifies); where the
-  // driver will not register it, through the staging buffers. Several
-  // streams at once. `staged_because` is empty when it was registered, else
-  // why the driver would not.
+  // Copies `host` to `offset` straight from where it is, registered as
+  // pinned memory (read-only: a sealed mapping qualifies). Registering pins
+  // every page and costs more than the copy (on an H200's host, about
+  // 12 GB/s pinning a memfd's pages against 55 GB/s copying), so the range
+  // is registered in parts, by several threads at once, each part copied on
+  // its thread's stream as soon as it is pinned. A part the driver will not
+  // register goes through the staging buffers. `staged_because` is empty
+  // when every part was registered, else why the driver would not (and
+  // how many parts it would not register, when it did some).
   Status WriteFromHost(uint64_t offset, std::span<const std::byte> host,
                        std::string* staged_because) {
     if (sealed_) return Error("segment written after it was sealed");
     WEIGHTD_RETURN_IF_ERROR(m_->InRange(offset, host.size(), size_));
-    WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m_->gpu->Enter());
-    const Driver& d = m_->gpu->driver();
-    void* at = const_cast<std::byte*>(host.data());
+    staged_because->clear();
     if (host.empty()) {
       *staged_because = "nothing to copy";
       return OkStatus();
     }
-    staged_because->clear();
-    if (CUresult r = d.cuMemHostRegister(at, host.size(), CU_MEMHOSTREGISTER_READ_ONLY);
-        r != CUDA_SUCCESS) {
-      *staged_because = "cuMemHostRegister: " + d.Describe(r);
-      return staging_.Copy(m_->address + offset, std::span(&host, 1));
-    }
-    constexpr int kStreams = 4;
-    constexpr size_t kPart = 64 << 20;
-    CUstream streams[kStreams] = {};
-    CUresult r = CUDA_SUCCESS;
-    for (int i = 0; i < kStreams && r == CUDA_SUCCESS; ++i) {
-      r = d.cuStreamCreate(&streams[i], CU_STREAM_NON_BLOCKING);
-    }
-    for (size_t at_byte = 0, i = 0; r == CUDA_SUCCESS && at_byte < host.size();
-         at_byte += kPart, ++i) {
-      const size_t n = std::min(kPart, host.size() - at_byte);
-      r = d.cuMemcpyHtoDAsync(m_->address + offset + at_byte, host.data() + at_byte, n,
-                              streams[i % kStreams]);
-    }
-    CUresult sync = CUDA_SUCCESS;
-    for (CUstream st : streams) {
-      if (st == nullptr) continue;
-      if (CUresult e = d.cuStreamSynchronize(st); e != CUDA_SUCCESS && sync == CUDA_SUCCESS) {
-        sync = e;
+    // Parts of 16 to 256 MiB, about four per thread.
+    const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 2, 8);
+    const size_t part = std::clamp<size_t>(host.size() / (4 * threads), 16 << 20, 256 << 20);
+    const size_t parts = (host.size() + part - 1) / part;
+    const Driver& d = m_->gpu->driver();
+    std::atomic<size_t> next_part{0};
+    std::mutex mu;
+    std::optional<Error> failed;  // the first; the others stop taking parts
+    size_t staged_parts = 0;
+    std::atomic<bool> stop{false};
+    auto fail = [&](Error e) {
+      std::lock_guard lock(mu);
+      if (!failed) failed = std::move(e);
+      stop = true;
+    };
+    auto copy_parts = [&] {
+      auto scope = m_->gpu->Enter();
+      if (!scope.ok()) return fail(scope.error());
+      CUstream stream = nullptr;
+      if (CUresult r = d.cuStreamCreate(&stream, CU_STREAM_NON_BLOCKING); r != CUDA_SUCCESS) {
+        return fail(CudaError(d, "cuStreamCreate", r));
       }
-      d.cuStreamDestroy(st);
+      std::vector<void*> registered;
+      for (size_t i; !stop && (i = next_part++) < parts;) {
+        const size_t at = i * part, n = std::min(part, host.size() - at);
+        const std::span<const std::byte> piece = host.subspan(at, n);
+        void* p = const_cast<std::byte*>(piece.data());
+        if (CUresult r = d.cuMemHostRegister(p, n, CU_MEMHOSTREGISTER_READ_ONLY);
+            r != CUDA_SUCCESS) {
+          {
+            std::lock_guard lock(mu);
+            if (staged_parts++ == 0) *staged_because = "cuMemHostRegister: " + d.Describe(r);
+          }
+          if (Status st = staging_.Copy(m_->address + offset + at, std::span(&piece, 1));
+              !st.ok()) {
+            fail(st.error());
+          }
+          continue;
+        }
+        registered.push_back(p);
+        if (CUresult r = d.cuMemcpyHtoDAsync(m_->address + offset + at, p, n, stream);
+            r != CUDA_SUCCESS) {
+          fail(CudaError(d, "cuMemcpyHtoDAsync", r));
+        }
+      }
+      // The pages stay pinned until the copies from them are done.
+      if (CUresult r = d.cuStreamSynchronize(stream); r != CUDA_SUCCESS) {
+        fail(CudaError(d, "a host-to-device copy", r));
+      }
+      d.cuStreamDestroy(stream);
+      for (void* p : registered) d.cuMemHostUnregister(p);
+    };
+    std::vector<std::thread> helpers;
+    for (size_t t = 1; t < std::min(threads, parts); ++t) {
+      try {
+        helpers.emplace_back(copy_parts);
+      } catch (const std::system_error&) {
+        break;  // no thread to be had: fewer copy the parts
+      }
     }
-    d.cuMemHostUnregister(at);
-    if (r != CUDA_SUCCESS) return CudaError(d, "cuMemcpyHtoDAsync", r);
-    if (sync != CUDA_SUCCESS) return CudaError(d, "a host-to-device copy", sync);
+    copy_parts();
+    for (std::thread& t : helpers) t.join();
+    if (failed) return *failed;
+    if (staged_parts > 0 && staged_parts < parts) {
+      *staged_because = std::to_string(staged_parts) + " of " + std::to_string(parts) + " parts, " +
+                        *staged_because;
+    }
     return OkStatus();
   }
 
@@ -851,6 +903,24 @@ Result<std::unique_ptr<Segment>> ImportedMapping::Copy() const {
   return copy;
 }
 
+// One thread flips the byte at its argument: a store into device memory
+// by a kernel. PTX, compiled by the driver for whatever GPU it runs on.
+constexpr char kFlipBytePtx[] = R"(.version 7.8
+.target sm_75
+.address_size 64
+.visible .entry weightd_flip_byte(.param .u64 at)
+{
+  .reg .b16 %rs<3>;
+  .reg .b64 %rd<3>;
+  ld.param.u64 %rd1, [at];
+  cvta.to.global.u64 %rd2, %rd1;
+  ld.global.u8 %rs1, [%rd2];
+  not.b16 %rs2, %rs1;
+  st.global.u8 [%rd2], %rs2;
+  ret;
+}
+)";
+
 Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, uint64_t bytes,
                                    const std::function<void()>& while_changed) {
   WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<GpuContext> gpu, GpuContext::Open(uuid));
@@ -896,22 +966,70 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
   out.copy = describe(r);
   if (r != CUDA_SUCCESS && !usable()) {
     out.memset = "not tried (the copy's error left the context unusable)";
+    out.kernel = out.memset;
     check();  // fails, and says why: the bytes cannot be known here
     return out;
   }
   if (!check()) {
     out.memset = "not tried (the bytes the copy left could not be read back or put back)";
+    out.kernel = out.memset;
     return out;
   }
   r = d.cuMemsetD8(address, 0xA5, before.size());
   if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
   out.memset = describe(r);
   if (r != CUDA_SUCCESS && !usable()) {
-    out.read_back = "not tried (the memset's error left the context unusable)";
+    out.kernel = "not tried (the memset's error left the context unusable)";
+    out.read_back = out.kernel;
     return out;
   }
+  if (!check()) {
+    out.kernel = "not tried (the bytes the memset left could not be read back or put back)";
+    return out;
+  }
+  // Last: a store by a kernel, as an engine's own kernel writing in place
+  // would do it, past the driver's API checks. Its fault is sticky.
+  if (d.cuModuleLoadData == nullptr || d.cuModuleGetFunction == nullptr ||
+      d.cuLaunchKernel == nullptr || d.cuModuleUnload == nullptr) {
+    out.kernel = "not tried (the driver has no module or launch entry points)";
+    return out;
+  }
+  CUmodule module = nullptr;
+  CUfunction flip = nullptr;
+  if (r = d.cuModuleLoadData(&module, kFlipBytePtx); r != CUDA_SUCCESS) {
+    out.kernel = "not tried (loading its PTX: " + d.Describe(r) + ")";
+    return out;
+  }
+  r = d.cuModuleGetFunction(&flip, module, "weightd_flip_byte");
+  if (r == CUDA_SUCCESS) {
+    CUdeviceptr at = address;
+    void* params[] = {&at};
+    r = d.cuLaunchKernel(flip, 1, 1, 1, 1, 1, 1, 0, nullptr, params, nullptr);
+    if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
+  }
+  out.kernel = describe(r);
+  if (r != CUDA_SUCCESS && !usable()) {
+    out.read_back = "not tried (the kernel's error left the context unusable)";
+    return out;
+  }
+  d.cuModuleUnload(module);
   check();
   return out;
+}
+
+namespace {
+class HeldContext final : public CudaContextHold {
+ public:
+  explicit HeldContext(std::unique_ptr<GpuContext> gpu) : gpu_(std::move(gpu)) {}
+
+ private:
+  std::unique_ptr<GpuContext> gpu_;
+};
+}  // namespace
+
+Result<std::unique_ptr<CudaContextHold>> HoldCudaContext(const std::string& uuid) {
+  WEIGHTD_ASSIGN_OR_RETURN(std::unique_ptr<GpuContext> gpu, GpuContext::Open(uuid));
+  return std::unique_ptr<CudaContextHold>(new HeldContext(std::move(gpu)));
 }
 
 Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte> host,
@@ -951,6 +1069,10 @@ Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte>, c
 
 Result<WriteAttempt> TryWriteOnGpu(const std::string&, uint64_t, uint64_t,
                                    const std::function<void()>&) {
+  return BuiltWithoutCuda();
+}
+
+Result<std::unique_ptr<CudaContextHold>> HoldCudaContext(const std::string&) {
   return BuiltWithoutCuda();
 }
 

@@ -92,6 +92,15 @@ Result<Device> ResolveDevice(std::string_view text);
 // primary context current on the calling thread.
 Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::string& uuid);
 
+// The GPU `uuid`'s primary context, started (the driver too) and held for
+// as long as this lives: what an engine has before it asks for weights, so
+// a tool can time an acquire apart from starting CUDA.
+class CudaContextHold {
+ public:
+  virtual ~CudaContextHold() = default;
+};
+Result<std::unique_ptr<CudaContextHold>> HoldCudaContext(const std::string& uuid);
+
 // What a segment of `size` bytes takes on the GPU `uuid`: its allocation,
 // in whole granules of the device's granularity. A budget reserves this
 // before CreateCudaSegment makes it.
@@ -111,6 +120,7 @@ Result<std::unique_ptr<Segment>> CopyToCudaSegment(std::span<const std::byte> ho
 struct WriteAttempt {
   std::string copy;    // a host-to-device copy into it: "accepted" or the error
   std::string memset;  // a device memset on it: "accepted", the error, or why not tried
+  std::string kernel;  // a kernel's store into it: "accepted", the error, or why not tried
   // "ok", or why the bytes could not be read after a write (a refused
   // write may leave the context unusable: every later call fails).
   std::string read_back;
@@ -122,8 +132,8 @@ struct WriteAttempt {
 };
 
 // Tries to change `bytes` bytes at `address` on the GPU `uuid` (mapped in
-// this process, by the client, say), by a copy and then by a memset,
-// reading them back after each: what the driver does with writes to memory
+// this process, by the client, say), by a copy, a memset and a kernel's
+// store (of one byte), reading them back after each: what the driver does with writes to memory
 // mapped read-only. Bytes a write did change are written back as they
 // were before the next is tried, after `while_changed` (if given) has run
 // the first time: memory other processes share is left as it was found.

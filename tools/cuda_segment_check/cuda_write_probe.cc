@@ -7,8 +7,8 @@
 // Acquires MODEL on DEVICE (cuda:N or cuda:GPU-<uuid>) through the client
 // API, zero_copy and without a disk fallback, then tries to overwrite the
 // first KiB of its largest tensor by a host-to-device copy and by a memset,
-// and reads the bytes back. Where they changed, the weights every engine
-// shares changed: with WEIGHTD (the weightd program), a new engine
+// and its first byte by a kernel's store, reading the bytes back after each. Where they changed,
+// the weights every engine shares changed: with WEIGHTD (the weightd program), a new engine
 // (`WEIGHTD load --checksum`) is asked for its checksum while they are
 // changed; then the bytes from before are written back, so that the
 // engines still holding the model keep the bytes they had. Prints
@@ -132,6 +132,7 @@ int main(int argc, char** argv) {
               largest->name.data());
   std::printf("write_probe_copy: %s\n", attempt->copy.c_str());
   std::printf("write_probe_memset: %s\n", attempt->memset.c_str());
+  std::printf("write_probe_kernel: %s\n", attempt->kernel.c_str());
   std::printf("write_probe_read_back: %s\n", attempt->read_back.c_str());
   // A fault may leave this process unable to read them back: then only
   // another process can tell (gpu-check loads the model again after).

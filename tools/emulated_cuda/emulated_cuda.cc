@@ -24,7 +24,8 @@
 // but read-write recorded, as cuMemGetAccess tells, and granted). Also:
 // WEIGHTD_EMULATED_CUDA_DEVICES (default 1), WEIGHTD_EMULATED_CUDA_MEMORY (per device, default 8G),
 // WEIGHTD_EMULATED_CUDA_GRANULARITY (a power of two, default 2M),
-// WEIGHTD_EMULATED_CUDA_HOST_REGISTER=refuse (cuMemHostRegister fails),
+// WEIGHTD_EMULATED_CUDA_HOST_REGISTER=refuse (cuMemHostRegister fails;
+// refuse-first: only its first call),
 // WEIGHTD_EMULATED_CUDA_FD_HANDLES=no (no POSIX file descriptor handles).
 // CUDA_VISIBLE_DEVICES applies (ordinals or UUID prefixes).
 #include <cuda.h>
@@ -44,6 +45,7 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <utility>
 #include <vector>
 
 struct CUctx_st {
@@ -118,6 +120,7 @@ struct State {
   uint64_t granularity = 2ull << 20;
   ReadOnly read_only = ReadOnly::kEnforce;
   bool refuse_host_register = false;
+  bool refuse_first_host_register = false;
   bool fd_handles = true;
   std::vector<int> visible;  // ordinal -> physical
   CUctx_st contexts[kMaxDevices];
@@ -227,6 +230,7 @@ CUresult Init(unsigned int flags) {
                 : ro == "record-readwrite" ? ReadOnly::kRecordReadWrite
                                            : ReadOnly::kEnforce;
   s.refuse_host_register = Env("WEIGHTD_EMULATED_CUDA_HOST_REGISTER") == "refuse";
+  s.refuse_first_host_register = Env("WEIGHTD_EMULATED_CUDA_HOST_REGISTER") == "refuse-first";
   s.fd_handles = Env("WEIGHTD_EMULATED_CUDA_FD_HANDLES") != "no";
   // CUDA_VISIBLE_DEVICES: ordinals or UUID prefixes, up to the first that
   // names no device.
@@ -783,6 +787,7 @@ CUresult MemHostRegister(void* p, size_t bytes, unsigned int flags) {
   if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
   if (p == nullptr || bytes == 0) return CUDA_ERROR_INVALID_VALUE;
   if (s.refuse_host_register) return CUDA_ERROR_NOT_SUPPORTED;
+  if (std::exchange(s.refuse_first_host_register, false)) return CUDA_ERROR_NOT_SUPPORTED;
   const auto at = reinterpret_cast<uintptr_t>(p);
   auto next = s.registered.lower_bound(at);
   if (next != s.registered.end() && next->first < at + bytes) {

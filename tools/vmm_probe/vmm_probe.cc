@@ -233,23 +233,22 @@ int WritingImporter(int fd, size_t size) {
   const bool reads = HoldsPattern(ptr, size);
   std::printf("importer_reads_exporter_bytes: %s\n", reads ? "yes" : "NO");
   std::fflush(stdout);
-  // A copy-engine write, then a kernel (memset). A fault may poison this
-  // context: each is reported, and the exporter checks its bytes after.
+  // A copy-engine write, then a memset. A fault may poison this context:
+  // each is reported, and the exporter checks its bytes after.
   const uint8_t junk[64] = {};
   const CUresult copy = api.cuMemcpyHtoD(ptr, junk, sizeof junk);
   const CUresult copy_sync = api.cuCtxSynchronize();
   std::printf("importer_write_by_copy%s: %s / sync %s\n", read_only ? "" : " (read-write)",
               Describe(copy).c_str(), Describe(copy_sync).c_str());
   std::fflush(stdout);
-  if (copy == CUDA_SUCCESS && copy_sync == CUDA_SUCCESS) {
+  if (copy_sync == CUDA_SUCCESS) {  // refused or not, the context still works
     const CUresult set = api.cuMemsetD8(ptr + 4096, 0, 64);
     const CUresult set_sync = api.cuCtxSynchronize();
-    std::printf("importer_write_by_kernel%s: %s / sync %s\n", read_only ? "" : " (read-write)",
+    std::printf("importer_write_by_memset%s: %s / sync %s\n", read_only ? "" : " (read-write)",
                 Describe(set).c_str(), Describe(set_sync).c_str());
   } else {
     std::printf(
-        "importer_write_by_kernel: not tried (after the copy's error the context may be "
-        "unusable)\n");
+        "importer_write_by_memset: not tried (the copy's error left the context unusable)\n");
   }
   std::fflush(stdout);
   return reads ? 0 : 1;
