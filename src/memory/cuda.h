@@ -13,9 +13,9 @@
 // The segment: one VMM allocation per model-rank (cuMemCreate with POSIX
 // file descriptor handles, sized to the allocation granularity), filled by
 // host-to-device copies, exported as a file descriptor; another process
-// imports it and maps it read-only (CudaMapping). Not yet run on a GPU:
-// tools/cuda_segment_check, run by scripts/gpu-check, is its first test
-// there.
+// imports it and maps it read-only (CudaMapping). On an H200 the driver
+// enforced that: copies and memsets into the mapping were refused, a
+// kernel's store faulted (docs/gpu-results.md; scripts/gpu-check tests it).
 //
 // Thread safety: everything here may be called from any thread.
 #pragma once
