@@ -168,9 +168,19 @@ TEST_F(EmulatedGpuTest, TheWriteProbeReportsWhatTheDriverDidWithTheWrite) {
     return Load(model, {"--device", "cuda:0", "--no-fallback"})["checksum"];
   };
 
-  // Enforced: the write faults, and the fault leaves the writer unable to
-  // read back; the weights are as they were.
+  // Enforced as an H200's driver did: the copy and the memset are refused
+  // by the call, the writer reads back the bytes it had, nothing changed.
   std::string out = probe("enforce");
+  EXPECT_NE(out.find("write_probe_copy: invalid argument"), std::string::npos) << out;
+  EXPECT_NE(out.find("write_probe_memset: invalid argument"), std::string::npos) << out;
+  EXPECT_NE(out.find("write_probe_read_back: ok"), std::string::npos) << out;
+  EXPECT_NE(out.find("write_probe_bytes_changed: no"), std::string::npos) << out;
+  EXPECT_EQ(out.find("write_probe_restored"), std::string::npos) << out;
+  EXPECT_EQ(shared_now(), disk);
+
+  // Enforced by a fault (as a kernel's store was there): the fault leaves
+  // the writer unable to read back; the weights are as they were.
+  out = probe("fault");
   EXPECT_NE(out.find("write_probe_copy: an illegal memory access"), std::string::npos) << out;
   EXPECT_NE(out.find("write_probe_bytes_changed: unknown here"), std::string::npos) << out;
   EXPECT_NE(out.find("write_probe_memset: not tried"), std::string::npos) << out;

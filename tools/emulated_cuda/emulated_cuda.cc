@@ -17,9 +17,11 @@
 // It says nothing about what a real driver does where the documentation is
 // silent; above all whether an importer's read-only mapping is enforced.
 // WEIGHTD_EMULATED_CUDA_READ_ONLY picks one of the answers so each path of
-// weightd can be run: `enforce` (default; a write into read-only memory
-// fails with CUDA_ERROR_ILLEGAL_ADDRESS, sticky for the process, as a
-// fault is), `refuse` (cuMemSetAccess will not grant read-only), `ignore`
+// weightd can be run: `enforce` (default, what an H200's driver did: a
+// copy or memset into read-only memory is refused with
+// CUDA_ERROR_INVALID_VALUE, the context intact), `fault` (it fails with
+// CUDA_ERROR_ILLEGAL_ADDRESS, sticky for the process, as a kernel's store
+// faulted there), `refuse` (cuMemSetAccess will not grant read-only), `ignore`
 // (the write goes through) or `record-readwrite` (read-only is accepted
 // but read-write recorded, as cuMemGetAccess tells, and granted). Also:
 // WEIGHTD_EMULATED_CUDA_DEVICES (default 1), WEIGHTD_EMULATED_CUDA_MEMORY (per device, default 8G),
@@ -64,7 +66,7 @@ namespace {
 constexpr int kMaxDevices = 8;
 constexpr const char* kMemfdPrefix = "weightd-emulated-cuda-";
 
-enum class ReadOnly { kEnforce, kRefuse, kIgnore, kRecordReadWrite };
+enum class ReadOnly { kEnforce, kFault, kRefuse, kIgnore, kRecordReadWrite };
 
 std::string Env(const char* name) {
   const char* v = std::getenv(name);
@@ -164,7 +166,8 @@ bool ValidDevice(int ordinal) {
 
 // The host view of [ptr, ptr + n) of device memory: one mapping, with the
 // access asked for, from the current context's device (access is granted
-// per device; none here has peer access). A fault is sticky, as on a GPU.
+// per device; none here has peer access). A fault is sticky, as on a GPU;
+// a write refused by the call (read-only memory, `enforce`) is not.
 // REQUIRES: S().mu held, a current context.
 CUresult Resolve(CUdeviceptr ptr, size_t n, bool write, std::byte** out) {
   State& s = S();
@@ -183,6 +186,7 @@ CUresult Resolve(CUdeviceptr ptr, size_t n, bool write, std::byte** out) {
     return s.sticky;
   }
   if (write && access != CU_MEM_ACCESS_FLAGS_PROT_READWRITE && s.read_only != ReadOnly::kIgnore) {
+    if (s.read_only != ReadOnly::kFault) return CUDA_ERROR_INVALID_VALUE;
     s.sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
     return s.sticky;
   }
@@ -225,7 +229,8 @@ CUresult Init(unsigned int flags) {
     return CUDA_ERROR_INVALID_VALUE;
   }
   const std::string ro = Env("WEIGHTD_EMULATED_CUDA_READ_ONLY");
-  s.read_only = ro == "refuse"             ? ReadOnly::kRefuse
+  s.read_only = ro == "fault"              ? ReadOnly::kFault
+                : ro == "refuse"           ? ReadOnly::kRefuse
                 : ro == "ignore"           ? ReadOnly::kIgnore
                 : ro == "record-readwrite" ? ReadOnly::kRecordReadWrite
                                            : ReadOnly::kEnforce;
