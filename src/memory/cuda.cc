@@ -670,14 +670,16 @@ class CudaSegment final : public Segment {
 
   // Copies `host` to `offset` straight from where it is, registered as
   // pinned memory (read-only: a sealed mapping qualifies). Registering pins
-  // every page and costs more than the copy: on an H200's host, 8 GiB of a
-  // memfd's pages took 0.71 s in one call, 0.38 s in eight parts by eight
-  // threads, and 0.16 s to copy. A registration waits for the copies in
-  // flight, so the parts are all registered first, by several threads at
-  // once, then copied on several streams. A part the driver will not
-  // register goes through the staging buffers. `staged_because` is empty
-  // when every part was registered, else why the driver would not (and
-  // how many parts it would not register, when it did some).
+  // every page and costs more than the copy (on an H200's host, 0.71 s for
+  // 8 GiB of a memfd's pages in one call, against 0.16 s to copy them), so
+  // the parts are registered by several threads at once, then copied on
+  // several streams. All are registered before any is copied: a build
+  // that registered and copied part by part on each thread was no faster
+  // than one call, which suggests that a registration waits for the copies
+  // in flight. A part the driver will not register goes through the
+  // staging buffers. `staged_because` is empty when every part was
+  // registered, else why the driver would not (and how many parts it would
+  // not register, when it did some).
   Status WriteFromHost(uint64_t offset, std::span<const std::byte> host,
                        std::string* staged_because) {
     if (sealed_) return Error("segment written after it was sealed");
@@ -687,26 +689,37 @@ class CudaSegment final : public Segment {
       *staged_because = "nothing to copy";
       return OkStatus();
     }
-    // Parts of 16 to 256 MiB, at least two per thread where the size allows.
+    // Entered before anything is registered: nothing can fail between the
+    // registrations and their release below.
+    WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m_->gpu->Enter());
+    // Parts of 16 to 256 MiB in whole 2 MiB pages (no page is pinned by two
+    // registrations), at least two per thread where the size allows.
+    constexpr size_t kPage = 2 << 20;
     const size_t threads = std::clamp<size_t>(std::thread::hardware_concurrency() / 2, 2, 8);
-    const size_t part = std::clamp<size_t>(host.size() / (2 * threads), 16 << 20, 256 << 20);
+    const size_t part =
+        (std::clamp<size_t>(host.size() / (2 * threads), 16 << 20, 256 << 20) + kPage - 1) / kPage *
+        kPage;
     const size_t parts = (host.size() + part - 1) / part;
     auto piece = [&](size_t i) {
       return host.subspan(i * part, std::min(part, host.size() - i * part));
     };
     const Driver& d = m_->gpu->driver();
-    // 1. Register, several threads taking parts in turn.
-    // A thread that cannot enter the context takes no part; the others take them all.
+    // 1. Register, several threads taking parts in turn. A thread that
+    // cannot enter the context takes no part; the others take them all.
     std::vector<CUresult> registered(parts, CUDA_ERROR_INVALID_CONTEXT);
     std::atomic<size_t> next_part{0};
     auto register_parts = [&] {
-      auto scope = m_->gpu->Enter();
-      for (size_t i; scope.ok() && (i = next_part++) < parts;) {
+      const auto own = m_->gpu->Enter();  // on the calling thread, pushed once more
+      if (!own.ok()) return;
+      while (true) {
+        const size_t i = next_part++;
+        if (i >= parts) return;
         registered[i] = d.cuMemHostRegister(const_cast<std::byte*>(piece(i).data()),
                                             piece(i).size(), CU_MEMHOSTREGISTER_READ_ONLY);
       }
     };
     std::vector<std::thread> helpers;
+    helpers.reserve(threads);
     for (size_t t = 1; t < std::min(threads, parts); ++t) {
       try {
         helpers.emplace_back(register_parts);
@@ -718,7 +731,6 @@ class CudaSegment final : public Segment {
     for (std::thread& t : helpers) t.join();
     // 2. Copy: the registered parts straight, on streams of their own; the
     // others staged.
-    WEIGHTD_ASSIGN_OR_RETURN(const ContextScope scope, m_->gpu->Enter());
     constexpr size_t kStreams = 4;
     CUstream streams[kStreams] = {};
     CUresult r = CUDA_SUCCESS;
@@ -910,7 +922,7 @@ Result<std::unique_ptr<Segment>> ImportedMapping::Copy() const {
 // One thread flips the byte at its argument: a store into device memory
 // by a kernel. PTX, compiled by the driver for whatever GPU it runs on.
 constexpr char kFlipBytePtx[] = R"(.version 7.8
-.target sm_75
+.target sm_52
 .address_size 64
 .visible .entry weightd_flip_byte(.param .u64 at)
 {
@@ -999,25 +1011,51 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
     return out;
   }
   CUmodule module = nullptr;
-  CUfunction flip = nullptr;
   if (r = d.cuModuleLoadData(&module, kFlipBytePtx); r != CUDA_SUCCESS) {
     out.kernel = "not tried (loading its PTX: " + d.Describe(r) + ")";
     return out;
   }
-  r = d.cuModuleGetFunction(&flip, module, "weightd_flip_byte");
-  if (r == CUDA_SUCCESS) {
-    CUdeviceptr at = address;
-    void* params[] = {&at};
-    r = d.cuLaunchKernel(flip, 1, 1, 1, 1, 1, 1, 0, nullptr, params, nullptr);
-    if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
-  }
-  out.kernel = describe(r);
-  if (r != CUDA_SUCCESS && !usable()) {
-    out.read_back = "not tried (the kernel's error left the context unusable)";
-    return out;
+  // What went wrong before the store ran is told apart from the store's
+  // own answer, which only the synchronization gives.
+  CUfunction flip = nullptr;
+  CUdeviceptr at = address;
+  void* params[] = {&at};
+  auto launch = [&] {
+    return d.cuLaunchKernel(flip, 1, 1, 1, 1, 1, 1, 0, nullptr, params, nullptr);
+  };
+  if (r = d.cuModuleGetFunction(&flip, module, "weightd_flip_byte"); r != CUDA_SUCCESS) {
+    out.kernel = "not tried (cuModuleGetFunction: " + d.Describe(r) + ")";
+  } else if (r = launch(); r != CUDA_SUCCESS) {
+    out.kernel = "not tried (the launch was refused: " + d.Describe(r) + ")";
+  } else {
+    r = d.cuCtxSynchronize();
+    out.kernel = describe(r);
+    if (r != CUDA_SUCCESS && !usable()) {
+      out.read_back = "not tried (the kernel's error left the context unusable)";
+      return out;  // the module goes with the process
+    }
+    // A changed byte is put back by the same store (the flip undoes
+    // itself): a driver that let the store through may refuse copies.
+    if (r = d.cuMemcpyDtoH(after.data(), address, after.size()); r != CUDA_SUCCESS) {
+      out.read_back = d.Describe(r);
+    } else {
+      out.read_back = "ok";
+      if (after != before) {
+        out.changed = true;
+        if (while_changed && !asked) {
+          asked = true;
+          while_changed();
+        }
+        r = launch();
+        if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
+        if (r == CUDA_SUCCESS) r = d.cuMemcpyDtoH(after.data(), address, after.size());
+        out.restored = r != CUDA_SUCCESS ? "no (" + d.Describe(r) + ")"
+                       : after == before ? "yes"
+                                         : "no (the bytes read back still differ)";
+      }
+    }
   }
   d.cuModuleUnload(module);
-  check();
   return out;
 }
 

@@ -97,6 +97,9 @@ Result<std::unique_ptr<Segment>> CreateCudaSegment(uint64_t size, const std::str
 // a tool can time an acquire apart from starting CUDA.
 class CudaContextHold {
  public:
+  CudaContextHold() = default;
+  CudaContextHold(const CudaContextHold&) = delete;
+  CudaContextHold& operator=(const CudaContextHold&) = delete;
   virtual ~CudaContextHold() = default;
 };
 Result<std::unique_ptr<CudaContextHold>> HoldCudaContext(const std::string& uuid);

@@ -19,9 +19,11 @@
 // WEIGHTD_EMULATED_CUDA_READ_ONLY picks one of the answers so each path of
 // weightd can be run: `enforce` (default, what an H200's driver did: a
 // copy or memset into read-only memory is refused with
-// CUDA_ERROR_INVALID_VALUE, the context intact), `fault` (it fails with
-// CUDA_ERROR_ILLEGAL_ADDRESS, sticky for the process, as a kernel's store
-// faulted there), `refuse` (cuMemSetAccess will not grant read-only), `ignore`
+// CUDA_ERROR_INVALID_VALUE, the context intact, and a kernel's store
+// faults), `fault` (the copy and memset fault too: CUDA_ERROR_ILLEGAL_ADDRESS,
+// sticky for the process), `calls-only` (copies and memsets are refused,
+// a kernel's store goes through), `refuse` (cuMemSetAccess will not grant
+// read-only), `ignore`
 // (the write goes through) or `record-readwrite` (read-only is accepted
 // but read-write recorded, as cuMemGetAccess tells, and granted). Also:
 // WEIGHTD_EMULATED_CUDA_DEVICES (default 1), WEIGHTD_EMULATED_CUDA_MEMORY (per device, default 8G),
@@ -37,6 +39,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -57,6 +60,12 @@ struct CUctx_st {
 struct CUstream_st {
   int device = 0;
 };
+struct CUmod_st {
+  int device;
+};
+struct CUfunc_st {
+  int device;
+};
 struct CUevent_st {
   int device = 0;
 };
@@ -66,7 +75,7 @@ namespace {
 constexpr int kMaxDevices = 8;
 constexpr const char* kMemfdPrefix = "weightd-emulated-cuda-";
 
-enum class ReadOnly { kEnforce, kFault, kRefuse, kIgnore, kRecordReadWrite };
+enum class ReadOnly { kEnforce, kFault, kCallsOnly, kRefuse, kIgnore, kRecordReadWrite };
 
 std::string Env(const char* name) {
   const char* v = std::getenv(name);
@@ -167,9 +176,11 @@ bool ValidDevice(int ordinal) {
 // The host view of [ptr, ptr + n) of device memory: one mapping, with the
 // access asked for, from the current context's device (access is granted
 // per device; none here has peer access). A fault is sticky, as on a GPU;
-// a write refused by the call (read-only memory, `enforce`) is not.
+// a write refused by the call (read-only memory, `enforce`) is not. A
+// kernel's store (`by_kernel`) into read-only memory faults, as it did on
+// the H200, unless the READ_ONLY answer lets it through.
 // REQUIRES: S().mu held, a current context.
-CUresult Resolve(CUdeviceptr ptr, size_t n, bool write, std::byte** out) {
+CUresult Resolve(CUdeviceptr ptr, size_t n, bool write, std::byte** out, bool by_kernel = false) {
   State& s = S();
   const int device = t_stack.back()->device;
   auto it = s.mappings.upper_bound(ptr);
@@ -185,8 +196,10 @@ CUresult Resolve(CUdeviceptr ptr, size_t n, bool write, std::byte** out) {
     s.sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
     return s.sticky;
   }
-  if (write && access != CU_MEM_ACCESS_FLAGS_PROT_READWRITE && s.read_only != ReadOnly::kIgnore) {
-    if (s.read_only != ReadOnly::kFault) return CUDA_ERROR_INVALID_VALUE;
+  const bool goes_through =
+      s.read_only == ReadOnly::kIgnore || (by_kernel && s.read_only == ReadOnly::kCallsOnly);
+  if (write && access != CU_MEM_ACCESS_FLAGS_PROT_READWRITE && !goes_through) {
+    if (!by_kernel && s.read_only != ReadOnly::kFault) return CUDA_ERROR_INVALID_VALUE;
     s.sticky = CUDA_ERROR_ILLEGAL_ADDRESS;
     return s.sticky;
   }
@@ -230,6 +243,7 @@ CUresult Init(unsigned int flags) {
   }
   const std::string ro = Env("WEIGHTD_EMULATED_CUDA_READ_ONLY");
   s.read_only = ro == "fault"              ? ReadOnly::kFault
+                : ro == "calls-only"       ? ReadOnly::kCallsOnly
                 : ro == "refuse"           ? ReadOnly::kRefuse
                 : ro == "ignore"           ? ReadOnly::kIgnore
                 : ro == "record-readwrite" ? ReadOnly::kRecordReadWrite
@@ -765,6 +779,64 @@ CUresult MemsetD8(CUdeviceptr dst, unsigned char value, size_t n) {
   return CUDA_SUCCESS;
 }
 
+// ---- kernels: one, the write probe's weightd_flip_byte ----
+
+CUresult ModuleLoadData(CUmodule* module, const void* image) {
+  std::lock_guard lock(S().mu);
+  int dev = 0;
+  if (CUresult r = NeedContext(&dev); r != CUDA_SUCCESS) return r;
+  if (module == nullptr || image == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  // The emulator runs no code: it knows one kernel by name.
+  if (std::strstr(static_cast<const char*>(image), ".entry weightd_flip_byte") == nullptr) {
+    return CUDA_ERROR_INVALID_IMAGE;
+  }
+  *module = new CUmod_st{dev};
+  return CUDA_SUCCESS;
+}
+
+CUresult ModuleUnload(CUmodule module) {
+  std::lock_guard lock(S().mu);
+  if (module == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  delete module;
+  return CUDA_SUCCESS;
+}
+
+CUfunc_st flip_byte{0};
+
+CUresult ModuleGetFunction(CUfunction* function, CUmodule module, const char* name) {
+  std::lock_guard lock(S().mu);
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (function == nullptr || module == nullptr || name == nullptr) return CUDA_ERROR_INVALID_VALUE;
+  if (std::strcmp(name, "weightd_flip_byte") != 0) return CUDA_ERROR_NOT_FOUND;
+  *function = &flip_byte;
+  return CUDA_SUCCESS;
+}
+
+// weightd_flip_byte on one thread: the byte at its one argument, flipped.
+// As on a GPU, a fault is not the launch's error but every later call's.
+CUresult LaunchKernel(CUfunction function, unsigned gx, unsigned gy, unsigned gz, unsigned bx,
+                      unsigned by, unsigned bz, unsigned shared, CUstream stream, void** params,
+                      void** extra) {
+  std::lock_guard lock(S().mu);
+  if (CUresult r = NeedContext(); r != CUDA_SUCCESS) return r;
+  if (stream != nullptr) {
+    if (CUresult r = CheckStream(stream); r != CUDA_SUCCESS) return r;
+  }
+  if (function != &flip_byte || params == nullptr || params[0] == nullptr || extra != nullptr ||
+      gx * gy * gz * bx * by * bz == 0 || shared != 0) {
+    return CUDA_ERROR_INVALID_VALUE;
+  }
+  CUdeviceptr at = 0;
+  std::memcpy(&at, params[0], sizeof at);
+  std::byte* to = nullptr;
+  if (Resolve(at, 1, /*write=*/true, &to, /*by_kernel=*/true) != CUDA_SUCCESS) {
+    S().sticky = CUDA_ERROR_ILLEGAL_ADDRESS;  // whatever the reason: the store faulted
+    return CUDA_SUCCESS;
+  }
+  *to ^= std::byte{0xff};
+  return CUDA_SUCCESS;
+}
+
 // ---- pinned host memory ----
 
 CUresult MemAllocHost(void** p, size_t bytes) {
@@ -908,6 +980,10 @@ const Entry kEntries[] = {
     ENTRY("cuMemcpyDtoDAsync", MemcpyDtoDAsync),
     ENTRY("cuMemcpyHtoDAsync", MemcpyHtoDAsync),
     ENTRY("cuMemsetD8", MemsetD8),
+    ENTRY("cuModuleLoadData", ModuleLoadData),
+    ENTRY("cuModuleUnload", ModuleUnload),
+    ENTRY("cuModuleGetFunction", ModuleGetFunction),
+    ENTRY("cuLaunchKernel", LaunchKernel),
     ENTRY("cuMemAllocHost", MemAllocHost),
     ENTRY("cuMemFreeHost", MemFreeHost),
     ENTRY("cuMemHostRegister", MemHostRegister),
