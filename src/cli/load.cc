@@ -68,13 +68,15 @@ int RunLoad(LoadCommandOptions& o) {
   o.spec.shard_plan = o.processing.shard_plan;
   o.spec.device = o.processing.device;
   // An engine has started CUDA before it asks for its weights: that time
-  // (a good part of a second) is told apart from the load's. A device that
-  // does not resolve, or will not start, is left to the load to report.
+  // (the driver, which resolving cuda:N starts, and the GPU's context: a
+  // tenth of a second and more on an H200) is told apart from the load's.
+  // A device that does not resolve, or will not start, is left to the
+  // load to report.
   std::unique_ptr<memory::CudaContextHold> cuda;
   std::optional<double> cuda_start_seconds;
+  const auto cuda_start = std::chrono::steady_clock::now();
   if (auto device = memory::ResolveDevice(o.spec.device);
       device.ok() && device->kind == memory::DeviceKind::kCuda) {
-    const auto cuda_start = std::chrono::steady_clock::now();
     if (auto held = memory::HoldCudaContext(device->uuid); held.ok()) {
       cuda = std::move(*held);
       cuda_start_seconds = SecondsSince(cuda_start);
