@@ -297,10 +297,8 @@ int Wait(pid_t child, const char* what) {
   return code;
 }
 
-}  // namespace
-
-// The same mapping registered again in eight parts, by eight threads at
-// once, then let go: whether pinning pages scales with threads.
+// A fresh mapping of `size` bytes registered in eight parts, by eight
+// threads at once, then let go: whether pinning pages scales with threads.
 void RegisterInParts(std::byte* map, size_t size) {
   constexpr size_t kThreads = 8;
   const size_t part = (size / kThreads + 4095) / 4096 * 4096;
@@ -331,6 +329,8 @@ void RegisterInParts(std::byte* map, size_t size) {
   std::printf("host_unregister_8_parts_seconds: %.3f\n", unregister_s);
 }
 
+}  // namespace
+
 // 5. A sealed memfd, mapped read-only as an engine maps a host segment,
 //    registered and copied into the allocation at `ptr`.
 void HostTierReload(CUdeviceptr ptr, size_t size, const std::vector<uint8_t>& pattern,
@@ -348,10 +348,13 @@ void HostTierReload(CUdeviceptr ptr, size_t size, const std::vector<uint8_t>& pa
                 std::strerror(errno));
     return;
   }
+  // Each registration below gets a mapping of its own, fresh as an
+  // engine's is: one whose pages an earlier registration faulted in would
+  // flatter the next.
   void* map = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
-  ::close(fd);
   if (map == MAP_FAILED) {
     std::printf("host_register_sealed_memfd: not tried (mmap: %s)\n", std::strerror(errno));
+    ::close(fd);
     return;
   }
   Check("cuMemsetD8", api.cuMemsetD8(ptr, 0, size));
@@ -375,8 +378,12 @@ void HostTierReload(CUdeviceptr ptr, size_t size, const std::vector<uint8_t>& pa
     api.cuMemHostUnregister(map);
     std::printf("host_unregister_seconds: %.3f\n",
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t2).count());
-    RegisterInParts(static_cast<std::byte*>(map), size);
+    if (void* fresh = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0); fresh != MAP_FAILED) {
+      RegisterInParts(static_cast<std::byte*>(fresh), size);
+      ::munmap(fresh, size);
+    }
   }
+  ::close(fd);
   std::printf("htod_host_segment_gbps: %.2f (%s)\n", gb / copy_s,
               registered == CUDA_SUCCESS ? "registered" : "pageable");
   std::printf("host_segment_vs_pinned: %.2f\n", (gb / copy_s) / pinned_gbps);
