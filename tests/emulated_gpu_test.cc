@@ -200,25 +200,24 @@ TEST_F(EmulatedGpuTest, TheWriteProbeReportsWhatTheDriverDidWithTheWrite) {
   // Refused by the calls alone: the kernel's store goes through, to every
   // engine's weights (a new engine sees it meanwhile), and the probe puts
   // the byte back by the same store, as copies are refused.
+  auto expect_seen_and_put_back = [&](const std::string& text) {
+    EXPECT_NE(text.find("write_probe_bytes_changed: YES"), std::string::npos) << text;
+    EXPECT_EQ(seen_meanwhile(text).rfind("xxh3", 0), 0u) << text;
+    EXPECT_NE(seen_meanwhile(text), disk) << text;
+    EXPECT_NE(text.find("write_probe_restored: yes"), std::string::npos) << text;
+    EXPECT_EQ(shared_now(), disk);
+  };
   out = probe("calls-only");
   EXPECT_NE(out.find("write_probe_copy: invalid argument"), std::string::npos) << out;
   EXPECT_NE(out.find("write_probe_kernel: accepted"), std::string::npos) << out;
-  EXPECT_NE(out.find("write_probe_bytes_changed: YES"), std::string::npos) << out;
-  EXPECT_EQ(seen_meanwhile(out).rfind("xxh3", 0), 0u) << out;
-  EXPECT_NE(seen_meanwhile(out), disk) << out;
-  EXPECT_NE(out.find("write_probe_restored: yes"), std::string::npos) << out;
-  EXPECT_EQ(shared_now(), disk);
+  expect_seen_and_put_back(out);
 
   // Not enforced: every write goes through and is undone before the next.
   out = probe("ignore");
   EXPECT_NE(out.find("write_probe_copy: accepted"), std::string::npos) << out;
   EXPECT_NE(out.find("write_probe_memset: accepted"), std::string::npos) << out;
   EXPECT_NE(out.find("write_probe_kernel: accepted"), std::string::npos) << out;
-  EXPECT_NE(out.find("write_probe_bytes_changed: YES"), std::string::npos) << out;
-  EXPECT_EQ(seen_meanwhile(out).rfind("xxh3", 0), 0u) << out;
-  EXPECT_NE(seen_meanwhile(out), disk) << out;
-  EXPECT_NE(out.find("write_probe_restored: yes"), std::string::npos) << out;
-  EXPECT_EQ(shared_now(), disk);
+  expect_seen_and_put_back(out);
 }
 
 TEST_F(EmulatedGpuTest, AnEngineKeepsItsGpuWeightsWhenTheDaemonIsKilled) {
