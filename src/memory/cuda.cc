@@ -1032,7 +1032,8 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
     out.kernel = describe(r);
     if (r != CUDA_SUCCESS && !usable()) {
       out.read_back = "not tried (the kernel's error left the context unusable)";
-      return out;  // the module goes with the process
+      d.cuModuleUnload(module);  // refused, likely: it goes with the context
+      return out;
     }
     // A changed byte is put back by the same store (the flip undoes
     // itself): a driver that let the store through may refuse copies.
