@@ -768,11 +768,12 @@ TEST_F(DaemonTest, ADaemonOutOfDescriptorsSaysSo) {
     EXPECT_EQ(r.exit_code, 1);
     EXPECT_NE(r.err.find("the daemon has no file descriptor left (its limit is 48)"),
               std::string::npos)
-        << r.err;
+        << r.err << "\nthe daemon's log:\n"
+        << daemon.err();
   }
   // Room again, served again.
   silent.clear();
-  EXPECT_TRUE(Eventually([&] { return Run({"status", "--json"}).exit_code == 0; }));
+  EXPECT_TRUE(Eventually([&] { return Run({"status", "--json"}).exit_code == 0; })) << daemon.err();
 }
 
 // Engines holding their views, and peers that connect and say nothing,
