@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 
+#include <filesystem>
 #include <random>
 
 #include "format/checkpoint.h"
@@ -153,6 +154,37 @@ TEST(Writer, SparsePrefixLeavesHoles) {
   struct stat st;
   ASSERT_EQ(::stat(dir.Join("s").c_str(), &st), 0);
   EXPECT_LT(static_cast<uint64_t>(st.st_blocks) * 512, layout->file_size() / 4);
+}
+
+// Without `replace`, a file that took the name while ours was written is
+// kept as it was, and ours is gone; a free name is taken as usual.
+TEST(Writer, WithoutReplaceAFileAlreadyThereIsKept) {
+  TempDir dir;
+  auto layout = LayoutShard({{"a", DType::kU8, {4}}}, {});
+  ASSERT_TRUE(layout.ok());
+  const std::string path = dir.Join("s");
+  auto fill = [](const TensorInfo&, uint64_t, std::span<std::byte> dst) {
+    std::fill(dst.begin(), dst.end(), std::byte{7});
+  };
+  // The other file appears while ours is written, after any check before.
+  auto fill_and_race = [&](const TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
+    fill(t, offset, dst);
+    testing::WriteFileText(path, "theirs");
+  };
+  Status s =
+      WriteShard(path, *layout, fill_and_race, {.sparse_prefix = std::nullopt, .replace = false});
+  ASSERT_FALSE(s.ok());
+  EXPECT_NE(s.error().message().find("exists"), std::string::npos) << s.error().message();
+  auto kept = testing::ReadFileBytes(path);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(kept.data()), kept.size()), "theirs");
+  EXPECT_EQ(std::distance(std::filesystem::directory_iterator(dir.path()),
+                          std::filesystem::directory_iterator()),
+            1);  // no temporary left beside it
+
+  ASSERT_TRUE(
+      WriteShard(dir.Join("t"), *layout, fill, {.sparse_prefix = std::nullopt, .replace = false})
+          .ok());
+  EXPECT_EQ(testing::ReadFileBytes(dir.Join("t")).size(), layout->file_size());
 }
 
 }  // namespace

@@ -45,10 +45,12 @@ Status SaveWeights(const Weights& w, const std::string& path) {
   // Off a GPU too: the first error there is kept, and the file removed.
   std::optional<Error> failed;
   WEIGHTD_RETURN_IF_ERROR(format::WriteShard(
-      path, layout, [&](const format::TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
+      path, layout,
+      [&](const format::TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
         if (failed) return;
         if (Status s = w.CopyToHost(*w.Find(t.name), offset, dst); !s.ok()) failed = s.error();
-      }));
+      },
+      {.sparse_prefix = std::nullopt, .replace = false}));
   if (failed) {
     std::filesystem::remove(path);
     return *failed;

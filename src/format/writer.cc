@@ -39,22 +39,50 @@ class TempFile {
   const std::string& final_path() const { return final_path_; }
 
   // Makes the file durable, then visible under its name: after a crash the
-  // name holds the whole file or nothing.
-  Status Commit() {
+  // name holds the whole file or nothing. With `replace` false, a file
+  // already under the name is an error, in the same step.
+  Status Commit(bool replace) {
     if (::fsync(fd_) != 0) return Error(final_path_ + ": fsync failed: " + ErrnoText());
     if (::close(fd_) != 0) {
       fd_ = -1;
       return Error(final_path_ + ": write failed: " + ErrnoText());
     }
     fd_ = -1;
-    if (::rename(temp_path_.c_str(), final_path_.c_str()) != 0) {
-      return Error(final_path_ + ": cannot rename into place: " + ErrnoText());
+    if (replace) {
+      if (::rename(temp_path_.c_str(), final_path_.c_str()) != 0) {
+        return Error(final_path_ + ": cannot rename into place: " + ErrnoText());
+      }
+    } else if (Status s = MoveUnlessTaken(); !s.ok()) {
+      return s;
     }
     committed_ = true;
     return OkStatus();
   }
 
  private:
+  // rename(2) that fails where the name is taken; a file system without
+  // RENAME_NOREPLACE gets a hard link and an unlink, which fails the same
+  // way.
+  Status MoveUnlessTaken() {
+    const auto taken = [&] {
+      return Error(final_path_ + " exists; left as it is (nothing was written over it)");
+    };
+    if (::renameat2(AT_FDCWD, temp_path_.c_str(), AT_FDCWD, final_path_.c_str(),
+                    RENAME_NOREPLACE) == 0) {
+      return OkStatus();
+    }
+    if (errno == EEXIST) return taken();
+    if (errno != EINVAL && errno != ENOSYS) {
+      return Error(final_path_ + ": cannot rename into place: " + ErrnoText());
+    }
+    if (::link(temp_path_.c_str(), final_path_.c_str()) != 0) {
+      if (errno == EEXIST) return taken();
+      return Error(final_path_ + ": cannot move into place: " + ErrnoText());
+    }
+    ::unlink(temp_path_.c_str());
+    return OkStatus();
+  }
+
   std::string final_path_;
   std::string temp_path_;
   int fd_ = -1;
@@ -201,7 +229,7 @@ Status WriteShard(const std::string& path, const ShardLayout& layout, const Tens
       fill(t, 0, buf);
       WEIGHTD_RETURN_IF_ERROR(WriteAllAt(out.fd(), buf.data(), buf.size(), base + t.begin, path));
     }
-    return out.Commit();
+    return out.Commit(options.replace);
   }
 
   // Tensors are contiguous in data order, so the data region is one stream;
@@ -224,7 +252,7 @@ Status WriteShard(const std::string& path, const ShardLayout& layout, const Tens
     }
   }
   WEIGHTD_RETURN_IF_ERROR(WriteAllAt(out.fd(), buf.get(), used, base + written, path));
-  return out.Commit();
+  return out.Commit(options.replace);
 }
 
 Status WriteSafetensors(const std::string& path, const std::vector<TensorData>& tensors,

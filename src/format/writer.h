@@ -51,6 +51,10 @@ struct WriteOptions {
   // When set, only the first `sparse_prefix` bytes of each tensor are
   // written; the rest is left as a hole (reads as zeros, takes no disk).
   std::optional<uint64_t> sparse_prefix;
+  // When false, a file that is at `path` when the new one is moved into
+  // place is an error, and is left as it was: checked in the same step as
+  // the move, so that nothing written meanwhile is overwritten.
+  bool replace = true;
 };
 
 Status WriteShard(const std::string& path, const ShardLayout& layout, const TensorFiller& fill,
