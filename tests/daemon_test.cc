@@ -737,6 +737,31 @@ memory::UniqueFd ConnectSilently(const std::string& socket_dir) {
   return fd;
 }
 
+// A budget without a unit is bytes: taken as given, and said, since
+// `host=64` was likely meant as more.
+TEST_F(DaemonTest, ABudgetWithoutAUnitIsSaidToBeBytes) {
+  // What the daemon logged from start to SIGTERM (all of it, once it ended).
+  auto logged = [&](std::vector<std::string> args) {
+    auto daemon = StartDaemon(std::move(args));
+    daemon->Signal(SIGTERM);
+    EXPECT_EQ(daemon->Wait(), 0);
+    return daemon->err();
+  };
+  std::string err = logged({"--budget", "host=64"});
+  EXPECT_NE(err.find("the budget for host is 64 bytes: a size without a unit is bytes"),
+            std::string::npos)
+      << err;
+  const std::string config = dir_.Join("budget.toml");
+  testing::WriteFileText(config, "[budget]\nhost = 4096\n");
+  err = logged({"--config", config});
+  EXPECT_NE(err.find("is 4096 bytes"), std::string::npos) << err;
+  // With a unit, or a large number of bytes, nothing is said.
+  for (const char* budget : {"host=64M", "host=1073741824"}) {
+    err = logged({"--budget", budget});
+    EXPECT_EQ(err.find("without a unit"), std::string::npos) << err;
+  }
+}
+
 // Out of descriptors, the daemon tells a peer so at once, instead of leaving
 // it in the queue until it gives up.
 TEST_F(DaemonTest, ADaemonOutOfDescriptorsSaysSo) {

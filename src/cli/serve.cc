@@ -54,6 +54,7 @@ struct Budget {
   std::string device;  // as given: host, cuda:N, cuda:GPU-<uuid>
   bool host = false;
   uint64_t bytes = 0;
+  bool unitless = false;  // a bare number: bytes
 };
 
 Result<Budget> ParseBudget(const std::string& device, const std::string& amount) {
@@ -61,7 +62,8 @@ Result<Budget> ParseBudget(const std::string& device, const std::string& amount)
   if (!spec.ok()) return Error("`" + device + "` is not host, cuda:N or cuda:GPU-<uuid>");
   auto bytes = ParseSize(amount);
   if (!bytes) return Error("`" + amount + "` is not a size like 64G");
-  return Budget{device, spec->kind == memory::DeviceSpec::Kind::kHost, *bytes};
+  const bool unitless = !amount.empty() && amount.back() >= '0' && amount.back() <= '9';
+  return Budget{device, spec->kind == memory::DeviceSpec::Kind::kHost, *bytes, unitless};
 }
 
 struct ServeOptions {
@@ -308,6 +310,14 @@ int RunServe(ServeOptions o) {
     std::cerr << Now() << " weightd: " << Printable(line) << std::endl;
   };
   // Budgets that cannot mean what they say are taken, and said.
+  for (const Budget& b : budgets) {
+    // `host=64` is 64 bytes: taken as given, but likely meant otherwise.
+    if (b.unitless && b.bytes > 0 && b.bytes < (uint64_t{1} << 20)) {
+      so.log("the budget for " + b.device + " is " + std::to_string(b.bytes) +
+             " bytes: a size without a unit is bytes (" + std::to_string(b.bytes) + "G would be " +
+             std::to_string(b.bytes) + " GiB)");
+    }
+  }
   if (so.host_budget == 0) {
     so.log("the host budget is 0: no model can be preloaded into host memory");
   } else if (ceiling.bytes > 0 && so.host_budget > ceiling.bytes - ceiling.bytes / 8) {
