@@ -294,10 +294,18 @@ TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   EXPECT_EQ(j["source"], "daemon") << j.dump();
   EXPECT_EQ(j["mismatch"], json::array()) << j.dump();
   // The text status shows the #ID that `evict #ID` takes.
-  const std::string id = "#" + std::to_string(Status()["models"][0]["id"].get<uint64_t>());
+  const json listed = Status()["models"][0];
+  const std::string id = "#" + std::to_string(listed["id"].get<uint64_t>());
   CommandResult text = Run({"status"});
   EXPECT_NE(text.out.find("  " + id + "  "), std::string::npos) << text.out;
-  EXPECT_EQ(Run({"evict", id}).exit_code, 0);
+  // What was evicted is named as status named it.
+  CommandResult evicted = Run({"evict", id, "--json"});
+  ASSERT_EQ(evicted.exit_code, 0) << evicted.err;
+  const json gone = json::parse(evicted.out)["models"];
+  ASSERT_EQ(gone.size(), 1u) << evicted.out;
+  for (const char* key : {"id", "key", "description", "name", "path", "device"}) {
+    EXPECT_EQ(gone[0][key], listed[key]) << key << ": " << evicted.out;
+  }
 }
 
 // A directory whose name is not UTF-8 (Latin-1, say) is preloaded from

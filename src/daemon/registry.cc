@@ -35,8 +35,11 @@ Eviction Registry::EvictLocked(size_t index, Dropped& dropped) {
     a.evicted_leased += bytes;
     ++a.evicted_leased_models;
   }
-  return {m->id, protocol::ShortDescription(m->key) + (m->name.empty() ? "" : " (" + m->name + ")"),
-          bytes, m->leases};
+  return {
+      m->id,  protocol::ShortDescription(m->key) + (m->name.empty() ? "" : " (" + m->name + ")"),
+      bytes,  m->leases,
+      m->key, m->path,
+      m->name};
 }
 
 Status CheckPinName(std::string_view name) {

@@ -62,6 +62,9 @@ struct Eviction {
   std::string description;
   uint64_t bytes;
   int leases = 0;  // engines that still map it: its bytes stay held until they let go
+  protocol::CacheKey key = {};
+  std::string path = {};  // where it was loaded from
+  std::string name = {};  // its pinned name, or empty
 };
 
 class Registry {

@@ -52,8 +52,15 @@ json EvictionsJson(const std::vector<Eviction>& evicted, uint64_t* omitted) {
   std::vector<json> entries;
   entries.reserve(evicted.size());
   for (const Eviction& e : evicted) {
-    entries.push_back(
-        {{"id", e.id}, {"description", e.description}, {"bytes", e.bytes}, {"leases", e.leases}});
+    // As `status` listed it: a script knows what went without a status before.
+    entries.push_back({{"id", e.id},
+                       {"key", protocol::ToJson(e.key)},
+                       {"description", e.description},
+                       {"name", e.name},
+                       {"path", e.path},
+                       {"device", e.key.device},
+                       {"bytes", e.bytes},
+                       {"leases", e.leases}});
   }
   return protocol::ListWithin(std::move(entries), protocol::kMaxBodyBytes / 2, omitted);
 }
