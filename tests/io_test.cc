@@ -207,6 +207,28 @@ TEST(WorkerPool, EverySlotRunsOnceAndAllAtOnce) {
   EXPECT_EQ(runs, std::vector<int>(kSlots, 1));
 }
 
+// A burst of slots grows the pool; once idle long enough, the threads
+// beyond those kept end, and the pool still runs a burst again.
+TEST(WorkerPool, ThreadsBeyondThoseKeptEndWhenIdle) {
+  WorkerPool& pool = WorkerPool::Shared();
+  pool.set_idle_exit(std::chrono::milliseconds(200));
+  constexpr int kSlots = 3 * WorkerPool::kKeptThreads;
+  auto burst = [&] {
+    std::atomic<int> total{0};
+    pool.RunTeam(kSlots, [&](int) {
+      ::usleep(50'000);  // long enough that the slots overlap
+      total.fetch_add(1);
+    });
+    EXPECT_EQ(total.load(), kSlots);
+  };
+  burst();
+  EXPECT_GT(pool.threads(), WorkerPool::kKeptThreads);
+  EXPECT_TRUE(testing::Eventually([&] { return pool.threads() == WorkerPool::kKeptThreads; }))
+      << pool.threads() << " threads";
+  burst();
+  pool.set_idle_exit(std::chrono::minutes(1));
+}
+
 TEST(WorkerPool, AChildOfForkRunsItsTeamsAtOnce) {
   // The parent's threads exist and are idle when it forks; the child has
   // none of them and must make its own.

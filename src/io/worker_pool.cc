@@ -37,6 +37,14 @@ int WorkerPool::idle_threads() const {
   return idle_;
 }
 
+void WorkerPool::set_idle_exit(std::chrono::milliseconds after) {
+  {
+    std::lock_guard lock(mu_);
+    idle_exit_ = after;
+  }
+  work_.notify_all();  // waits begun under the old setting start over
+}
+
 int WorkerPool::Spawn(int n) {
   for (int i = 0; i < n; ++i) {
     {
@@ -107,8 +115,16 @@ void WorkerPool::WorkerLoop() {
     int slot;
     if (!Claim(&team, &slot)) {
       ++idle_;
-      work_.wait(lock);
+      const bool woken = work_.wait_for(lock, idle_exit_) == std::cv_status::no_timeout;
       --idle_;
+      // Idle all that while, one of more than are kept, and no work queued:
+      // this one ends (and a later Reserve grows no further than what is
+      // left, unless asked for more).
+      if (!woken && threads_ > kKeptThreads && unclaimed_ == 0) {
+        --threads_;
+        reserve_target_ = std::min(reserve_target_, threads_);
+        return;
+      }
       continue;
     }
     lock.unlock();

@@ -10,6 +10,7 @@
 
 #include <sys/types.h>
 
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <exception>
@@ -45,7 +46,13 @@ class WorkerPool {
   // Threads waiting for work now.
   int idle_threads() const;
 
+  // How long a thread beyond kKeptThreads waits for work before it ends
+  // (60 s): a burst of reads in flight (hundreds, on a network file
+  // system) leaves no hundreds of threads behind for good.
+  void set_idle_exit(std::chrono::milliseconds after);
+
   static constexpr int kMaxThreads = 2048;
+  static constexpr int kKeptThreads = 64;
 
  private:
   WorkerPool() = default;
@@ -77,6 +84,7 @@ class WorkerPool {
   int idle_ = 0;
   int unclaimed_ = 0;  // slots queued for pool threads and not yet claimed
   int reserve_target_ = 0;
+  std::chrono::milliseconds idle_exit_{60'000};
   bool reserving_ = false;
 };
 
