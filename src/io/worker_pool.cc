@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <exception>
+#include <optional>
 #include <system_error>
 #include <thread>
 
@@ -41,6 +42,7 @@ void WorkerPool::set_idle_exit(std::chrono::milliseconds after) {
   {
     std::lock_guard lock(mu_);
     idle_exit_ = after;
+    ++idle_exit_changes_;
   }
   work_.notify_all();  // waits begun under the old setting start over
 }
@@ -67,6 +69,7 @@ int WorkerPool::Spawn(int n) {
 
 void WorkerPool::Reserve(int threads) {
   std::lock_guard lock(mu_);
+  last_reserve_ = std::chrono::steady_clock::now();
   reserve_target_ = std::max(reserve_target_, std::min(threads, kMaxThreads));
   if (reserving_ || threads_ >= reserve_target_) return;
   reserving_ = true;
@@ -110,23 +113,36 @@ bool WorkerPool::Claim(Team** team, int* slot) {
 void WorkerPool::WorkerLoop() {
   ::pthread_setname_np(::pthread_self(), "weightd-io");
   std::unique_lock lock(mu_);
+  // When this thread may end if it has had no work since: set when it goes
+  // idle, kept across wake-ups that bring it none (every team wakes all),
+  // set anew when set_idle_exit changes the while.
+  std::optional<std::chrono::steady_clock::time_point> idle_until;
+  uint64_t idle_setting = 0;
   while (true) {
     Team* team;
     int slot;
     if (!Claim(&team, &slot)) {
-      ++idle_;
-      const bool woken = work_.wait_for(lock, idle_exit_) == std::cv_status::no_timeout;
-      --idle_;
-      // Idle all that while, one of more than are kept, and no work queued:
-      // this one ends (and a later Reserve grows no further than what is
-      // left, unless asked for more).
-      if (!woken && threads_ > kKeptThreads && unclaimed_ == 0) {
+      const auto now = std::chrono::steady_clock::now();
+      if (!idle_until || idle_setting != idle_exit_changes_) {
+        idle_until = now + idle_exit_;
+        idle_setting = idle_exit_changes_;
+      }
+      // Idle that long, with no growth asked for lately (a Reserve's
+      // threads wait for a team on its way), one of more than are kept, and
+      // no work queued: this one ends.
+      const bool due = now >= *idle_until && now >= last_reserve_ + idle_exit_;
+      if (due && threads_ > kKeptThreads && unclaimed_ == 0 && !reserving_) {
         --threads_;
         reserve_target_ = std::min(reserve_target_, threads_);
         return;
       }
+      if (due) idle_until = now + idle_exit_;  // kept for now: another while
+      ++idle_;
+      work_.wait_until(lock, std::max(*idle_until, last_reserve_ + idle_exit_));
+      --idle_;
       continue;
     }
+    idle_until.reset();
     lock.unlock();
     std::exception_ptr thrown = RunSlot(*team, slot);
     lock.lock();

@@ -2,8 +2,10 @@
 // latency-bound file system weightd keeps hundreds of reads in flight, each
 // a blocking call on its own thread; creating those threads anew for every
 // batch cost 0.1-0.9 ms each on a 2-core VM (50-100 ms per batch of a few
-// hundred), on the critical path. The pool creates them once, and can grow
-// in the background while the caller still waits on the network.
+// hundred), on the critical path. The pool keeps them between batches, and
+// can grow in the background while the caller still waits on the network;
+// threads beyond kKeptThreads end once idle for a while (a minute), so a
+// burst leaves no hundreds behind for good.
 //
 // Thread safety: all members may be called from any thread.
 #pragma once
@@ -12,6 +14,7 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdint>
 #include <deque>
 #include <exception>
 #include <functional>
@@ -21,9 +24,9 @@ namespace weightd::io {
 
 class WorkerPool {
  public:
-  // The process's pool; never destroyed (its threads live as long as the
-  // process and sleep when there is no work). A child of fork() gets a new
-  // one, with threads of its own.
+  // The process's pool; never destroyed (its kept threads live as long as
+  // the process and sleep when there is no work). A child of fork() gets a
+  // new one, with threads of its own.
   static WorkerPool& Shared();
 
   WorkerPool(const WorkerPool&) = delete;
@@ -85,6 +88,8 @@ class WorkerPool {
   int unclaimed_ = 0;  // slots queued for pool threads and not yet claimed
   int reserve_target_ = 0;
   std::chrono::milliseconds idle_exit_{60'000};
+  uint64_t idle_exit_changes_ = 0;                      // set_idle_exit calls
+  std::chrono::steady_clock::time_point last_reserve_;  // the latest Reserve call
   bool reserving_ = false;
 };
 
