@@ -303,7 +303,7 @@ TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   ASSERT_EQ(evicted.exit_code, 0) << evicted.err;
   const json gone = json::parse(evicted.out)["models"];
   ASSERT_EQ(gone.size(), 1u) << evicted.out;
-  for (const char* key : {"id", "key", "description", "name", "path", "device"}) {
+  for (const char* key : {"id", "key", "name", "path", "device"}) {
     EXPECT_EQ(gone[0][key], listed[key]) << key << ": " << evicted.out;
   }
 }
@@ -763,6 +763,9 @@ TEST_F(DaemonTest, ABudgetWithoutAUnitIsSaidToBeBytes) {
   testing::WriteFileText(config, "[budget]\nhost = 4096\n");
   err = logged({"--config", config});
   EXPECT_NE(err.find("is 4096 bytes"), std::string::npos) << err;
+  // A flag overrides the file's budget: the one in force is the flag's.
+  err = logged({"--config", config, "--budget", "host=1G"});
+  EXPECT_EQ(err.find("without a unit"), std::string::npos) << err;
   // With a unit, or a large number of bytes, nothing is said.
   for (const char* budget : {"host=64M", "host=1073741824"}) {
     err = logged({"--budget", budget});

@@ -310,7 +310,10 @@ int RunServe(ServeOptions o) {
     std::cerr << Now() << " weightd: " << Printable(line) << std::endl;
   };
   // Budgets that cannot mean what they say are taken, and said.
-  for (const Budget& b : budgets) {
+  std::set<std::string> in_force;  // the last budget given for a device holds
+  for (auto it = budgets.rbegin(); it != budgets.rend(); ++it) {
+    const Budget& b = *it;
+    if (!in_force.insert(b.host ? "host" : b.device).second) continue;
     // `host=64` is 64 bytes: taken as given, but likely meant otherwise.
     if (b.unitless && b.bytes > 0 && b.bytes < (uint64_t{1} << 20)) {
       so.log("the budget for " + b.device + " is " + std::to_string(b.bytes) +

@@ -1722,7 +1722,7 @@ Result<std::string> Server::Preload(const PreloadRequest& request,
     r = s.Preload(request.path, request.processing, request.pin, {}, progress, request.order);
   }
   if (!r.ok()) return r.error();
-  return r->dump();
+  return r->dump(-1, ' ', false, json::error_handler_t::replace);  // paths need not be UTF-8
 }
 
 }  // namespace weightd::daemon

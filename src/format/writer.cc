@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <simdjson.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -60,27 +61,49 @@ class TempFile {
   }
 
  private:
-  // rename(2) that fails where the name is taken; a file system without
-  // RENAME_NOREPLACE gets a hard link and an unlink, which fails the same
-  // way.
+  // rename(2) that fails where the name is taken. A file system without
+  // RENAME_NOREPLACE (NFS, 9p, FUSE; a seccomp filter may refuse the call)
+  // gets a hard link and an unlink, which fail the same way; one without
+  // hard links either, a check and a rename (the one case not atomic).
   Status MoveUnlessTaken() {
     const auto taken = [&] {
       return Error(final_path_ + " exists; left as it is (nothing was written over it)");
+    };
+    const auto unsupported = [](int e) {
+      return e == EINVAL || e == ENOSYS || e == EPERM || e == EOPNOTSUPP;
     };
     if (::renameat2(AT_FDCWD, temp_path_.c_str(), AT_FDCWD, final_path_.c_str(),
                     RENAME_NOREPLACE) == 0) {
       return OkStatus();
     }
     if (errno == EEXIST) return taken();
-    if (errno != EINVAL && errno != ENOSYS) {
+    if (!unsupported(errno)) {
       return Error(final_path_ + ": cannot rename into place: " + ErrnoText());
     }
-    if (::link(temp_path_.c_str(), final_path_.c_str()) != 0) {
-      if (errno == EEXIST) return taken();
+    if (::link(temp_path_.c_str(), final_path_.c_str()) == 0 ||
+        (errno == EEXIST && SameFile(temp_path_, final_path_))) {  // NFS: a link retried
+      if (::unlink(temp_path_.c_str()) != 0) {
+        return Error(final_path_ + " is saved, but its temporary name " + temp_path_ +
+                     " could not be removed: " + ErrnoText());
+      }
+      return OkStatus();
+    }
+    if (errno == EEXIST) return taken();
+    if (!unsupported(errno)) {
       return Error(final_path_ + ": cannot move into place: " + ErrnoText());
     }
-    ::unlink(temp_path_.c_str());
+    struct stat st;
+    if (::lstat(final_path_.c_str(), &st) == 0) return taken();
+    if (::rename(temp_path_.c_str(), final_path_.c_str()) != 0) {
+      return Error(final_path_ + ": cannot rename into place: " + ErrnoText());
+    }
     return OkStatus();
+  }
+
+  static bool SameFile(const std::string& a, const std::string& b) {
+    struct stat sa, sb;
+    return ::lstat(a.c_str(), &sa) == 0 && ::lstat(b.c_str(), &sb) == 0 && sa.st_dev == sb.st_dev &&
+           sa.st_ino == sb.st_ino;
   }
 
   std::string final_path_;
