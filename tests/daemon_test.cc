@@ -679,9 +679,9 @@ TEST_F(DaemonTest, EngineKeepsItsWeightsWhenTheDaemonIsKilled) {
   ASSERT_TRUE(Eventually([&] { return TotalLeases() == 1; }));
   daemon->Signal(SIGKILL);
   daemon->Wait();
-  // Its socket is left behind: said as such.
+  // Its socket is left behind: said as such, and no daemon is exit 3.
   CommandResult stale = Run({"status"});
-  EXPECT_EQ(stale.exit_code, 1);
+  EXPECT_EQ(stale.exit_code, 3);
   EXPECT_NE(stale.err.find("no daemon is listening there (one that ended left it"),
             std::string::npos)
       << stale.err;
@@ -876,8 +876,21 @@ TEST_F(DaemonTest, TheReadyLineNamesTheSocketAbsolutely) {
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0);
   CommandResult r = RunWeightd({"status", "--socket-dir", dir_.Join("relative")});
-  EXPECT_EQ(r.exit_code, 1);
+  EXPECT_EQ(r.exit_code, 3);  // no daemon: a script starts one
   EXPECT_NE(r.err.find("start one with `weightd serve`"), std::string::npos) << r.err;
+  // No socket directory at all: the same; evict and preload too.
+  for (std::vector<std::string> args :
+       {std::vector<std::string>{"status"}, {"evict", "all"}, {"preload", dir_.path()}}) {
+    args.insert(args.end(), {"--socket-dir", dir_.Join("none")});
+    r = RunWeightd(args);
+    EXPECT_EQ(r.exit_code, 3) << args[0] << ": " << r.err;
+  }
+  // A directory there that is refused is not "no daemon": exit 1.
+  const std::string loose = dir_.Join("loose");
+  ASSERT_EQ(::mkdir(loose.c_str(), 0755), 0);
+  r = RunWeightd({"status", "--socket-dir", loose});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  EXPECT_NE(r.err.find("cannot reach the daemon"), std::string::npos) << r.err;
 }
 
 TEST_F(DaemonTest, SecondDaemonOnTheSameDirectoryExitsNamingTheFirst) {

@@ -544,10 +544,14 @@ Command AddPreloadCommand(CLI::App& root) {
                             {"path", protocol::PathToJson(*real)},
                             {"processing", protocol::ToJson(o->processing)}};
             if (!o->pin.empty()) request["pin"] = o->pin;
+            bool absent = false;
             auto reply = client::Request(
                 o->socket_dir, request,
-                o->json ? std::function<void(const json&)>() : ProgressPrinter(), o->wait);
-            if (!reply.ok()) return ReportError("preload", reply.error().message());
+                o->json ? std::function<void(const json&)>() : ProgressPrinter(), o->wait, &absent);
+            if (!reply.ok()) {
+              return ReportError("preload", reply.error().message(),
+                                 absent ? kExitNoDaemon : kExitFailure);
+            }
             if (o->json) {
               std::cout << DumpJson(*reply, 2) << "\n";
             } else if (reply->value("already_resident", false)) {
@@ -595,8 +599,12 @@ Command AddStatusCommand(CLI::App& root) {
       ->check(NotEmpty());
   app->add_flag("--json", o->json, "print JSON: models (key, bytes, device, leases), devices");
   return {app, [o] {
-            auto reply = client::Request(o->socket_dir, {{"type", "status"}});
-            if (!reply.ok()) return ReportError("status", reply.error().message());
+            bool absent = false;
+            auto reply = client::Request(o->socket_dir, {{"type", "status"}}, {}, 0, &absent);
+            if (!reply.ok()) {
+              return ReportError("status", reply.error().message(),
+                                 absent ? kExitNoDaemon : kExitFailure);
+            }
             if (o->json) {
               std::cout << DumpJson(*reply, 2) << "\n";
               return kExitOk;
@@ -672,8 +680,13 @@ Command AddEvictCommand(CLI::App& root) {
       ->check(NotEmpty());
   app->add_flag("--json", o->json, "print JSON: models evicted");
   return {app, [o] {
-            auto reply = client::Request(o->socket_dir, {{"type", "evict"}, {"what", o->what}});
-            if (!reply.ok()) return ReportError("evict", reply.error().message());
+            bool absent = false;
+            auto reply = client::Request(o->socket_dir, {{"type", "evict"}, {"what", o->what}}, {},
+                                         0, &absent);
+            if (!reply.ok()) {
+              return ReportError("evict", reply.error().message(),
+                                 absent ? kExitNoDaemon : kExitFailure);
+            }
             const json models = reply->value("models", json::array());
             const uint64_t more = reply->value("models_omitted", uint64_t{0});
             // `all` with nothing resident has nothing to miss. A miss is an

@@ -1,8 +1,5 @@
 #include "client/admin.h"
 
-#include <cerrno>
-#include <cstring>
-
 #include "protocol/channel.h"
 #include "protocol/paths.h"
 
@@ -16,14 +13,15 @@ constexpr int kSilenceLimitMs = 30'000;
 
 Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::json& request,
                                const std::function<void(const nlohmann::json&)>& on_progress,
-                               double wait_for_daemon_seconds) {
+                               double wait_for_daemon_seconds, bool* no_daemon) {
+  if (no_daemon != nullptr) *no_daemon = false;
   const std::string dir = protocol::SocketDirectory(socket_dir);
-  auto ch = protocol::ConnectToDaemonWaiting(dir, wait_for_daemon_seconds);
+  bool absent = false;
+  auto ch = protocol::ConnectToDaemonWaiting(dir, wait_for_daemon_seconds, &absent);
   if (!ch.ok()) {
     // Nothing there, or something there that is refused: said apart.
     const std::string& why = ch.error().message();
-    const bool absent = why.find(std::strerror(ENOENT)) != std::string::npos ||
-                        why.find(std::strerror(ECONNREFUSED)) != std::string::npos;
+    if (no_daemon != nullptr) *no_daemon = absent;
     return Error(absent ? "no daemon: " + why +
                               " (start one with `weightd serve`, or name its --socket-dir)"
                         : "cannot reach the daemon: " + why);

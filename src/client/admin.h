@@ -16,9 +16,12 @@ namespace weightd::client {
 // Sends `request` (an object with "type") to the daemon behind
 // `socket_dir` (empty: the default directory) and returns its final reply.
 // Replies of type "progress" go to `on_progress` first. A reply of type
-// "error" becomes an Error with the daemon's message.
+// "error" becomes an Error with the daemon's message. `no_daemon` (when
+// given) is set to whether the error is that no daemon listens there (no
+// socket, or one a daemon that ended left behind), rather than one that
+// refused, failed or did not answer.
 Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::json& request,
                                const std::function<void(const nlohmann::json&)>& on_progress = {},
-                               double wait_for_daemon_seconds = 0);
+                               double wait_for_daemon_seconds = 0, bool* no_daemon = nullptr);
 
 }  // namespace weightd::client

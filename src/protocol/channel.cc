@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
@@ -245,7 +246,8 @@ std::optional<std::string> Channel::ErrorSentBeforeClosing() {
   return it != said->body.end() && it->is_string() ? it->get<std::string>() : "error";
 }
 
-Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms) {
+Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms, bool* nobody_there) {
+  if (nobody_there != nullptr) *nobody_there = false;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (socket_path.size() >= sizeof addr.sun_path) {
@@ -270,6 +272,7 @@ Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms) {
       return Error("cannot connect to " + socket_path + ": the daemon accepted no connection for " +
                    waited + " s (its queue is full: is it stopped or hung?)");
     }
+    if (nobody_there != nullptr) *nobody_there = errno == ECONNREFUSED || errno == ENOENT;
     if (errno == ECONNREFUSED) {
       return Error("cannot connect to " + socket_path +
                    ": no daemon is listening there (one that ended left it, or one is starting)");
@@ -300,12 +303,20 @@ Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms) {
 
 namespace weightd::protocol {
 
-Result<Channel> ConnectToDaemon(const std::string& socket_dir, int busy_timeout_ms) {
-  WEIGHTD_RETURN_IF_ERROR(CheckSocketDirectory(socket_dir));
-  return Connect(SocketPath(socket_dir), busy_timeout_ms);
+Result<Channel> ConnectToDaemon(const std::string& socket_dir, int busy_timeout_ms,
+                                bool* nobody_there) {
+  if (Status s = CheckSocketDirectory(socket_dir); !s.ok()) {
+    struct stat st;
+    if (nobody_there != nullptr) {
+      *nobody_there = ::lstat(socket_dir.c_str(), &st) != 0 && errno == ENOENT;
+    }
+    return s.error();
+  }
+  return Connect(SocketPath(socket_dir), busy_timeout_ms, nobody_there);
 }
 
-Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds) {
+Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds,
+                                       bool* nobody_there) {
   constexpr auto kRetry = std::chrono::milliseconds(50);
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_seconds);
@@ -315,7 +326,7 @@ Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wai
         wait_seconds <= 0
             ? kConnectBusyTimeoutMs
             : static_cast<int>(std::clamp(left.count() * 1000, 0.0, double{kConnectBusyTimeoutMs}));
-    auto ch = ConnectToDaemon(socket_dir, busy);
+    auto ch = ConnectToDaemon(socket_dir, busy, nobody_there);
     if (ch.ok() || wait_seconds <= 0) return ch;
     if (std::chrono::steady_clock::now() >= deadline) {
       char waited[64];

@@ -82,19 +82,23 @@ class Channel {
 inline constexpr int kConnectBusyTimeoutMs = 10'000;
 
 // Connects to the daemon's socket and checks that its peer runs as this
-// user.
-Result<Channel> Connect(const std::string& socket_path,
-                        int busy_timeout_ms = kConnectBusyTimeoutMs);
+// user. `nobody_there` (when given) is set to whether it failed because
+// nothing listens: no socket, or one a daemon that ended left behind.
+Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms = kConnectBusyTimeoutMs,
+                        bool* nobody_there = nullptr);
 
 // Connects to the daemon behind `socket_dir` after checking the directory
-// (protocol::CheckSocketDirectory) and the peer.
+// (protocol::CheckSocketDirectory) and the peer; `nobody_there` as above,
+// a socket directory that does not exist included.
 Result<Channel> ConnectToDaemon(const std::string& socket_dir,
-                                int busy_timeout_ms = kConnectBusyTimeoutMs);
+                                int busy_timeout_ms = kConnectBusyTimeoutMs,
+                                bool* nobody_there = nullptr);
 
 // The same, tried again for up to `wait_seconds` (a daemon that is
 // starting): each try's busy timeout is what is left of the wait, 10 s at
 // most (10 s when not waiting); an error says how long it waited.
-Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds);
+Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds,
+                                       bool* nobody_there = nullptr);
 
 // A list for a reply whose length the daemon does not choose (every
 // resident model, every model an `evict all` dropped): the entries, in
