@@ -315,6 +315,17 @@ TEST_F(DaemonTest, APathThatIsNotUtf8IsPreloadedAsItIs) {
   auto daemon = StartDaemon();
   Preload(a);
   EXPECT_EQ(Load(a)["source"], "daemon");
+  // status and evict name it by its bytes ({"hex": ...}), as a script
+  // would give it back; the text output shows it readably.
+  auto path = protocol::PathFromJson(Status()["models"][0]["path"]);
+  ASSERT_TRUE(path.ok()) << path.error().message();
+  EXPECT_EQ(*path, a);
+  EXPECT_EQ(Run({"status"}).exit_code, 0);
+  CommandResult evicted = Run({"evict", "all", "--json"});
+  ASSERT_EQ(evicted.exit_code, 0) << evicted.err;
+  path = protocol::PathFromJson(json::parse(evicted.out)["models"][0]["path"]);
+  ASSERT_TRUE(path.ok()) << path.error().message();
+  EXPECT_EQ(*path, a);
 }
 
 TEST_F(DaemonTest, OtherProcessingIsAMissThatNamesTheField) {

@@ -648,13 +648,15 @@ Command AddStatusCommand(CLI::App& root) {
             const auto& models = (*reply)["models"];
             if (models.empty()) std::cout << "no model is resident\n";
             for (const auto& m : models) {
+              // A path that is not UTF-8 comes as {"hex": ...}.
+              const auto path = protocol::PathFromJson(m.value("path", json("")));
               // #ID: what `evict #ID` takes.
               std::cout << "  #" << m.value("id", uint64_t{0}) << "  "
                         << Printable(m.value("description", "")) << "  "
                         << FormatBytes(m.value("bytes", uint64_t{0})) << "  "
                         << Count(m.value("leases", uint64_t{0}), "lease")
                         << (m.value("name", "").empty() ? "" : "  pinned as " + m.value("name", ""))
-                        << "\n    " << Printable(m.value("path", "")) << "\n";
+                        << "\n    " << Printable(path.ok() ? *path : "?") << "\n";
             }
             if (const uint64_t more = reply->value("models_omitted", uint64_t{0}); more > 0) {
               std::cout << "  ... and " << Count(more, "more model")
