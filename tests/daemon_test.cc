@@ -320,7 +320,9 @@ TEST_F(DaemonTest, APathThatIsNotUtf8IsPreloadedAsItIs) {
   auto path = protocol::PathFromJson(Status()["models"][0]["path"]);
   ASSERT_TRUE(path.ok()) << path.error().message();
   EXPECT_EQ(*path, a);
-  EXPECT_EQ(Run({"status"}).exit_code, 0);
+  CommandResult text = Run({"status"});
+  EXPECT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("\n    " + a + "\n"), std::string::npos) << text.out;
   CommandResult evicted = Run({"evict", "all", "--json"});
   ASSERT_EQ(evicted.exit_code, 0) << evicted.err;
   path = protocol::PathFromJson(json::parse(evicted.out)["models"][0]["path"]);
@@ -898,10 +900,21 @@ TEST_F(DaemonTest, TheReadyLineNamesTheSocketAbsolutely) {
   }
   // A directory there that is refused is not "no daemon": exit 1.
   const std::string loose = dir_.Join("loose");
-  ASSERT_EQ(::mkdir(loose.c_str(), 0755), 0);
+  ASSERT_EQ(::mkdir(loose.c_str(), 0700), 0);
+  ASSERT_EQ(::chmod(loose.c_str(), 0755), 0);  // whatever the umask
   r = RunWeightd({"status", "--socket-dir", loose});
   EXPECT_EQ(r.exit_code, 1) << r.err;
   EXPECT_NE(r.err.find("cannot reach the daemon"), std::string::npos) << r.err;
+  // Nor is a file in the socket's place that is no socket.
+  const std::string odd = dir_.Join("odd");
+  ASSERT_EQ(::mkdir(odd.c_str(), 0700), 0);
+  testing::WriteFileText(odd + "/weightd.sock", "");
+  r = RunWeightd({"status", "--socket-dir", odd});
+  EXPECT_EQ(r.exit_code, 1) << r.err;
+  // Waited for in vain: still none.
+  r = RunWeightd(
+      {"preload", dir_.path(), "--socket-dir", dir_.Join("none"), "--wait-for-daemon", "0.3"});
+  EXPECT_EQ(r.exit_code, 3) << r.err;
 }
 
 TEST_F(DaemonTest, SecondDaemonOnTheSameDirectoryExitsNamingTheFirst) {

@@ -272,7 +272,16 @@ Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms, boo
       return Error("cannot connect to " + socket_path + ": the daemon accepted no connection for " +
                    waited + " s (its queue is full: is it stopped or hung?)");
     }
-    if (nobody_there != nullptr) *nobody_there = errno == ECONNREFUSED || errno == ENOENT;
+    const int error = errno;
+    if (nobody_there != nullptr) {
+      // Refused by a socket nobody listens on; not by a file that is none
+      // (which `serve` would not replace either).
+      struct stat st;
+      *nobody_there =
+          error == ENOENT ||
+          (error == ECONNREFUSED && ::lstat(socket_path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode));
+    }
+    errno = error;
     if (errno == ECONNREFUSED) {
       return Error("cannot connect to " + socket_path +
                    ": no daemon is listening there (one that ended left it, or one is starting)");
@@ -306,9 +315,12 @@ namespace weightd::protocol {
 Result<Channel> ConnectToDaemon(const std::string& socket_dir, int busy_timeout_ms,
                                 bool* nobody_there) {
   if (Status s = CheckSocketDirectory(socket_dir); !s.ok()) {
+    // No such directory (a name ending in `.` or `..` is refused, not absent).
     struct stat st;
+    const std::string last = socket_dir.substr(socket_dir.find_last_of('/') + 1);
     if (nobody_there != nullptr) {
-      *nobody_there = ::lstat(socket_dir.c_str(), &st) != 0 && errno == ENOENT;
+      *nobody_there =
+          last != "." && last != ".." && ::lstat(socket_dir.c_str(), &st) != 0 && errno == ENOENT;
     }
     return s.error();
   }
