@@ -236,8 +236,8 @@ struct Server::State {
   std::atomic<int> serving{0};  // threads in Serve
   std::mutex spare_mu;
   std::condition_variable spare_cv;
-  // A descriptor in reserve (Start), a copy of null_fd; only the thread
-  // that set `refusing` touches spare_fd after Start.
+  // A descriptor in reserve (Start), a copy of null_fd; guarded by
+  // spare_mu after Start.
   memory::UniqueFd null_fd, spare_fd;
   bool refusing = false;      // a thread runs RefuseWhileOutOfDescriptors; guarded by spare_mu
   std::string refusal_frame;  // what a peer refused for want of descriptors is sent
@@ -247,6 +247,13 @@ struct Server::State {
   // and call accept() no more meanwhile (one could take the reserve's
   // place while it is given up, and keep it).
   void RefuseWhileOutOfDescriptors();
+  // Whether a connection just accepted took the place the refusing thread
+  // gave up to take one: then it is refused in its stead, and its place
+  // kept as the reserve (RefuseAndKeepPlace), or nothing could be refused
+  // until a connection ended.
+  bool TookTheReservesPlace();
+  // Sends `conn` the refusal and keeps its place as the reserve.
+  void RefuseAndKeepPlace(memory::UniqueFd conn);
   memory::UniqueFd park_epoll;  // the parked connections' sockets
   memory::UniqueFd park_wake;   // an eventfd: Run wakes the park thread to stop
   std::map<int, std::unique_ptr<Connection>> parked;  // by socket; guarded by conn_mu
@@ -677,6 +684,10 @@ void Server::State::WorkerLoop() {
       }
       continue;
     }
+    if (TookTheReservesPlace()) {
+      RefuseAndKeepPlace(std::move(conn));
+      continue;
+    }
     try {
       ucred peer{};
       if (!Admit(conn, &peer)) continue;
@@ -709,11 +720,11 @@ void Server::State::RefuseWhileOutOfDescriptors() {
     }
     refusing = true;
   }
-  // Only this thread touches the reserve until `refusing` is false again.
   while (!stopping.load()) {
     // A descriptor free: the reserve back if it was lost, else the end.
     const int probe = ::fcntl(null_fd.get(), F_DUPFD_CLOEXEC, 0);
     if (probe >= 0) {
+      std::lock_guard lock(spare_mu);
       if (spare_fd.valid()) {
         ::close(probe);
         break;
@@ -724,29 +735,44 @@ void Server::State::RefuseWhileOutOfDescriptors() {
     pollfd waiting{listen_fd.get(), POLLIN, 0};
     const int ready = ::poll(&waiting, 1, 200);
     if (ready != 1) continue;
-    if (!spare_fd.valid()) {
-      // Lost (something took its place while it was given up): nothing to
-      // refuse with until a descriptor is free; not a spin meanwhile.
+    bool given_up = false;
+    {
+      std::lock_guard lock(spare_mu);
+      if (spare_fd.valid()) {
+        spare_fd.Reset();
+        given_up = true;
+      }
+    }
+    if (!given_up) {
+      // Taken: a thread blocked in accept() got the place first; it refuses
+      // what it took and gives the place back. Not a spin meanwhile.
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       continue;
     }
-    spare_fd.Reset();
-    // A thread already in accept() (holding a place of its own) may take
-    // the waiting one first: then this one waits for the next, or for the
-    // listening socket's timeout.
+    // A thread already blocked in accept() may take the waiting connection,
+    // and with it the place just given up, first (TookTheReservesPlace).
     memory::UniqueFd socket(::accept4(listen_fd.get(), nullptr, nullptr, SOCK_CLOEXEC));
-    if (!socket.valid()) continue;
-    (void)!::send(socket.get(), refusal_frame.data(), refusal_frame.size(),
-                  MSG_NOSIGNAL | MSG_DONTWAIT);
-    // The connection's place becomes the reserve again in one step (dup3
-    // closes the socket).
-    if (::dup3(null_fd.get(), socket.get(), O_CLOEXEC) == socket.get()) {
-      spare_fd = std::move(socket);
-    }
+    if (socket.valid()) RefuseAndKeepPlace(std::move(socket));
   }
   std::lock_guard lock(spare_mu);
   refusing = false;
   spare_cv.notify_all();
+}
+
+bool Server::State::TookTheReservesPlace() {
+  std::lock_guard lock(spare_mu);
+  return refusing && !spare_fd.valid();
+}
+
+void Server::State::RefuseAndKeepPlace(memory::UniqueFd conn) {
+  (void)!::send(conn.get(), refusal_frame.data(), refusal_frame.size(),
+                MSG_NOSIGNAL | MSG_DONTWAIT);
+  // The connection's place becomes the reserve in one step (dup3 closes
+  // the socket). A reserve made meanwhile is closed: a place free again,
+  // which ends the refusing.
+  if (::dup3(null_fd.get(), conn.get(), O_CLOEXEC) != conn.get()) return;
+  std::lock_guard lock(spare_mu);
+  spare_fd = std::move(conn);
 }
 
 void Server::State::LogNowAndThen(const std::string& what, int error) {
