@@ -954,7 +954,10 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
   bool asked = false;
   // After a write: reads the bytes back, and puts them back if they moved.
   // False when this context can do no more.
-  auto check = [&]() -> bool {
+  // Puts the bytes from before back: by a copy, unless the write was one a
+  // copy may not undo (a kernel's store, where copies are refused).
+  auto copy_back = [&] { return d.cuMemcpyHtoD(address, before.data(), before.size()); };
+  auto check = [&](const std::function<CUresult()>& put_back) -> bool {
     if (CUresult r = d.cuMemcpyDtoH(after.data(), address, after.size()); r != CUDA_SUCCESS) {
       out.read_back = d.Describe(r);
       if (out.changed && out.restored.empty()) out.restored = "no (" + out.read_back + ")";
@@ -967,7 +970,7 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
       asked = true;
       while_changed();
     }
-    CUresult r = d.cuMemcpyHtoD(address, before.data(), before.size());
+    CUresult r = put_back();
     if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
     if (r == CUDA_SUCCESS) r = d.cuMemcpyDtoH(after.data(), address, after.size());
     out.restored = r != CUDA_SUCCESS ? "no (" + d.Describe(r) + ")"
@@ -983,10 +986,10 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
   if (r != CUDA_SUCCESS && !usable()) {
     out.memset = "not tried (the copy's error left the context unusable)";
     out.kernel = out.memset;
-    check();  // fails, and says why: the bytes cannot be known here
+    check(copy_back);  // fails, and says why: the bytes cannot be known here
     return out;
   }
-  if (!check()) {
+  if (!check(copy_back)) {
     out.memset = "not tried (the bytes the copy left could not be read back or put back)";
     out.kernel = out.memset;
     return out;
@@ -999,7 +1002,7 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
     out.read_back = out.kernel;
     return out;
   }
-  if (!check()) {
+  if (!check(copy_back)) {
     out.kernel = "not tried (the bytes the memset left could not be read back or put back)";
     return out;
   }
@@ -1037,24 +1040,7 @@ Result<WriteAttempt> TryWriteOnGpu(const std::string& uuid, uint64_t address, ui
     }
     // A changed byte is put back by the same store (the flip undoes
     // itself): a driver that let the store through may refuse copies.
-    if (r = d.cuMemcpyDtoH(after.data(), address, after.size()); r != CUDA_SUCCESS) {
-      out.read_back = d.Describe(r);
-    } else {
-      out.read_back = "ok";
-      if (after != before) {
-        out.changed = true;
-        if (while_changed && !asked) {
-          asked = true;
-          while_changed();
-        }
-        r = launch();
-        if (r == CUDA_SUCCESS) r = d.cuCtxSynchronize();
-        if (r == CUDA_SUCCESS) r = d.cuMemcpyDtoH(after.data(), address, after.size());
-        out.restored = r != CUDA_SUCCESS ? "no (" + d.Describe(r) + ")"
-                       : after == before ? "yes"
-                                         : "no (the bytes read back still differ)";
-      }
-    }
+    check(launch);
   }
   d.cuModuleUnload(module);
   return out;

@@ -136,8 +136,8 @@ struct WriteAttempt {
 
 // Tries to change `bytes` bytes at `address` on the GPU `uuid` (mapped in
 // this process, by the client, say), by a copy, a memset and a kernel's
-// store (of one byte), reading them back after each: what the driver does with writes to memory
-// mapped read-only. Bytes a write did change are written back as they
+// store (of one byte), reading them back after each: what the driver does
+// with writes to memory mapped read-only. Bytes a write did change are written back as they
 // were before the next is tried, after `while_changed` (if given) has run
 // the first time: memory other processes share is left as it was found.
 // A refused write may leave this process's CUDA context unusable: call it
