@@ -239,7 +239,9 @@ struct Server::State {
   // A descriptor in reserve (Start), a copy of null_fd; guarded by
   // spare_mu after Start.
   memory::UniqueFd null_fd, spare_fd;
-  bool refusing = false;      // a thread runs RefuseWhileOutOfDescriptors; guarded by spare_mu
+  // A thread runs RefuseWhileOutOfDescriptors; written under spare_mu, read
+  // without it first by every accept (TookTheReservesPlace).
+  std::atomic<bool> refusing{false};
   std::string refusal_frame;  // what a peer refused for want of descriptors is sent
   // Out of descriptors (accept said so). One thread at a time: until a
   // descriptor is free again, it takes each waiting connection with the
@@ -760,8 +762,9 @@ void Server::State::RefuseWhileOutOfDescriptors() {
 }
 
 bool Server::State::TookTheReservesPlace() {
+  if (!refusing.load()) return false;  // the common case, without the lock
   std::lock_guard lock(spare_mu);
-  return refusing && !spare_fd.valid();
+  return refusing.load() && !spare_fd.valid();
 }
 
 void Server::State::RefuseAndKeepPlace(memory::UniqueFd conn) {
