@@ -49,6 +49,12 @@ std::string Now() {
   return buf;
 }
 
+// A request to the daemon that failed: exit 3 where no daemon listens (a
+// script starts one), else 1.
+int ReportRequestError(std::string_view command, const Error& e, bool no_daemon) {
+  return ReportError(command, e.message(), no_daemon ? kExitNoDaemon : kExitFailure);
+}
+
 // One device's budget, as --budget DEVICE=SIZE or a config's [budget] names it.
 struct Budget {
   std::string device;  // as given: host, cuda:N, cuda:GPU-<uuid>
@@ -548,10 +554,7 @@ Command AddPreloadCommand(CLI::App& root) {
             auto reply = client::Request(
                 o->socket_dir, request,
                 o->json ? std::function<void(const json&)>() : ProgressPrinter(), o->wait, &absent);
-            if (!reply.ok()) {
-              return ReportError("preload", reply.error().message(),
-                                 absent ? kExitNoDaemon : kExitFailure);
-            }
+            if (!reply.ok()) return ReportRequestError("preload", reply.error(), absent);
             if (o->json) {
               std::cout << DumpJson(*reply, 2) << "\n";
             } else if (reply->value("already_resident", false)) {
@@ -601,10 +604,7 @@ Command AddStatusCommand(CLI::App& root) {
   return {app, [o] {
             bool absent = false;
             auto reply = client::Request(o->socket_dir, {{"type", "status"}}, {}, 0, &absent);
-            if (!reply.ok()) {
-              return ReportError("status", reply.error().message(),
-                                 absent ? kExitNoDaemon : kExitFailure);
-            }
+            if (!reply.ok()) return ReportRequestError("status", reply.error(), absent);
             if (o->json) {
               std::cout << DumpJson(*reply, 2) << "\n";
               return kExitOk;
@@ -685,10 +685,7 @@ Command AddEvictCommand(CLI::App& root) {
             bool absent = false;
             auto reply = client::Request(o->socket_dir, {{"type", "evict"}, {"what", o->what}}, {},
                                          0, &absent);
-            if (!reply.ok()) {
-              return ReportError("evict", reply.error().message(),
-                                 absent ? kExitNoDaemon : kExitFailure);
-            }
+            if (!reply.ok()) return ReportRequestError("evict", reply.error(), absent);
             const json models = reply->value("models", json::array());
             const uint64_t more = reply->value("models_omitted", uint64_t{0});
             // `all` with nothing resident has nothing to miss. A miss is an

@@ -35,11 +35,14 @@ Eviction Registry::EvictLocked(size_t index, Dropped& dropped) {
     a.evicted_leased += bytes;
     ++a.evicted_leased_models;
   }
-  return {
-      m->id,  protocol::ShortDescription(m->key) + (m->name.empty() ? "" : " (" + m->name + ")"),
-      bytes,  m->leases,
-      m->key, m->path,
-      m->name};
+  return {.id = m->id,
+          .description =
+              protocol::ShortDescription(m->key) + (m->name.empty() ? "" : " (" + m->name + ")"),
+          .bytes = bytes,
+          .leases = m->leases,
+          .key = m->key,
+          .path = m->path,
+          .name = m->name};
 }
 
 Status CheckPinName(std::string_view name) {
