@@ -81,6 +81,10 @@ TEST_F(EmulatedGpuTest, APreloadOntoAGpuIsMappedAndCopiedWithTheBytesOfADiskLoad
       << mapped["reason"];
   EXPECT_EQ(mapped["checksum"], disk);
   EXPECT_EQ(mapped["mode"], "zero_copy");
+  // Starting CUDA is timed apart from the load on a GPU; on the host there
+  // is none to time.
+  EXPECT_TRUE(mapped["cuda_start_seconds"].is_number()) << mapped.dump();
+  EXPECT_TRUE(Load(model)["cuda_start_seconds"].is_null());
 
   json copied = Load(model, {"--device", "cuda:0", "--no-fallback", "--mode", "copy"});
   EXPECT_EQ(copied["source"], "daemon");
