@@ -46,8 +46,12 @@ TEST(HostSegment, SealedSegmentsAreReadOnlyEverywhere) {
   ASSERT_TRUE((*seg)->Write(0, sevens).ok());
   EXPECT_FALSE((*seg)->Write(1, sevens).ok());  // past the end
   EXPECT_FALSE((*seg)->Export().ok());          // not before sealing
-  EXPECT_TRUE((*seg)->readable().empty());
+  // What was written reads back before the seal, through the same view.
+  const auto before = (*seg)->readable();
+  ASSERT_EQ(before.size(), 10000u);
+  EXPECT_EQ(before[9999], std::byte{7});
   ASSERT_TRUE((*seg)->Seal().ok());
+  EXPECT_EQ((*seg)->readable().data(), before.data());
   EXPECT_FALSE((*seg)->Write(0, std::span(sevens).first(1)).ok());
   auto fd = (*seg)->Export();
   ASSERT_TRUE(fd.ok());
@@ -699,7 +703,7 @@ class UnreadableSegment final : public memory::Segment {
     return inner_->Write(offset, pieces);
   }
   Status Seal() override { return inner_->Seal(); }
-  bool readable_when_sealed() const override { return false; }
+  bool readable_here() const override { return false; }
   std::span<const std::byte> readable() const override { return {}; }
   Result<memory::UniqueFd> Export() const override { return inner_->Export(); }
 

@@ -74,9 +74,9 @@ struct Source {
 };
 
 // The first KiB of every tensor the segments do not hold as the file has
-// it, caught as the reads pass by. (Where the segments can be read back,
-// those copied whole are hashed from the sealed segment: no copy of tens of
-// megabytes for 70,000 small tensors.)
+// it, caught as the reads pass by. (Where the first segment can be read
+// back while it is written, those copied whole are hashed from it: no copy
+// of tens of megabytes for 70,000 small tensors.)
 struct Samples {
   std::unique_ptr<std::byte[]> bytes;
   std::unique_ptr<std::atomic<bool>[]> caught;
@@ -335,7 +335,11 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     }
   }
   if (targets.empty()) return Error("no rank to load");
-  const bool hash_from_segment = targets.front().segment->readable_when_sealed();
+  // Samples of tensors copied whole are hashed from the first segment, as
+  // soon as their shard is written, where it can be read while the rest is
+  // written; else caught as the reads pass, as for the others.
+  const std::span<const std::byte> first = targets.front().segment->readable();
+  const bool hash_from_segment = !first.empty() && first.size() >= segment_plan.total_bytes;
 
   // The jobs. Bytes kept as they are go by runs of small neighbours (in
   // file order) and chunks of big tensors; whatever is cut by columns,
@@ -474,13 +478,44 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     std::vector<std::byte> manifest(static_cast<size_t>(segment_plan.manifest_bytes));
     memory::WriteManifest(segment_plan, manifest);
     for (const Target& t : targets) WEIGHTD_RETURN_IF_ERROR(t.segment->Write(0, manifest));
-    const bool all_readable = std::all_of(targets.begin(), targets.end(), [](const Target& t) {
-      return t.segment->readable_when_sealed();
-    });
+    const bool all_readable = std::all_of(
+        targets.begin(), targets.end(), [](const Target& t) { return t.segment->readable_here(); });
     if (!all_readable) model.manifest = std::move(manifest);
     return OkStatus();
   };
   const size_t jobs = 1 + copies.size() + bands.size();  // the manifests first
+  // The sampled fingerprint of what was read, shard by shard: of a shard as
+  // soon as its last job is done and every sample of it was caught (while
+  // other shards are read), of the others at the end.
+  std::vector<fingerprint::ShardFingerprint> digests(shards.size());
+  auto digest_shard = [&](size_t s) {
+    std::vector<std::span<const std::byte>> shard_samples;
+    shard_samples.reserve(index_of[s].size());
+    for (size_t i : index_of[s]) {
+      const Source& src = sources[i];
+      const std::byte* at =
+          src.whole ? first.data() + src.whole_at : samples.bytes.get() + src.sample_at;
+      shard_samples.push_back(std::span(at, static_cast<size_t>(src.sample_bytes)));
+    }
+    digests[s].name = headers[s].name;
+    digests[s].digest = fingerprint::SampledShardDigest(
+        headers[s].file_size,
+        std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size())),
+        shard_samples);
+  };
+  auto shard_of = [&](size_t job) {
+    return job < copies.size()
+               ? copies[job].shard
+               : sources[plan.outputs[bands[job - copies.size()].output].source].shard;
+  };
+  std::unique_ptr<std::atomic<size_t>[]> jobs_left(new std::atomic<size_t>[shards.size()]);
+  for (size_t s = 0; s < shards.size(); ++s) jobs_left[s].store(0);
+  for (size_t j = 0; j + 1 < jobs; ++j) jobs_left[shard_of(j)].fetch_add(1);
+  std::vector<char> digested(shards.size(), 0);  // each set by one worker, read after all end
+  auto all_caught = [&](size_t s) {
+    return std::all_of(index_of[s].begin(), index_of[s].end(),
+                       [&](size_t i) { return samples.caught[i].load(); });
+  };
   uint64_t total = 0;
   for (const CopyJob& j : copies) total += j.bytes;
   for (const BandJob& j : bands) {
@@ -510,10 +545,17 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       try {
         if (i == 0) {
           if (Status s = write_manifests(); !s.ok()) read = s.error();
-        } else if (const size_t copy = i - 1; copy < copies.size()) {
-          read = RunCopy(context, copies[copy], buffers);
         } else {
-          read = RunBand(context, bands[copy - copies.size()], buffers);
+          const size_t job = i - 1;
+          read = job < copies.size() ? RunCopy(context, copies[job], buffers)
+                                     : RunBand(context, bands[job - copies.size()], buffers);
+          // The last job of its shard: its digest now, on this worker,
+          // while the others read on.
+          if (const size_t s = shard_of(job);
+              read.ok() && jobs_left[s].fetch_sub(1) == 1 && all_caught(s)) {
+            digest_shard(s);
+            digested[s] = 1;
+          }
         }
       } catch (...) {
         // An allocation refused, say: the others stop at their next job,
@@ -555,10 +597,6 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   }
 
   for (LoadedRank& r : model.ranks) WEIGHTD_RETURN_IF_ERROR(r.segment->Seal());
-  const std::byte* wholes = targets.front().segment->readable().data();
-  if (hash_from_segment && targets.front().segment->readable().size() < segment_plan.total_bytes) {
-    return Error("the sealed segment cannot be read back");
-  }
 
   // The files must be what they were when their headers were read.
   for (size_t s = 0; s < shards.size(); ++s) {
@@ -569,24 +607,11 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     model.read_shards.push_back({headers[s].name, now});
   }
 
-  // The sampled fingerprint of what was read, shards many at once.
-  std::vector<fingerprint::ShardFingerprint> digests(shards.size());
+  // The shards not digested yet, many at once.
   std::atomic<size_t> next_shard{0};
   io::RunTeam(static_cast<int>(std::min<size_t>(shards.size(), kDigestThreads)), [&](int) {
-    std::vector<std::span<const std::byte>> shard_samples;
     for (size_t s; (s = next_shard.fetch_add(1)) < shards.size();) {
-      shard_samples.clear();
-      for (size_t i : index_of[s]) {
-        const Source& src = sources[i];
-        const std::byte* at =
-            src.whole ? wholes + src.whole_at : samples.bytes.get() + src.sample_at;
-        shard_samples.push_back(std::span(at, static_cast<size_t>(src.sample_bytes)));
-      }
-      digests[s].name = headers[s].name;
-      digests[s].digest = fingerprint::SampledShardDigest(
-          headers[s].file_size,
-          std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size())),
-          shard_samples);
+      if (!digested[s]) digest_shard(s);
     }
   });
   model.checkpoint_digest = fingerprint::CombineSampledShards(digests);

@@ -14,9 +14,9 @@
 // one worker writes the manifest. Each source byte is read once however
 // many ranks are built. The sampled fingerprint (headers and the first KiB
 // of each tensor as the file has it) comes from the same reads: caught as
-// they pass, or hashed from the sealed segment for tensors copied into it
-// unchanged. So the key a daemon publishes describes exactly what it
-// loaded. A shard that changed while it was read (its stat signature moved)
+// they pass, or hashed from the segment for tensors copied into it
+// unchanged, shard by shard as each is read. So the key a daemon publishes
+// describes exactly what it loaded. A shard that changed while it was read (its stat signature moved)
 // or came up short fails the load; nothing is returned half-filled.
 //
 // Thread safety: LoadCheckpoint may run concurrently with itself.

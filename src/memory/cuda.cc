@@ -800,7 +800,7 @@ class CudaSegment final : public Segment {
     sealed_ = true;
     return OkStatus();
   }
-  bool readable_when_sealed() const override { return false; }
+  bool readable_here() const override { return false; }
   std::span<const std::byte> readable() const override { return {}; }
   Status ReadBack(uint64_t offset, std::span<std::byte> out) const override {
     if (!sealed_) return Error("segment read before it was sealed");

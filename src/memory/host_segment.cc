@@ -43,7 +43,7 @@ uint64_t RoundUp(uint64_t n, uint64_t to) {
 class HostSegment final : public Segment {
  public:
   // `map` is a writable mapping for huge-page segments (hugetlbfs takes no
-  // write(2)), null otherwise.
+  // write(2)), a read-only one or null otherwise.
   HostSegment(UniqueFd fd, uint64_t size, uint64_t reserved, bool huge, std::byte* map)
       : fd_(std::move(fd)), size_(size), reserved_(reserved), huge_(huge), map_(map) {}
   ~HostSegment() override {
@@ -63,7 +63,7 @@ class HostSegment final : public Segment {
       return Error("write of " + std::to_string(total) + " bytes at " + std::to_string(offset) +
                    " passes the segment's end (" + std::to_string(size_) + ")");
     }
-    if (map_ != nullptr) {
+    if (huge_) {
       for (const auto& p : pieces) {
         std::memcpy(map_ + offset, p.data(), p.size());
         offset += p.size();
@@ -73,26 +73,28 @@ class HostSegment final : public Segment {
     return WriteAll(offset, pieces);
   }
 
-  bool readable_when_sealed() const override { return true; }
+  bool readable_here() const override { return true; }
   std::span<const std::byte> readable() const override {
-    if (!sealed_) return {};
+    if (map_ == nullptr) return {};  // a failed Seal left none
     return {map_, static_cast<size_t>(size_)};
   }
 
   Status Seal() override {
     if (sealed_) return OkStatus();
     // F_SEAL_WRITE is refused while a writable shared mapping exists: swap
-    // ours for a read-only one first.
-    if (map_ != nullptr && ::munmap(map_, reserved_) != 0) {
-      return Error(Errno("cannot unmap the segment"));
+    // a huge-page segment's for a read-only one.
+    if (huge_) {
+      if (::munmap(map_, reserved_) != 0) return Error(Errno("cannot unmap the segment"));
+      map_ = nullptr;
     }
-    map_ = nullptr;
     if (::fcntl(fd_.get(), F_ADD_SEALS, kRequiredSeals | F_SEAL_SEAL) != 0) {
       return Error(Errno("cannot seal the segment"));
     }
-    void* p = ::mmap(nullptr, reserved_, PROT_READ, MAP_SHARED, fd_.get(), 0);
-    if (p == MAP_FAILED) return Error(Errno("cannot map the sealed segment"));
-    map_ = static_cast<std::byte*>(p);
+    if (map_ == nullptr) {
+      void* p = ::mmap(nullptr, reserved_, PROT_READ, MAP_SHARED, fd_.get(), 0);
+      if (p == MAP_FAILED) return Error(Errno("cannot map the sealed segment"));
+      map_ = static_cast<std::byte*>(p);
+    }
     sealed_ = true;
     return OkStatus();
   }
@@ -144,6 +146,18 @@ class HostSegment final : public Segment {
   std::byte* map_;
   bool sealed_ = false;
 };
+
+// A read-only shared mapping of the memfd `fd`, through a descriptor opened
+// read-only: one through `fd` itself, even without PROT_WRITE, could be
+// made writable later, and the kernel refuses F_SEAL_WRITE while it
+// exists. Null where /proc is not mounted.
+std::byte* MapReadOnly(int fd, uint64_t bytes) {
+  const std::string path = "/proc/self/fd/" + std::to_string(fd);
+  UniqueFd reading(::open(path.c_str(), O_RDONLY | O_CLOEXEC));
+  if (!reading.valid()) return nullptr;
+  void* p = ::mmap(nullptr, bytes, PROT_READ, MAP_SHARED, reading.get(), 0);
+  return p == MAP_FAILED ? nullptr : static_cast<std::byte*>(p);
+}
 
 // A memfd of `bytes`, or an error (ENOSPC, ENOMEM when the system has not
 // that much to give).
@@ -314,8 +328,11 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
     return Error("cannot create a host segment of " + std::to_string(size) +
                  " bytes: " + fd.error().message());
   }
+  // Mapped read-only now, where it can be, so that what is written can be
+  // read back before the seal; it costs nothing until read.
+  std::byte* map = MapReadOnly(fd->get(), reserved);
   return std::unique_ptr<Segment>(
-      new HostSegment(std::move(fd).value(), size, reserved, false, nullptr));
+      new HostSegment(std::move(fd).value(), size, reserved, false, map));
 }
 
 Mapping::~Mapping() {

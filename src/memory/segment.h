@@ -80,12 +80,16 @@ class Segment {
   Status Write(uint64_t offset, std::span<const std::byte> bytes) {
     return Write(offset, std::span(&bytes, 1));
   }
-  // Ends writing for good. Afterwards the segment can be exported, and read
-  // where this process can read it (readable()).
+  // Ends writing for good. Afterwards the segment can be exported.
   virtual Status Seal() = 0;
-  // Whether readable() will give the bytes once sealed (host memory does; a
-  // GPU's does not).
-  virtual bool readable_when_sealed() const = 0;
+  // Whether readable() gives the bytes in this process once sealed (host
+  // memory does; a GPU's does not).
+  virtual bool readable_here() const = 0;
+  // The segment's bytes as written so far: once sealed where
+  // readable_here(), and host memory from its creation on where /proc lets
+  // it be mapped read-only early (what a Write put there shows at once, so
+  // a loader can read what it wrote while it still writes elsewhere).
+  // Otherwise empty.
   virtual std::span<const std::byte> readable() const = 0;
   // Copies sealed bytes [offset, offset + out.size()) into host memory: from
   // readable(), or by a copy off the GPU.
