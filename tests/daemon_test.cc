@@ -267,11 +267,12 @@ TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   ASSERT_EQ(first.exit_code, 0) << first.err;
   const json loaded = json::parse(first.out);
   double phases = 0;
-  for (const char* phase : {"fingerprint", "plan", "read", "finish"}) {
+  for (const char* phase : {"fingerprint", "headers", "plan", "read", "finish"}) {
     ASSERT_TRUE(loaded["phases"].contains(phase)) << phase << " in " << loaded.dump();
     EXPECT_GE(loaded["phases"][phase].get<double>(), 0) << phase;
     phases += loaded["phases"][phase].get<double>();
   }
+  EXPECT_GT(loaded["phases"]["headers"].get<double>(), 0);
   EXPECT_GT(loaded["phases"]["read"].get<double>(), 0);
   EXPECT_LE(phases, loaded["seconds"].get<double>());
   json j = Load(copy);

@@ -572,9 +572,9 @@ Command AddPreloadCommand(CLI::App& root) {
                         << FormatSeconds(reply->value("seconds", 0.0)) << ")\n";
               if (const json phases = reply->value("phases", json::object()); !phases.empty()) {
                 auto s = [&](const char* phase) { return FormatSeconds(phases.value(phase, 0.0)); };
-                std::cout << "  fingerprint " << s("fingerprint") << ", headers and plan "
-                          << s("plan") << ", reads " << s("read") << ", seal and digest "
-                          << s("finish") << "\n";
+                std::cout << "  fingerprint " << s("fingerprint") << ", headers " << s("headers")
+                          << ", plan " << s("plan") << ", reads " << s("read")
+                          << ", seal and digest " << s("finish") << "\n";
               }
               for (const auto& e : reply->value("evicted", json::array())) {
                 std::cout << "  evicted to make room: " << Printable(e.value("description", ""))

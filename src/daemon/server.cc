@@ -1448,6 +1448,7 @@ Result<json> Server::State::PreloadUnguarded(
   // Where a reply's `seconds` went (docs/daemon.md); 0 for what did not run.
   auto phases_json = [&](const loader::LoadedModel::Phases& p) {
     return json{{"fingerprint", fingerprint_seconds},
+                {"headers", p.headers},
                 {"plan", p.plan},
                 {"read", p.read},
                 {"finish", p.finish}};
@@ -1690,9 +1691,10 @@ Result<json> Server::State::PreloadUnguarded(
         (published->name.empty() ? "" : " (pinned as `" + published->name + "`)") + ": " +
         std::to_string(published->segment->size()) + " bytes, " +
         std::to_string(published->tensors) + " tensors in " + std::to_string(seconds) +
-        " s (fingerprint " + std::to_string(fingerprint_seconds) + " s, headers and plan " +
-        std::to_string(loaded->phases.plan) + " s, reads " + std::to_string(loaded->phases.read) +
-        " s, seal and digest " + std::to_string(loaded->phases.finish) + " s)");
+        " s (fingerprint " + std::to_string(fingerprint_seconds) + " s, headers " +
+        std::to_string(loaded->phases.headers) + " s, plan " + std::to_string(loaded->phases.plan) +
+        " s, reads " + std::to_string(loaded->phases.read) + " s, seal and digest " +
+        std::to_string(loaded->phases.finish) + " s)");
   }
   // Ranks that stayed resident take a new name too.
   if (!pin.empty() && !held.empty()) pin_all(digest);

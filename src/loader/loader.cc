@@ -260,6 +260,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
                    std::to_string(processing.tp_size));
     }
   }
+  LoadedModel model;
   WEIGHTD_ASSIGN_OR_RETURN(format::ShardListing listing, format::ListShards(fs, path));
 
   // Headers: every shard open, many at once.
@@ -277,6 +278,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   for (auto& e : errors) {
     if (e) return *e;
   }
+  const auto planning = std::chrono::steady_clock::now();
+  model.phases.headers = std::chrono::duration<double>(planning - start).count();
 
   // Every tensor of every shard, by name: the sources of the plan.
   std::vector<transform::SourceTensor> source_tensors;
@@ -316,7 +319,6 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
 
   // Every rank's segment. Its manifest (the same for all ranks) is written
   // by the first worker, while the others read.
-  LoadedModel model;
   std::vector<Target> targets;
   {
     for (int r : ranks) {
@@ -522,7 +524,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     const transform::OutputTensor& o = plan.outputs[j.output];
     total += (j.row1 - j.row0) * transform::SourceRowBytes(o, source_dtypes[o.source]);
   }
-  model.phases.plan = since(start);
+  model.phases.plan = since(planning);
   const auto reading = std::chrono::steady_clock::now();
   std::atomic<size_t> next_job{0};
   std::atomic<bool> failed{false};

@@ -16,8 +16,8 @@
 // of each tensor as the file has it) comes from the same reads: caught as
 // they pass, or hashed from the segment for tensors copied into it
 // unchanged, shard by shard as each is read. So the key a daemon publishes
-// describes exactly what it loaded. A shard that changed while it was read (its stat signature moved)
-// or came up short fails the load; nothing is returned half-filled.
+// describes exactly what it loaded. A shard that changed while it was read (its stat signature
+// moved) or came up short fails the load; nothing is returned half-filled.
 //
 // Thread safety: LoadCheckpoint may run concurrently with itself.
 #pragma once
@@ -79,12 +79,15 @@ struct LoadedModel {
   uint64_t data_bytes = 0;  // tensor bytes read from the files
   uint64_t reads = 0;
   double seconds = 0;
-  // Where `seconds` went: the headers read and checked, the processing
-  // planned and the segments made, by `allocate` (before any weight byte
-  // is read); the weights read into place; the vocabulary padding and the
-  // samples no read passed by, the files checked unchanged, the segments
-  // sealed and the fingerprint of what was read computed.
+  // Where `seconds` went: the shards listed (the index parsed) and every
+  // header read and parsed; the headers checked across shards, the
+  // processing planned and the segments made, by `allocate` (before any
+  // weight byte is read); the weights read into place, and the fingerprint
+  // of each shard whose samples were all caught as it was read; the
+  // vocabulary padding and the samples no read passed by, the files checked
+  // unchanged, the segments sealed and the rest of the fingerprint.
   struct Phases {
+    double headers = 0;
     double plan = 0;
     double read = 0;
     double finish = 0;
