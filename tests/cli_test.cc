@@ -171,6 +171,39 @@ TEST(Cli, NamesFromFilesCannotCorruptTheOutput) {
   EXPECT_EQ(load.err.find("a\nb"), std::string::npos) << load.err;
 }
 
+TEST(Cli, TheDemoRemovesWhatItMadeAndNothingElse) {
+  TempDir dir;
+  namespace fs = std::filesystem;
+  auto write = [](const std::string& path) {
+    testing::WriteFileBytes(path, std::vector<std::byte>(5, std::byte{'k'}));
+  };
+  // A folder with a user's file in it, or a socket directory beside the
+  // path given: refused before anything is made, and nothing removed.
+  fs::create_directories(dir.Join("model"));
+  write(dir.Join("model/notes.txt"));
+  auto r = RunWeightd({"demo", "--size", "16M", "--dir", dir.Join("model")});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("already exists"), std::string::npos) << r.err;
+  EXPECT_TRUE(fs::exists(dir.Join("model/notes.txt")));
+  EXPECT_FALSE(fs::exists(dir.Join("model.sock")));
+  fs::create_directories(dir.Join("other.sock"));
+  write(dir.Join("other.sock/daemon.lock"));
+  r = RunWeightd({"demo", "--size", "16M", "--dir", dir.Join("other")});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_TRUE(fs::exists(dir.Join("other.sock/daemon.lock")));
+  EXPECT_FALSE(fs::exists(dir.Join("other")));
+  // The whole story, on a small model: what it made is gone, its
+  // neighbours stay.
+  write(dir.Join("fresh.txt"));
+  r = RunWeightd({"demo", "--size", "16M", "--dir", dir.Join("fresh")});
+  ASSERT_EQ(r.exit_code, 0) << r.out << r.err;
+  EXPECT_NE(r.out.find("the same bytes as from disk"), std::string::npos) << r.out;
+  for (const char* made : {"fresh", "fresh.sock", "fresh.cache"}) {
+    EXPECT_FALSE(fs::exists(dir.Join(made))) << made;
+  }
+  EXPECT_TRUE(fs::exists(dir.Join("fresh.txt")));
+}
+
 TEST(Cli, OutOfRangeGeneratorOptionsAreUsageErrors) {
   TempDir dir;
   for (const char* flag : {"--layers", "--experts", "--tensors", "--shards"}) {

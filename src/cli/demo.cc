@@ -10,6 +10,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <cstdlib>
 #include <iostream>
 #include <memory>
@@ -137,6 +138,18 @@ int RunDemo(const DemoOptions& o) {
     dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/weightd-demo-" + std::to_string(::getpid());
   }
   const std::string socket_dir = dir + ".sock", cache_dir = dir + ".cache";
+  // It removes these at the end: each must be new, so that nothing it did
+  // not make (a model, a daemon's socket) goes with them.
+  for (const std::string& path : {dir, socket_dir, cache_dir}) {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) == 0 || errno != ENOENT) {
+      return ReportError("demo",
+                         path + " already exists: the demo makes " + dir + ", " + socket_dir +
+                             " and " + cache_dir +
+                             " and removes them at the end; give --dir a path where none exists",
+                         kExitUsage);
+    }
+  }
   // The demo's own socket and stat cache: it touches nothing of a real setup.
   ::setenv("WEIGHTD_CACHE_DIR", cache_dir.c_str(), 1);
   Cleanup cleanup({dir, socket_dir, cache_dir}, o.keep);
@@ -230,7 +243,8 @@ Command AddDemoCommand(CLI::App& root) {
       "warm restart from memory, and a changed checkpoint caught. Everything it creates is\n"
       "removed at the end, and its daemon stopped.");
   app->add_option("--dir", o->dir,
-                  "where to generate the model (default: a new folder under $TMPDIR)");
+                  "where to generate the model: a path that does not exist, nor DIR.sock and\n"
+                  "DIR.cache beside it (default: a new folder under $TMPDIR)");
   app->add_option("--size", o->size, "model size (default 1G)");
   app->add_flag("--keep", o->keep, "keep the generated model");
   return {app, [o] { return RunDemo(*o); }};
