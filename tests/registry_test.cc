@@ -243,6 +243,27 @@ TEST(Registry, APinNamesEveryRankOfAPreloadAcrossDevices) {
   EXPECT_EQ(r.Take().names.back(), "prod");
 }
 
+TEST(Registry, EvictTakesAPinnedNameBeforeADigestPrefixThatReadsTheSame) {
+  Registry r(64 * kMiB);
+  Publish(r, "host", 1, "xxh3-128:cfb2b2c73ac06040aa", 0, "base");
+  Publish(r, "host", 1, "xxh3-128:cfb2b2c73ac06040bb");
+  Publish(r, "host", 1, "xxh3-128:0123456789abcdef", 0, "cfb2b2c7");
+  // The name: its model alone, not the two whose digests start so.
+  std::vector<Eviction> gone = r.Evict("cfb2b2c7");
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].key.checkpoint, "xxh3-128:0123456789abcdef");
+  // A prefix as `status` prints it: cut, with an ellipsis; or in capitals.
+  gone = r.Evict("xxh3-128:cfb2b2c73ac06040b\u2026");
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].key.checkpoint, "xxh3-128:cfb2b2c73ac06040bb");
+  gone = r.Evict("CFB2B2C73AC06040");
+  ASSERT_EQ(gone.size(), 1u);
+  EXPECT_EQ(gone[0].name, "base");
+  // Too short to be a prefix, and no name: nothing.
+  Publish(r, "host", 1, "xxh3-128:cfb2b2c7ffff");
+  EXPECT_TRUE(r.Evict("cfb2b2c").empty());
+}
+
 // A rank loaded beside ranks already resident (one had been evicted) takes
 // the name they have when it is published: not the one they had when the
 // preload began, which another preload may since have taken.

@@ -463,17 +463,27 @@ std::vector<Eviction> Registry::Evict(const std::string& what) {
   Dropped dropped;  // freed after the lock is released
   std::lock_guard lock(mu_);
   std::vector<Eviction> out;
-  // A digest prefix counts without its algorithm tag and needs 8 hex
-  // characters: "xxh3-128" alone must not match every model.
+  // A pinned name means that model alone, even where it also reads as the
+  // start of other models' digests.
+  const bool a_name = std::any_of(models_.begin(), models_.end(), [&](const auto& m) {
+    return !m->name.empty() && m->name == what;
+  });
+  // A digest prefix counts without its algorithm tag, and needs 8 hex
+  // characters ("xxh3-128" alone must not match every model); in either
+  // case, and with the ellipsis `status` prints after a cut digest.
   const size_t colon = what.find(':');
-  const std::string bare_what = colon == std::string::npos ? what : what.substr(colon + 1);
+  std::string prefix = colon == std::string::npos ? what : what.substr(colon + 1);
+  constexpr std::string_view kEllipsis = "\u2026";
+  if (prefix.ends_with(kEllipsis)) prefix.resize(prefix.size() - kEllipsis.size());
+  std::transform(prefix.begin(), prefix.end(), prefix.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
   for (size_t i = models_.size(); i-- > 0;) {
     const ResidentModel& m = *models_[i];
     const std::string& digest = m.key.checkpoint;
     const size_t at = digest.find(':');
     const std::string bare = at == std::string::npos ? digest : digest.substr(at + 1);
-    const bool match = what == "all" || (!m.name.empty() && m.name == what) ||
-                       (bare_what.size() >= 8 && bare.rfind(bare_what, 0) == 0) ||
+    const bool match = what == "all" || (a_name && m.name == what) ||
+                       (!a_name && prefix.size() >= 8 && bare.starts_with(prefix)) ||
                        what == "#" + std::to_string(m.id);
     if (match) out.push_back(EvictLocked(i, dropped));
   }

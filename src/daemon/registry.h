@@ -182,9 +182,11 @@ class Registry {
   static constexpr size_t kFailedLoadsKept = 64;
   static constexpr size_t kFailedLoadReasonBytes = 1024;
 
-  // Evicts models matching `what`: "all", a pinned name, a prefix (at
-  // least 8 characters) of the checkpoint digest, or "#ID" (one model, as
-  // status numbers it: one rank of a tensor-parallel preload).
+  // Evicts models matching `what`: "all", a pinned name (that model alone,
+  // when it also reads as a digest prefix), a prefix (at least 8
+  // characters, either case, a trailing ellipsis ignored) of the checkpoint
+  // digest, or "#ID" (one model, as status numbers it: one rank of a
+  // tensor-parallel preload).
   std::vector<Eviction> Evict(const std::string& what);
 
   struct DeviceUse {
