@@ -664,11 +664,22 @@ TEST_F(DaemonTest, LoadSaveFailuresAreOneErrorDocument) {
   const std::string a = MakeModel("a");
   auto daemon = StartDaemon();
   Preload(a);
+  // A folder that is not there is refused before the load.
   CommandResult r = Run({"load", a, "--json", "--save", dir_.Join("no-such-dir/x.safetensors")});
-  EXPECT_EQ(r.exit_code, 1);
-  const json doc = json::parse(r.out);
-  EXPECT_TRUE(doc["source"].is_null()) << r.out;
-  EXPECT_NE(doc["error"].get<std::string>().find("x.safetensors"), std::string::npos) << r.out;
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find("cannot create a file in " + dir_.Join("no-such-dir")), std::string::npos)
+      << r.err;
+  // A write refused midway (here a file size limit, as a full disk would)
+  // fails after the load, with the failure's document.
+  Process limited(
+      {"load", a, "--json", "--save", dir_.Join("x.safetensors"), "--socket-dir", sock_},
+      {"sh", "-c", "ulimit -f 8 && trap '' XFSZ && exec \"$0\" \"$@\""});
+  EXPECT_EQ(limited.Wait(), 1) << limited.err();
+  const json doc = json::parse(limited.out());
+  EXPECT_TRUE(doc["source"].is_null()) << limited.out();
+  EXPECT_NE(doc["error"].get<std::string>().find("x.safetensors"), std::string::npos)
+      << limited.out();
+  EXPECT_FALSE(std::filesystem::exists(dir_.Join("x.safetensors")));
 
   std::string shard;
   for (const auto& f : std::filesystem::directory_iterator(a)) {

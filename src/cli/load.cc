@@ -1,5 +1,9 @@
 // `weightd load`: behave as an engine does at start.
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cstring>
 #include <filesystem>
@@ -99,12 +103,21 @@ int RunLoad(LoadCommandOptions& o) {
   // Refused before anything is loaded: not a file the user has, and never
   // a shard of the checkpoint itself.
   if (!o.save.empty()) {
-    std::error_code ec;
-    if (std::filesystem::symlink_status(o.save, ec).type() !=
-        std::filesystem::file_type::not_found) {
+    struct stat st;
+    if (::lstat(o.save.c_str(), &st) == 0) {
       return ReportError("load --save",
                          o.save + " exists; --save writes a new file (remove it first)",
                          kExitUsage);
+    }
+    if (errno != ENOENT) {
+      return ReportError("load --save", o.save + ": " + std::strerror(errno), kExitUsage);
+    }
+    // Nor a file that could not be written: a folder missing or shut.
+    const std::string parent = io::DirName(o.save);
+    if (::access(parent.c_str(), W_OK | X_OK) != 0) {
+      return ReportError(
+          "load --save",
+          o.save + ": cannot create a file in " + parent + ": " + std::strerror(errno), kExitUsage);
     }
   }
   auto weights = Acquire(o.spec, ao);
