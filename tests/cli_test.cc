@@ -58,6 +58,7 @@ TEST(Cli, UsageErrorsExitTwo) {
   EXPECT_NE(r.err.find("(see weightd load --help)"), std::string::npos) << r.err;
   // Options that would be ignored are refused: a rank or a device for
   // inspect (which explains every rank), --limit without --values (or 0),
+  // processing flags with --values (which prints the file's tensor),
   // a preset's option on another preset.
   const std::string overall =
       testing::ConformanceDir() + "/safetensors-samples/overall.safetensors";
@@ -66,6 +67,7 @@ TEST(Cli, UsageErrorsExitTwo) {
         {"inspect", overall, "--device", "cuda:0"},
         {"inspect", overall, "--limit", "2"},
         {"inspect", overall, "--values", "e", "--limit", "0"},
+        {"inspect", overall, "--values", "e", "--tp-size", "2"},
         {"make-checkpoint", dir.Join("y"), "--preset", "tiny", "--size", "1G"},
         {"make-checkpoint", dir.Join("y"), "--preset", "llama", "--tensors", "5"},
         {"make-checkpoint", dir.Join("y"), "--preset", "many-tensors", "--experts", "5"},

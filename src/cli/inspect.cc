@@ -244,6 +244,14 @@ Command AddInspectCommand(CLI::App& root) {
             for (const char* flag : {"--tp-size", "--dtype", "--quant", "--shard-plan"}) {
               if (app->count(flag) > 0) options->explain = true;
             }
+            // --values prints the tensor as the file holds it: no rank's.
+            if (options->explain && !options->values.empty()) {
+              return ReportError("usage",
+                                 "--values prints a tensor as the checkpoint holds it; it takes "
+                                 "no processing flags (load a rank with weightd load --save, "
+                                 "then inspect that file; see weightd inspect --help)",
+                                 kExitUsage);
+            }
             return RunInspect(*options);
           }};
 }
