@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <nlohmann/json.hpp>
 
 #include "test_util.h"
 
@@ -163,6 +164,23 @@ TEST(Cli, NamesFromFilesCannotCorruptTheOutput) {
   auto json_out = RunWeightd({"inspect", path, "--json"});
   EXPECT_EQ(json_out.exit_code, 0) << json_out.err;
   EXPECT_NE(json_out.out.find("\"a\\u001b[31m\""), std::string::npos) << json_out.out;
+  // That path, in every command's JSON, is its bytes, not a replacement.
+  const nlohmann::json hex = {{"hex", [&] {
+                                 std::string h;
+                                 for (unsigned char c : path) {
+                                   h += "0123456789abcdef"[c >> 4];
+                                   h += "0123456789abcdef"[c & 0xf];
+                                 }
+                                 return h;
+                               }()}};
+  for (std::vector<std::string> args :
+       {std::vector<std::string>{"inspect", path, "--json"},
+        {"fingerprint", path, "--json", "--no-cache"},
+        {"load", path, "--json", "--socket-dir", dir.Join("none")}}) {
+    auto r = RunWeightd(args);
+    ASSERT_EQ(r.exit_code, 0) << args[0] << ": " << r.err;
+    EXPECT_EQ(nlohmann::json::parse(r.out)["path"], hex) << args[0] << ": " << r.out;
+  }
   // A newline in a checkpoint's path keeps the engine's fallback line one line.
   const std::string odd = dir.Join("a\nb");
   ASSERT_TRUE(std::filesystem::create_directory(odd));

@@ -6,6 +6,7 @@
 #include <memory>
 
 #include "cli/output.h"
+#include "protocol/paths.h"
 
 namespace weightd::cli {
 namespace {
@@ -46,13 +47,13 @@ int RunFingerprint(const FingerprintCommandOptions& o) {
   if (o.json) {
     nlohmann::json shards = nlohmann::json::array();
     for (const auto& s : fp->shards) {
-      shards.push_back({{"name", s.name},
+      shards.push_back({{"name", protocol::PathToJson(s.name)},
                         {"digest", s.digest},
                         {"bytes", s.file_bytes},
                         {"tensors", s.tensors},
                         {"cached", s.cached}});
     }
-    nlohmann::json out = {{"path", o.path},
+    nlohmann::json out = {{"path", protocol::PathToJson(o.path)},
                           {"digest", fp->digest},
                           {"mode", std::string(fingerprint::ModeName(fp->mode))},
                           {"shards", fp->shards.size()},

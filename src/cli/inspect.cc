@@ -9,6 +9,7 @@
 #include "cli/output.h"
 #include "format/checkpoint.h"
 #include "format/dtype.h"
+#include "protocol/paths.h"
 #include "transform/plan.h"
 
 namespace weightd::cli {
@@ -35,13 +36,13 @@ nlohmann::json MetadataJson(const Shard& shard) {
 
 void PrintJson(const Checkpoint& ckpt) {
   nlohmann::json out;
-  out["path"] = ckpt.path;
+  out["path"] = protocol::PathToJson(ckpt.path);
   out["kind"] = ckpt.is_directory ? "checkpoint" : "file";
   out["index"] = ckpt.has_index;
   out["shards"] = nlohmann::json::array();
   out["tensors"] = nlohmann::json::array();
   for (const Shard& s : ckpt.shards) {
-    out["shards"].push_back({{"name", s.name},
+    out["shards"].push_back({{"name", protocol::PathToJson(s.name)},
                              {"file_bytes", s.file_size},
                              {"header_bytes", s.header.header_bytes},
                              {"data_offset", s.header.data_offset()},
@@ -49,7 +50,7 @@ void PrintJson(const Checkpoint& ckpt) {
                              {"metadata", MetadataJson(s)}});
     for (const TensorInfo& t : s.header.tensors) {
       out["tensors"].push_back({{"name", t.name},
-                                {"shard", s.name},
+                                {"shard", protocol::PathToJson(s.name)},
                                 {"dtype", std::string(format::DTypeName(t.dtype))},
                                 {"shape", t.shape},
                                 {"data_offsets", {t.begin, t.end}},
@@ -166,7 +167,7 @@ int ExplainPlan(const Checkpoint& ckpt, InspectOptions& o) {
   if (!plan.ok()) return ReportError("inspect", ckpt.path + ": " + plan.error().message());
   const std::string plan_name = resolved->plan->name();
   if (o.json) {
-    nlohmann::json out = {{"path", ckpt.path},
+    nlohmann::json out = {{"path", protocol::PathToJson(ckpt.path)},
                           {"tp_size", p.tp_size},
                           {"dtype", p.dtype},
                           {"quant", p.quant},

@@ -19,6 +19,7 @@
 #include "memory/cuda.h"
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
+#include "protocol/paths.h"
 #include "transform/plan.h"
 #include "weightd/client.h"
 
@@ -125,7 +126,7 @@ int RunLoad(LoadCommandOptions& o) {
   // a script reads why, and what differed, from it.
   auto fail = [&](const std::string& command, const std::string& why) {
     if (o.json) {
-      std::cout << DumpJson({{"path", o.spec.path},
+      std::cout << DumpJson({{"path", protocol::PathToJson(o.spec.path)},
                              {"source", nullptr},
                              {"error", why},
                              {"reason", miss.reason},
@@ -151,7 +152,7 @@ int RunLoad(LoadCommandOptions& o) {
 
   if (o.json) {
     json out = {
-        {"path", o.spec.path},
+        {"path", protocol::PathToJson(o.spec.path)},
         {"source", std::string(w.source())},
         {"reason", w.reason()},
         {"mismatch", w.mismatch_fields()},
