@@ -1841,12 +1841,18 @@ TEST_F(DaemonTest, AnEngineCanWaitForADaemonThatIsStarting) {
   EXPECT_NE(alone["reason"].get<std::string>().find("(after waiting 0.2 s for it)"),
             std::string::npos)
       << alone["reason"];
+  // The wait is in the load's time, and said apart: all of the 0.2 s.
+  EXPECT_GE(alone["waited_seconds"].get<double>(), 0.2) << alone.dump();
+  EXPECT_LE(alone["waited_seconds"].get<double>(), alone["seconds"].get<double>());
+  EXPECT_EQ(Load(a)["waited_seconds"], 0.0);
   Process engine({"load", a, "--json", "--wait-for-daemon", "60", "--socket-dir", sock_});
   ::usleep(300'000);
   auto daemon = StartDaemon();
   ASSERT_EQ(engine.Wait(), 0) << engine.err();
   // It reached the daemon (nothing resident) instead of giving up on it.
-  EXPECT_EQ(json::parse(engine.out())["reason"], "no model is resident") << engine.out();
+  const json reached = json::parse(engine.out());
+  EXPECT_EQ(reached["reason"], "no model is resident") << engine.out();
+  EXPECT_GT(reached["waited_seconds"].get<double>(), 0) << engine.out();
 }
 
 TEST_F(DaemonTest, PeerWithAnotherUidIsRefusedAndOthersAreServed) {

@@ -97,6 +97,10 @@ struct AcquireOptions {
     std::vector<std::string> fields;    // "checkpoint", "tp_rank", ...
   };
   Miss* miss = nullptr;
+  // When set, receives how long Acquire waited for the daemon, as
+  // wait_for_daemon_seconds let it (to start, or to load this model): a
+  // part of the time it took, not the load's own.
+  double* waited_seconds = nullptr;
 };
 
 struct Tensor {

@@ -94,6 +94,8 @@ int RunLoad(LoadCommandOptions& o) {
   ao.mode = o.mode == "copy" ? AcquireMode::kCopy : AcquireMode::kZeroCopy;
   ao.fallback = !o.no_fallback;
   ao.wait_for_daemon_seconds = o.wait;
+  double waited = 0;
+  ao.waited_seconds = &waited;
   ao.populate = o.populate;
   ao.trust = o.trust;
   ao.socket_dir = o.socket_dir;
@@ -160,6 +162,7 @@ int RunLoad(LoadCommandOptions& o) {
         {"tensors", w.tensors().size()},
         {"bytes", w.bytes()},
         {"seconds", seconds},
+        {"waited_seconds", waited},
         {"cuda_start_seconds", cuda_start_seconds ? json(*cuda_start_seconds) : json(nullptr)},
         {"checkpoint", w.checkpoint_digest()},
         {"device", w.device()},
@@ -171,6 +174,7 @@ int RunLoad(LoadCommandOptions& o) {
     std::cout << "source: " << w.source() << ", " << Printable(w.reason()) << "\n"
               << Count(w.tensors().size(), "tensor") << ", " << FormatBytes(w.bytes()) << " in "
               << FormatSeconds(seconds) << (w.device() == "host" ? "" : " on " + w.device());
+    if (waited > 0) std::cout << " (" << FormatSeconds(waited) << " of it waiting for the daemon)";
     if (cuda_start_seconds) {
       std::cout << " (CUDA started before it, in " << FormatSeconds(*cuda_start_seconds) << ")";
     }

@@ -192,6 +192,8 @@ struct Miss {
   std::vector<std::string> mismatch;
   std::vector<std::string> fields;
   bool daemon_reachable = false;
+  // Spent waiting for the daemon (asked to wait): to start, or to load.
+  double waited = 0;
 };
 
 Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
@@ -230,6 +232,17 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
           ? 0
           : std::clamp(o.wait_for_daemon_seconds, 0.0, protocol::kMaxAcquireWaitSeconds);
   const auto started = std::chrono::steady_clock::now();
+  // However it ends: the connection and the answer, when asked to wait.
+  struct CountWait {
+    double& waited;
+    std::chrono::steady_clock::time_point started;
+    bool counts;
+    ~CountWait() {
+      if (counts) {
+        waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      }
+    }
+  } count_wait{miss.waited, started, wait > 0};
   auto ch = protocol::ConnectToDaemonWaiting(protocol::SocketDirectory(o.socket_dir), wait);
   if (!ch.ok()) {
     miss.reason = "no daemon: " + ch.error().message();
@@ -387,6 +400,7 @@ std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
   mapped.mode = AcquireMode::kZeroCopy;
   Miss host_miss;
   std::unique_ptr<WeightsImpl> w = TryDaemon(host_key, mapped, checkpoint, host_miss);
+  miss.waited += host_miss.waited;
   if (!w) return nullptr;
   std::string staged_because;
   const std::span<const std::byte> host = w->mapping->bytes();
@@ -522,6 +536,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
 
   protocol::CacheKey key;
   Miss miss;
+  double waited = 0;
   bool reloaded = false;
   // The daemon asked for `key`; a model it holds in host memory only is
   // copied up to this GPU from there (the host-tier reload).
@@ -536,6 +551,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
       w = ReloadFromHost(key, device, o, checkpoint, miss);
       reloaded = w != nullptr;
     }
+    waited += miss.waited;
     return w;
   };
   std::unique_ptr<WeightsImpl> hit;
@@ -558,6 +574,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   if (options.miss != nullptr && !miss.reason.empty()) {
     *options.miss = {miss.reason, miss.mismatch, miss.fields};
   }
+  if (options.waited_seconds != nullptr) *options.waited_seconds = waited;
   if (hit) {
     if (!checked.trust.empty()) {
       hit->trusted_ = checked.trust;
