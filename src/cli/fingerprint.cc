@@ -93,7 +93,8 @@ Command AddFingerprintCommand(CLI::App& root) {
   app->add_option("--mode", o->mode, "sampled | full")->check(CLI::IsMember({"sampled", "full"}));
   app->add_flag(
       "--json", o->json,
-      "print JSON: digest, mode, shards, tensors, reads, bytes_read, seconds, cache_hits");
+      "print JSON: path, digest, mode, shards, shard_digests, tensors, reads, bytes_read,\n"
+      "cache_hits, round_trips, seconds (docs/cli.md)");
   app->add_flag("--no-cache", o->no_cache, "neither use nor update the stat cache");
   app->add_option("--max-inflight", o->max_inflight, "reads outstanding at once (default 512)")
       ->check(CLI::Range(1, 4096));

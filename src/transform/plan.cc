@@ -462,9 +462,11 @@ Result<Processing> ResolveProcessing(int tp_size, const std::string& dtype,
     return Error("--quant " + quant + ": one of none, fp8-block");
   }
   if (shard_plan.empty() && (tp_size > 1 || p.fp8_block)) {
-    return Error("name a --shard-plan (llama, replicate or a TOML file): with --tp-size " +
-                 std::to_string(tp_size) + " and --quant " + quant +
-                 " it decides what is split and quantized");
+    return Error("name a --shard-plan (llama, replicate or a TOML file): it decides " +
+                 std::string(tp_size > 1
+                                 ? "what is split across the " + std::to_string(tp_size) + " ranks"
+                                 : "what is quantized") +
+                 (tp_size > 1 && p.fp8_block ? " and what is quantized" : ""));
   }
   auto plan = ShardPlan::Load(shard_plan.empty() ? "replicate" : shard_plan);
   if (!plan.ok()) return Error("--shard-plan: " + plan.error().message());
