@@ -49,7 +49,7 @@ Status CheckSocketDirectory(const std::string& named) {
   if (S_ISLNK(st.st_mode)) {
     return Error("socket directory " + dir +
                  " is a symlink; refusing it (name the real directory with --socket-dir, or "
-                 "remove the link and weightd makes the directory)");
+                 "remove the link: weightd serve makes the directory)");
   }
   if (!S_ISDIR(st.st_mode)) return Error("socket directory " + dir + " is not a directory");
   if (st.st_uid != ::geteuid()) {
