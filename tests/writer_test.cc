@@ -185,6 +185,15 @@ TEST(Writer, WithoutReplaceAFileAlreadyThereIsKept) {
       WriteShard(dir.Join("t"), *layout, fill, {.sparse_prefix = std::nullopt, .replace = false})
           .ok());
   EXPECT_EQ(testing::ReadFileBytes(dir.Join("t")).size(), layout->file_size());
+  // A name as long as a file's may be: its temporary name is cut to fit.
+  const std::string longest(255, 'n');
+  for (bool replace : {false, true}) {
+    std::filesystem::remove(dir.Join(longest));
+    Status long_name = WriteShard(dir.Join(longest), *layout, fill,
+                                  {.sparse_prefix = std::nullopt, .replace = replace});
+    ASSERT_TRUE(long_name.ok()) << long_name.error().message();
+    EXPECT_EQ(testing::ReadFileBytes(dir.Join(longest)).size(), layout->file_size());
+  }
 }
 
 }  // namespace

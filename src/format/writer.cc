@@ -20,13 +20,22 @@ constexpr size_t kWriteBufferBytes = 4 << 20;
 
 std::string ErrnoText() { return std::strerror(errno); }
 
+// The longest name a Linux file system takes for one file (NAME_MAX).
+constexpr size_t kMaxNameBytes = 255;
+
 // Closes the descriptor and removes the temporary file unless Commit() ran.
 class TempFile {
  public:
   explicit TempFile(std::string final_path) : final_path_(std::move(final_path)) {
     static std::atomic<uint64_t> counter{0};
-    temp_path_ = final_path_ + ".tmp-" + std::to_string(::getpid()) + "-" +
-                 std::to_string(counter.fetch_add(1));
+    const std::string suffix =
+        ".tmp-" + std::to_string(::getpid()) + "-" + std::to_string(counter.fetch_add(1));
+    // Beside the file, under its name cut short where the suffix would make
+    // a name longer than a folder takes: any name FILE may have works.
+    const size_t slash = final_path_.rfind('/');
+    const size_t name_at = slash == std::string::npos ? 0 : slash + 1;
+    const size_t keep = std::min(final_path_.size() - name_at, kMaxNameBytes - suffix.size());
+    temp_path_ = final_path_.substr(0, name_at + keep) + suffix;
     fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   }
   TempFile(const TempFile&) = delete;
