@@ -33,6 +33,7 @@
 #include "protocol/channel.h"
 #include "protocol/paths.h"
 #include "test_util.h"
+#include "transform/plan.h"
 
 namespace weightd {
 namespace {
@@ -46,12 +47,17 @@ TEST(HostSegment, SealedSegmentsAreReadOnlyEverywhere) {
   ASSERT_TRUE((*seg)->Write(0, sevens).ok());
   EXPECT_FALSE((*seg)->Write(1, sevens).ok());  // past the end
   EXPECT_FALSE((*seg)->Export().ok());          // not before sealing
-  // What was written reads back before the seal, through the same view.
+  // What was written reads back before the seal, through the same view
+  // (where /proc lets the segment be mapped read-only early).
   const auto before = (*seg)->readable();
-  ASSERT_EQ(before.size(), 10000u);
-  EXPECT_EQ(before[9999], std::byte{7});
+  if (::access("/proc/self/fd", F_OK) == 0) {
+    ASSERT_EQ(before.size(), 10000u);
+    EXPECT_EQ(before[9999], std::byte{7});
+  }
   ASSERT_TRUE((*seg)->Seal().ok());
-  EXPECT_EQ((*seg)->readable().data(), before.data());
+  if (!before.empty()) {
+    EXPECT_EQ((*seg)->readable().data(), before.data());
+  }
   EXPECT_FALSE((*seg)->Write(0, std::span(sevens).first(1)).ok());
   auto fd = (*seg)->Export();
   ASSERT_TRUE(fd.ok());
@@ -222,7 +228,14 @@ void CheckHugePageSegments() {
   std::thread half(fill, 0, kSize / 2);
   fill(kSize / 2, kSize);
   half.join();
+  // Read back before the seal and after through one view, which stays put.
+  const std::byte* view = (*seg)->readable().data();
+  ASSERT_NE(view, nullptr);
+  EXPECT_TRUE(std::equal(pattern.begin(), pattern.end(), view));
   ASSERT_TRUE((*seg)->Seal().ok());
+  if (::access("/proc/self/fd", F_OK) == 0) {
+    EXPECT_EQ((*seg)->readable().data(), view);
+  }
   auto fd = (*seg)->Export();
   ASSERT_TRUE(fd.ok());
   auto map = memory::MapHostSegment(*fd, kSize);
@@ -265,6 +278,42 @@ TEST(HugePagePool, SegmentsTakeItsPagesAndNormalPagesWhenItIsShort) {
   if (child == 0) {
     ::alarm(60);  // a hung child must not keep the pool raised for good
     CheckHugePageSegments();
+    ::_exit(::testing::Test::HasFailure() ? 1 : 0);
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
+      << "the checks failed (above) or the child died (status " << status << ")";
+}
+
+// One rank of a split model, loaded into huge pages: its digest is that of
+// the checkpoint, hashed partly after the seal, which maps a huge-page
+// segment again (where the kernel likes), from the samples the reads did
+// not pass by and the replicated tensors in the sealed segment.
+TEST(HugePagePool, OneRankInHugePagesHasTheCheckpointsDigest) {
+  HugePagePool pool;
+  if (std::string why = pool.Raise(16); !why.empty()) GTEST_SKIP() << why;
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    ::alarm(60);  // a hung child must not keep the pool raised for good
+    [] {
+      TempDir dir;
+      const std::string path = dir.Join("m");
+      ASSERT_TRUE(
+          format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 8 << 20}).ok());
+      auto processing = transform::ResolveProcessing(2, "keep", "none", "llama");
+      ASSERT_TRUE(processing.ok()) << processing.error().message();
+      loader::LoadOptions one;
+      one.processing = *processing;
+      one.ranks = {1};
+      auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, one);
+      ASSERT_TRUE(loaded.ok()) << loaded.error().message();
+      ASSERT_TRUE(loaded->ranks[0].segment->huge_pages());
+      auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, {});
+      ASSERT_TRUE(fp.ok()) << fp.error().message();
+      EXPECT_EQ(loaded->checkpoint_digest, fp->digest);
+    }();
     ::_exit(::testing::Test::HasFailure() ? 1 : 0);
   }
   int status = 0;

@@ -340,8 +340,11 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   // Samples of tensors copied whole are hashed from the first segment, as
   // soon as their shard is written, where it can be read while the rest is
   // written; else caught as the reads pass, as for the others.
-  const std::span<const std::byte> first = targets.front().segment->readable();
-  const bool hash_from_segment = !first.empty() && first.size() >= segment_plan.total_bytes;
+  // (A huge-page segment's view moves at Seal: `wholes` is taken again
+  // then, for the shards hashed after it.)
+  const std::byte* wholes = targets.front().segment->readable().data();
+  const bool hash_from_segment =
+      wholes != nullptr && targets.front().segment->readable().size() >= segment_plan.total_bytes;
 
   // The jobs. Bytes kept as they are go by runs of small neighbours (in
   // file order) and chunks of big tensors; whatever is cut by columns,
@@ -474,7 +477,11 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     samples.bytes.reset(new std::byte[total]);
   }
   samples.caught.reset(new std::atomic<bool>[sources.size()]);
-  for (size_t i = 0; i < sources.size(); ++i) samples.caught[i].store(sources[i].whole);
+  // Caught already: a sample hashed from the segment, or one of no bytes
+  // (a tensor of no elements, which no job reads).
+  for (size_t i = 0; i < sources.size(); ++i) {
+    samples.caught[i].store(sources[i].whole || sources[i].sample_bytes == 0);
+  }
   const Context context{shards, sources, source_dtypes, plan, offsets, targets, samples};
   auto write_manifests = [&]() -> Status {
     std::vector<std::byte> manifest(static_cast<size_t>(segment_plan.manifest_bytes));
@@ -495,8 +502,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     shard_samples.reserve(index_of[s].size());
     for (size_t i : index_of[s]) {
       const Source& src = sources[i];
-      const std::byte* at =
-          src.whole ? first.data() + src.whole_at : samples.bytes.get() + src.sample_at;
+      const std::byte* at = src.whole ? wholes + src.whole_at : samples.bytes.get() + src.sample_at;
       shard_samples.push_back(std::span(at, static_cast<size_t>(src.sample_bytes)));
     }
     digests[s].name = headers[s].name;
@@ -599,6 +605,13 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   }
 
   for (LoadedRank& r : model.ranks) WEIGHTD_RETURN_IF_ERROR(r.segment->Seal());
+  if (hash_from_segment) {
+    wholes = targets.front().segment->readable().data();
+    if (wholes == nullptr ||
+        targets.front().segment->readable().size() < segment_plan.total_bytes) {
+      return Error("the sealed segment cannot be read back");
+    }
+  }
 
   // The files must be what they were when their headers were read.
   for (size_t s = 0; s < shards.size(); ++s) {

@@ -43,11 +43,14 @@ uint64_t RoundUp(uint64_t n, uint64_t to) {
 class HostSegment final : public Segment {
  public:
   // `map` is a writable mapping for huge-page segments (hugetlbfs takes no
-  // write(2)), a read-only one or null otherwise.
-  HostSegment(UniqueFd fd, uint64_t size, uint64_t reserved, bool huge, std::byte* map)
-      : fd_(std::move(fd)), size_(size), reserved_(reserved), huge_(huge), map_(map) {}
+  // write(2)), null otherwise; `view` a read-only one, or null where none
+  // could be made before the seal.
+  HostSegment(UniqueFd fd, uint64_t size, uint64_t reserved, bool huge, std::byte* map,
+              std::byte* view)
+      : fd_(std::move(fd)), size_(size), reserved_(reserved), huge_(huge), map_(map), view_(view) {}
   ~HostSegment() override {
     if (map_ != nullptr) ::munmap(map_, reserved_);
+    if (view_ != nullptr) ::munmap(view_, reserved_);
   }
 
   Device device() const override { return {}; }
@@ -64,6 +67,7 @@ class HostSegment final : public Segment {
                    " passes the segment's end (" + std::to_string(size_) + ")");
     }
     if (huge_) {
+      if (map_ == nullptr) return Error("segment written after a failed seal");
       for (const auto& p : pieces) {
         std::memcpy(map_ + offset, p.data(), p.size());
         offset += p.size();
@@ -75,25 +79,31 @@ class HostSegment final : public Segment {
 
   bool readable_here() const override { return true; }
   std::span<const std::byte> readable() const override {
-    if (map_ == nullptr) return {};  // a failed Seal left none
-    return {map_, static_cast<size_t>(size_)};
+    const std::byte* at = view_ != nullptr ? view_ : map_;
+    if (at == nullptr) return {};  // not before the seal, here, or a failed one
+    return {at, static_cast<size_t>(size_)};
   }
 
   Status Seal() override {
     if (sealed_) return OkStatus();
-    // F_SEAL_WRITE is refused while a writable shared mapping exists: swap
-    // a huge-page segment's for a read-only one.
-    if (huge_) {
+    // F_SEAL_WRITE is refused while a writable shared mapping exists: a
+    // huge-page segment's goes first.
+    if (map_ != nullptr) {
       if (::munmap(map_, reserved_) != 0) return Error(Errno("cannot unmap the segment"));
       map_ = nullptr;
     }
-    if (::fcntl(fd_.get(), F_ADD_SEALS, kRequiredSeals | F_SEAL_SEAL) != 0) {
-      return Error(Errno("cannot seal the segment"));
+    int sealed = ::fcntl(fd_.get(), F_ADD_SEALS, kRequiredSeals | F_SEAL_SEAL);
+    if (sealed != 0 && errno == EBUSY && view_ != nullptr) {
+      // A kernel that counts even our read-only view as writable: without it.
+      ::munmap(view_, reserved_);
+      view_ = nullptr;
+      sealed = ::fcntl(fd_.get(), F_ADD_SEALS, kRequiredSeals | F_SEAL_SEAL);
     }
-    if (map_ == nullptr) {
+    if (sealed != 0) return Error(Errno("cannot seal the segment"));
+    if (view_ == nullptr) {
       void* p = ::mmap(nullptr, reserved_, PROT_READ, MAP_SHARED, fd_.get(), 0);
       if (p == MAP_FAILED) return Error(Errno("cannot map the sealed segment"));
-      map_ = static_cast<std::byte*>(p);
+      view_ = static_cast<std::byte*>(p);
     }
     sealed_ = true;
     return OkStatus();
@@ -144,6 +154,7 @@ class HostSegment final : public Segment {
   uint64_t reserved_;
   bool huge_;
   std::byte* map_;
+  std::byte* view_;
   bool sealed_ = false;
 };
 
@@ -309,7 +320,10 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
     const uint64_t reserved = RoundUp(size, kHugePageBytes);
     if (auto made = MakeHugeSegment(label, reserved); made.ok()) {
       auto& [fd, map] = *made;
-      return std::unique_ptr<Segment>(new HostSegment(std::move(fd), size, reserved, true, map));
+      // Read back through a view of its own, which the seal leaves in place.
+      std::byte* view = MapReadOnly(fd.get(), reserved);
+      return std::unique_ptr<Segment>(
+          new HostSegment(std::move(fd), size, reserved, true, map, view));
     }
   }
   // Normal pages are allocated as the fill touches them, by every reading
@@ -332,7 +346,7 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
   // read back before the seal; it costs nothing until read.
   std::byte* map = MapReadOnly(fd->get(), reserved);
   return std::unique_ptr<Segment>(
-      new HostSegment(std::move(fd).value(), size, reserved, false, map));
+      new HostSegment(std::move(fd).value(), size, reserved, false, nullptr, map));
 }
 
 Mapping::~Mapping() {

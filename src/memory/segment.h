@@ -86,10 +86,11 @@ class Segment {
   // memory does; a GPU's does not).
   virtual bool readable_here() const = 0;
   // The segment's bytes as written so far: once sealed where
-  // readable_here(), and host memory from its creation on where /proc lets
-  // it be mapped read-only early (what a Write put there shows at once, so
-  // a loader can read what it wrote while it still writes elsewhere).
-  // Otherwise empty.
+  // readable_here(), and host memory from its creation on (what a Write put
+  // there shows at once, so a loader can read what it wrote while it still
+  // writes elsewhere). Otherwise empty. Host memory keeps one view from
+  // creation to the end where /proc lets it be mapped read-only early;
+  // else the view may move at Seal: take it again after.
   virtual std::span<const std::byte> readable() const = 0;
   // Copies sealed bytes [offset, offset + out.size()) into host memory: from
   // readable(), or by a copy off the GPU.
