@@ -185,8 +185,11 @@ TEST(Writer, WithoutReplaceAFileAlreadyThereIsKept) {
       WriteShard(dir.Join("t"), *layout, fill, {.sparse_prefix = std::nullopt, .replace = false})
           .ok());
   EXPECT_EQ(testing::ReadFileBytes(dir.Join("t")).size(), layout->file_size());
-  // A name as long as a file's may be: its temporary name is cut to fit.
-  const std::string longest(255, 'n');
+  // A name as long as a file's may be (85 characters of 3 bytes): its
+  // temporary name is cut to fit, between characters.
+  std::string longest;
+  for (int i = 0; i < 85; ++i) longest += "\xe2\x82\xac";  // the euro sign
+  ASSERT_EQ(longest.size(), 255u);
   for (bool replace : {false, true}) {
     std::filesystem::remove(dir.Join(longest));
     Status long_name = WriteShard(dir.Join(longest), *layout, fill,

@@ -12,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <cstdlib>
+#include <cstring>
 #include <iostream>
 #include <memory>
 
@@ -142,13 +143,17 @@ int RunDemo(const DemoOptions& o) {
   // not make (a model, a daemon's socket) goes with them.
   for (const std::string& path : {dir, socket_dir, cache_dir}) {
     struct stat st;
-    if (::lstat(path.c_str(), &st) == 0 || errno != ENOENT) {
-      return ReportError("demo",
-                         path + " already exists: the demo makes " + dir + ", " + socket_dir +
-                             " and " + cache_dir +
-                             " and removes them at the end; give --dir a path where none exists",
-                         kExitUsage);
+    std::string why = " already exists";
+    if (::lstat(path.c_str(), &st) != 0) {
+      if (errno == ENOENT) continue;
+      why = ": " + std::string(std::strerror(errno));
     }
+    return ReportError("demo",
+                       path + why + ": the demo makes " + dir + ", " + socket_dir + " and " +
+                           cache_dir + " and removes them at the end; " +
+                           (o.dir.empty() ? "remove it (an earlier demo's?) or give --dir"
+                                          : "give --dir a path where none exists"),
+                       kExitUsage);
   }
   // The demo's own socket and stat cache: it touches nothing of a real setup.
   ::setenv("WEIGHTD_CACHE_DIR", cache_dir.c_str(), 1);

@@ -115,10 +115,10 @@ int PrintValues(const Checkpoint& ckpt, const InspectOptions& o) {
 
   const uint64_t count = o.limit ? std::min(o.limit, tensor->elements) : tensor->elements;
   if (o.json) {
-    std::cout << "{\"name\":" << DumpJson(tensor->name) << ",\"shard\":" << DumpJson(shard->name)
-              << ",\"dtype\":\"" << format::DTypeName(tensor->dtype)
-              << "\",\"shape\":" << DumpJson(tensor->shape) << ",\"elements\":" << tensor->elements
-              << ",\"values\":[";
+    std::cout << "{\"name\":" << DumpJson(tensor->name)
+              << ",\"shard\":" << DumpJson(protocol::PathToJson(shard->name)) << ",\"dtype\":\""
+              << format::DTypeName(tensor->dtype) << "\",\"shape\":" << DumpJson(tensor->shape)
+              << ",\"elements\":" << tensor->elements << ",\"values\":[";
   }
   // Read in pieces of whole elements (24 bytes hold a whole number of
   // elements of every width, 6-bit ones included) so a large tensor never

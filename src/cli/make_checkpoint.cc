@@ -8,6 +8,7 @@
 
 #include "cli/output.h"
 #include "format/synthetic.h"
+#include "protocol/paths.h"
 
 namespace weightd::cli {
 namespace {
@@ -67,7 +68,7 @@ int RunMake(MakeOptions o) {
               << "): wrote " << FormatBytes(plan->data_bytes) << "\n";
   }
   if (o.json) {
-    nlohmann::json out = {{"path", o.out},
+    nlohmann::json out = {{"path", protocol::PathToJson(o.out)},
                           {"preset", o.synthetic.preset},
                           {"variant", o.variant},
                           {"seed", o.synthetic.seed},

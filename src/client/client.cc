@@ -232,16 +232,19 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
           ? 0
           : std::clamp(o.wait_for_daemon_seconds, 0.0, protocol::kMaxAcquireWaitSeconds);
   const auto started = std::chrono::steady_clock::now();
-  // However it ends: the connection and the answer, when asked to wait.
+  // When asked to wait: from here to the daemon's answer (however this
+  // ends before it), not what is done with the answer (a copy, a mapping).
   struct CountWait {
     double& waited;
     std::chrono::steady_clock::time_point started;
     bool counts;
-    ~CountWait() {
+    void Stop() {
       if (counts) {
         waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
       }
+      counts = false;
     }
+    ~CountWait() { Stop(); }
   } count_wait{miss.waited, started, wait > 0};
   auto ch = protocol::ConnectToDaemonWaiting(protocol::SocketDirectory(o.socket_dir), wait);
   if (!ch.ok()) {
@@ -281,6 +284,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   if (Status s = ch->Send(request); !s.ok()) return send_failed(s.error());
   if (auto hello = Expect(*ch, "hello"); !hello.ok()) return fail("protocol error", hello.error());
   auto reply = Expect(*ch, "acquired", wait_left);
+  count_wait.Stop();
   if (!reply.ok()) return fail("protocol error", reply.error());
   const json& body = reply->body;
   if (reply->type() == "miss") {

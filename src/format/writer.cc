@@ -34,7 +34,12 @@ class TempFile {
     // a name longer than a folder takes: any name FILE may have works.
     const size_t slash = final_path_.rfind('/');
     const size_t name_at = slash == std::string::npos ? 0 : slash + 1;
-    const size_t keep = std::min(final_path_.size() - name_at, kMaxNameBytes - suffix.size());
+    size_t keep = std::min(final_path_.size() - name_at, kMaxNameBytes - suffix.size());
+    // Never inside a UTF-8 character: some file systems take only whole ones.
+    while (keep > 0 && keep < final_path_.size() - name_at &&
+           (static_cast<unsigned char>(final_path_[name_at + keep]) & 0xC0) == 0x80) {
+      --keep;
+    }
     temp_path_ = final_path_.substr(0, name_at + keep) + suffix;
     fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   }
