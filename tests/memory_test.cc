@@ -270,14 +270,13 @@ void CheckHugePageSegments() {
   }
 }
 
-TEST(HugePagePool, SegmentsTakeItsPagesAndNormalPagesWhenItIsShort) {
-  HugePagePool pool;
-  if (std::string why = pool.Raise(8); !why.empty()) GTEST_SKIP() << why;
+// Runs `checks` in a child process, which the test waits for.
+void InChild(const std::function<void()>& checks) {
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
     ::alarm(60);  // a hung child must not keep the pool raised for good
-    CheckHugePageSegments();
+    checks();
     ::_exit(::testing::Test::HasFailure() ? 1 : 0);
   }
   int status = 0;
@@ -286,40 +285,35 @@ TEST(HugePagePool, SegmentsTakeItsPagesAndNormalPagesWhenItIsShort) {
       << "the checks failed (above) or the child died (status " << status << ")";
 }
 
+TEST(HugePagePool, SegmentsTakeItsPagesAndNormalPagesWhenItIsShort) {
+  HugePagePool pool;
+  if (std::string why = pool.Raise(8); !why.empty()) GTEST_SKIP() << why;
+  InChild(CheckHugePageSegments);
+}
+
 // One rank of a split model, loaded into huge pages: its digest is that of
-// the checkpoint, hashed partly after the seal, which maps a huge-page
-// segment again (where the kernel likes), from the samples the reads did
-// not pass by and the replicated tensors in the sealed segment.
+// the checkpoint, hashed partly after the seal, from the samples the reads
+// did not pass by and the replicated tensors in the sealed segment.
 TEST(HugePagePool, OneRankInHugePagesHasTheCheckpointsDigest) {
   HugePagePool pool;
   if (std::string why = pool.Raise(16); !why.empty()) GTEST_SKIP() << why;
-  const pid_t child = ::fork();
-  ASSERT_GE(child, 0);
-  if (child == 0) {
-    ::alarm(60);  // a hung child must not keep the pool raised for good
-    [] {
-      TempDir dir;
-      const std::string path = dir.Join("m");
-      ASSERT_TRUE(
-          format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 8 << 20}).ok());
-      auto processing = transform::ResolveProcessing(2, "keep", "none", "llama");
-      ASSERT_TRUE(processing.ok()) << processing.error().message();
-      loader::LoadOptions one;
-      one.processing = *processing;
-      one.ranks = {1};
-      auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, one);
-      ASSERT_TRUE(loaded.ok()) << loaded.error().message();
-      ASSERT_TRUE(loaded->ranks[0].segment->huge_pages());
-      auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, {});
-      ASSERT_TRUE(fp.ok()) << fp.error().message();
-      EXPECT_EQ(loaded->checkpoint_digest, fp->digest);
-    }();
-    ::_exit(::testing::Test::HasFailure() ? 1 : 0);
-  }
-  int status = 0;
-  ASSERT_EQ(::waitpid(child, &status, 0), child);
-  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0)
-      << "the checks failed (above) or the child died (status " << status << ")";
+  InChild([] {
+    TempDir dir;
+    const std::string path = dir.Join("m");
+    ASSERT_TRUE(
+        format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 8 << 20}).ok());
+    auto processing = transform::ResolveProcessing(2, "keep", "none", "llama");
+    ASSERT_TRUE(processing.ok()) << processing.error().message();
+    loader::LoadOptions one;
+    one.processing = *processing;
+    one.ranks = {1};
+    auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, one);
+    ASSERT_TRUE(loaded.ok()) << loaded.error().message();
+    ASSERT_TRUE(loaded->ranks[0].segment->huge_pages());
+    auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, {});
+    ASSERT_TRUE(fp.ok()) << fp.error().message();
+    EXPECT_EQ(loaded->checkpoint_digest, fp->digest);
+  });
 }
 
 // Under a huge page, a segment is normal pages whatever the pool holds, and
