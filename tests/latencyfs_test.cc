@@ -366,6 +366,33 @@ TEST(Latencyfs, AModelNamedTwiceInTheConfigLoadsOnceWithoutDeadlock) {
   EXPECT_EQ(daemon.err().find("still busy"), std::string::npos) << daemon.err();
 }
 
+// SIGTERM cancels a preload whose reads are all under way (a model of a
+// few jobs, each megabytes from a slow file system): the stop does not wait
+// for the load to end, and publishes nothing.
+TEST(Latencyfs, SigtermCancelsAPreloadWhoseReadsAreUnderWay) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  // Its 23 MB come through at 1 MB/s, in fewer jobs than reads in flight.
+  SlowCheckpoint slow("0", "1M", {.preset = "llama", .size_bytes = 16 << 20});
+  ASSERT_TRUE(slow.ready());
+  const std::string mnt = slow.mnt(), sock = slow.sock();
+  // A grace as long as the load: only the cancel can end the stop early.
+  testing::Process daemon({"serve", "--socket-dir", sock, "--stop-timeout", "600"});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  testing::Process preload({"preload", mnt + "/m", "--socket-dir", sock});
+  auto reading = [&] {
+    auto r = testing::RunWeightd({"status", "--json", "--socket-dir", sock});
+    return r.exit_code == 0 &&
+           nlohmann::json::parse(r.out)["devices"][0]["reserved"].get<uint64_t>() > 0;
+  };
+  ASSERT_TRUE(testing::Eventually(reading)) << daemon.err();
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+  EXPECT_NE(preload.Wait(), 0) << preload.out();
+  EXPECT_NE(daemon.err().find("the load was cancelled"), std::string::npos) << daemon.err();
+  EXPECT_EQ(daemon.err().find("preloaded "), std::string::npos) << daemon.err();
+  EXPECT_EQ(daemon.err().find("still busy"), std::string::npos) << daemon.err();
+}
+
 // A preload stuck in a file system call (a hung network mount, here every
 // operation delayed 2 s) must not keep a stopping daemon, and its lock,
 // alive: SIGTERM gives busy connections --stop-timeout, then exits.

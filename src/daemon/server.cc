@@ -1611,6 +1611,9 @@ Result<json> Server::State::PreloadUnguarded(
   if (!loaded.ok()) {
     return Error(path + ": " + loaded.error().message() + "; nothing was published");
   }
+  // A load that ended after the stop began is not published: the daemon
+  // is going, and its asker was told so.
+  if (stopping.load()) return Error("the daemon is stopping; nothing was published");
   // A GPU's segments cannot be read here: engines get the manifest from
   // host memory, one sealed copy for every rank (the same for all).
   std::shared_ptr<memory::Segment> manifest_copy;

@@ -145,6 +145,7 @@ Status WriteRun(memory::Segment& segment, const CopyJob& job, const std::byte* r
 
 // Everything a worker needs to run jobs.
 struct Context {
+  const std::atomic<bool>* cancel;  // may be null
   const std::vector<OpenShard>& shards;
   const std::vector<Source>& sources;
   const std::vector<format::DType>& source_dtypes;
@@ -168,6 +169,9 @@ Result<uint64_t> RunCopy(const Context& c, const CopyJob& job, Buffers& buf) {
   if (job.pieces.size() == 1 && job.bytes > kStepBytes) {  // a range of a big tensor
     const CopyJob::Piece& p = job.pieces[0];
     for (uint64_t at = 0; at < job.bytes; at += kStepBytes) {
+      // A job is megabytes: a slow file system makes it seconds, and a
+      // daemon stopping does not wait for them.
+      if (c.cancel != nullptr && c.cancel->load()) return Error("the load was cancelled");
       const std::span<std::byte> chunk = buf.Get(buf.in, std::min(kStepBytes, job.bytes - at));
       WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(job.file_offset + at, chunk));
       c.samples.Offer(c.sources[p.source], p.source, p.tensor_offset + at, chunk);
@@ -482,7 +486,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   for (size_t i = 0; i < sources.size(); ++i) {
     samples.caught[i].store(sources[i].whole || sources[i].sample_bytes == 0);
   }
-  const Context context{shards, sources, source_dtypes, plan, offsets, targets, samples};
+  const Context context{options.cancel, shards,  sources, source_dtypes,
+                        plan,           offsets, targets, samples};
   auto write_manifests = [&]() -> Status {
     std::vector<std::byte> manifest(static_cast<size_t>(segment_plan.manifest_bytes));
     memory::WriteManifest(segment_plan, manifest);
