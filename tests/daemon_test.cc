@@ -1244,7 +1244,9 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
   Preload(a);
   CommandResult second = Run({"preload", b});
   ASSERT_EQ(second.exit_code, 0) << second.err;
-  EXPECT_NE(second.out.find("evicted to make room"), std::string::npos) << second.out;
+  // Said with the model's path, not its digest alone; and so logged.
+  EXPECT_NE(second.out.find("evicted to make room: " + a + ", "), std::string::npos) << second.out;
+  EXPECT_NE(daemon->err().find("evicted " + a + ", "), std::string::npos) << daemon->err();
   json s = Status();
   ASSERT_EQ(s["models"].size(), 1u);
   EXPECT_NE(s["models"][0]["path"].get<std::string>().find("/b"), std::string::npos);

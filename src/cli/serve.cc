@@ -36,8 +36,8 @@ using nlohmann::json;
 
 daemon::Server* running_server = nullptr;
 
-void OnSignal(int) {
-  if (running_server != nullptr) running_server->RequestStop();
+void OnSignal(int signal) {
+  if (running_server != nullptr) running_server->RequestStop(signal);
 }
 
 std::string Now() {
@@ -577,7 +577,10 @@ Command AddPreloadCommand(CLI::App& root) {
                           << ", seal and digest " << s("finish") << "\n";
               }
               for (const auto& e : reply->value("evicted", json::array())) {
-                std::cout << "  evicted to make room: " << Printable(e.value("description", ""))
+                auto path = protocol::PathFromJson(e.value("path", json("")));
+                std::cout << "  evicted to make room: "
+                          << Printable((path.ok() && !path->empty() ? *path + ", " : "") +
+                                       e.value("description", ""))
                           << "\n";
               }
               if (const uint64_t more = reply->value("evicted_omitted", uint64_t{0}); more > 0) {

@@ -192,6 +192,7 @@ struct Server::State {
   memory::UniqueFd wake_read, wake_write;
   std::string socket_path;
   std::atomic<bool> stopping{false};
+  std::atomic<int> stop_signal{0};  // what asked for the stop, if a signal
 
   std::mutex conn_mu;
   std::condition_variable conn_done;
@@ -400,7 +401,8 @@ Server::~Server() {
   if (state_ && state_->abandoned) (void)state_.release();
 }
 
-void Server::RequestStop() {
+void Server::RequestStop(int signal) {
+  if (signal != 0) state_->stop_signal.store(signal);
   state_->stopping.store(true);
   if (state_->wake_write.valid()) {
     const char c = 'x';
@@ -453,8 +455,15 @@ Status Server::Start() {
   if (::flock(s.lock_fd.get(), LOCK_EX | LOCK_NB) != 0) {
     if (errno == EWOULDBLOCK) {
       const std::string pid = ReadSmallFile(s.lock_fd.get());
-      return Error("another weightd daemon" + (pid.empty() ? "" : " (pid " + pid + ")") +
-                   " is already serving " + dir);
+      const std::string who = "another weightd daemon" + (pid.empty() ? "" : " (pid " + pid + ")");
+      // Its socket goes first when it stops, and comes last when it starts.
+      struct stat st;
+      if (::lstat(s.socket_path.c_str(), &st) != 0 && errno == ENOENT) {
+        return Error(who + " holds " + dir +
+                     " and is stopping (or starting): its socket is not there; start again "
+                     "once it has ended");
+      }
+      return Error(who + " is already serving " + dir);
     }
     return Error(Errno("cannot lock " + lock_path));
   }
@@ -578,6 +587,18 @@ bool Server::Run() {
     if (wake.revents != 0) break;
   }
   s.stopping.store(true);
+  {
+    int connections = 0, preloads = 0;
+    {
+      std::lock_guard lock(s.conn_mu);
+      connections = s.live_connections;
+      preloads = s.live_preloads;
+    }
+    const char* abbrev = ::sigabbrev_np(s.stop_signal.load());
+    s.Log(std::string("stopping") + (abbrev != nullptr ? std::string(" on SIG") + abbrev : "") +
+          ": " + std::to_string(connections) + " connection(s) and " + std::to_string(preloads) +
+          " preload(s) from the config to end; loads in progress are cancelled");
+  }
   s.registry.DropExpected();  // the config's models not begun never will be
   {
     std::lock_guard lock(s.conn_mu);
@@ -1298,7 +1319,10 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
   if (type == "evict") {
     if (!body.contains("what") || !body["what"].is_string()) return Error("evict without `what`");
     const std::vector<Eviction> evicted = registry.Evict(body["what"].get<std::string>());
-    for (const Eviction& e : evicted) Log("evicted " + e.description + " (asked by " + who + ")");
+    for (const Eviction& e : evicted) {
+      Log("evicted " + (e.path.empty() ? "" : e.path + ", ") + e.description + " (asked by " + who +
+          ")");
+    }
     uint64_t omitted = 0;
     json reply = {{"type", "evicted"}, {"models", EvictionsJson(evicted, &omitted)}};
     if (omitted > 0) reply["models_omitted"] = omitted;
@@ -1598,7 +1622,9 @@ Result<json> Server::State::PreloadUnguarded(
       WEIGHTD_RETURN_IF_ERROR(registry.Reserve({need.begin(), need.end()}, &evicted,
                                                /*weigh_room=*/!host.options.try_huge_pages));
       reserved.ranks = std::move(want);
-      for (const Eviction& e : evicted) Log("evicted " + e.description + " to make room");
+      for (const Eviction& e : evicted) {
+        Log("evicted " + (e.path.empty() ? "" : e.path + ", ") + e.description + ", to make room");
+      }
     }
     const memory::Device& device = devices[static_cast<size_t>(rank)];
     if (device.kind == memory::DeviceKind::kCuda) {

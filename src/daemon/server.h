@@ -81,8 +81,8 @@ class Server {
   // and the caller should exit the process.
   bool Run();
 
-  // Async-signal-safe.
-  void RequestStop();
+  // Async-signal-safe. `signal`: the one that asked, for the log (0: none).
+  void RequestStop(int signal = 0);
   bool stopping() const;
 
   // The config's models, before `ready`: engines that may wait for the
