@@ -934,6 +934,9 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameDirectoryExitsNamingTheFirst) {
   CommandResult r = RunWeightd({"serve", "--socket-dir", sock_});
   EXPECT_EQ(r.exit_code, 1);
   EXPECT_NE(r.err.find("pid " + std::to_string(daemon->pid())), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("is already serving"), std::string::npos) << r.err;
+  // Why it stopped, and nothing of the budget it would have had.
+  EXPECT_EQ(r.err.find("budget"), std::string::npos) << r.err;
   EXPECT_EQ(Status()["models"].size(), 0u);  // the first still serves
 }
 

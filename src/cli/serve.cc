@@ -6,9 +6,11 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cerrno>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <ctime>
 #include <filesystem>
 #include <iostream>
@@ -315,6 +317,9 @@ int RunServe(ServeOptions o) {
     std::lock_guard lock(*log_mu);
     std::cerr << Now() << " weightd: " << Printable(line) << std::endl;
   };
+  // What the budgets mean, said once the directory is the daemon's: a
+  // daemon refused at start (another serves there) says only why.
+  std::vector<std::string> notes;
   // Budgets that cannot mean what they say are taken, and said.
   std::set<std::string> in_force;  // the last budget given for a device holds
   for (auto it = budgets.rbegin(); it != budgets.rend(); ++it) {
@@ -322,33 +327,34 @@ int RunServe(ServeOptions o) {
     if (!in_force.insert(b.host ? "host" : b.device).second) continue;
     // `host=64` is 64 bytes: taken as given, but likely meant otherwise.
     if (b.unitless && b.bytes > 0 && b.bytes < (uint64_t{1} << 20)) {
-      so.log("the budget for " + b.device + " is " + std::to_string(b.bytes) +
-             " bytes: a size without a unit is bytes (" + std::to_string(b.bytes) + "G would be " +
-             std::to_string(b.bytes) + " GiB)");
+      notes.push_back("the budget for " + b.device + " is " + std::to_string(b.bytes) +
+                      " bytes: a size without a unit is bytes (" + std::to_string(b.bytes) +
+                      "G would be " + std::to_string(b.bytes) + " GiB)");
     }
   }
   if (so.host_budget == 0) {
-    so.log("the host budget is 0: no model can be preloaded into host memory");
+    notes.push_back("the host budget is 0: no model can be preloaded into host memory");
   } else if (ceiling.bytes > 0 && so.host_budget > ceiling.bytes - ceiling.bytes / 8) {
     // The daemon's own memory, and anything else its group holds, come
     // out of the same limit: preloads then find the kernel's room short
     // before the budget (and evict for it, or are refused).
-    so.log("the host budget (" + FormatBytes(so.host_budget) +
-           ") leaves less than an eighth of the " + FormatBytes(ceiling.bytes) +
-           " this process may use (" +
-           (ceiling.source == "RAM" ? "the machine's memory" : ceiling.source) +
-           ") for the daemon itself and everything else: preloads will find the memory short "
-           "before the budget, and evict idle models for it or be refused");
+    notes.push_back(
+        "the host budget (" + FormatBytes(so.host_budget) + ") leaves less than an eighth of the " +
+        FormatBytes(ceiling.bytes) + " this process may use (" +
+        (ceiling.source == "RAM" ? "the machine's memory" : ceiling.source) +
+        ") for the daemon itself and everything else: preloads will find the memory short "
+        "before the budget, and evict idle models for it or be refused");
   } else if (!host_budget_given && ceiling.bytes == 0) {
-    so.log("host budget " + FormatBytes(so.host_budget) +
-           ": how much memory this machine has could not be told; give --budget host=SIZE");
+    notes.push_back(
+        "host budget " + FormatBytes(so.host_budget) +
+        ": how much memory this machine has could not be told; give --budget host=SIZE");
   } else if (!host_budget_given && ceiling.source != "RAM") {
-    so.log("host budget " + FormatBytes(so.host_budget) + ": half of the " +
-           FormatBytes(ceiling.bytes) + " this process's control group may use (" + ceiling.source +
-           "), less than the machine's memory");
+    notes.push_back("host budget " + FormatBytes(so.host_budget) + ": half of the " +
+                    FormatBytes(ceiling.bytes) + " this process's control group may use (" +
+                    ceiling.source + "), less than the machine's memory");
   } else if (!host_budget_given) {
-    so.log("host budget " + FormatBytes(so.host_budget) + ": half of the machine's " +
-           FormatBytes(ceiling.bytes) + " of memory (no control group limits it to less)");
+    notes.push_back("host budget " + FormatBytes(so.host_budget) + ": half of the machine's " +
+                    FormatBytes(ceiling.bytes) + " of memory (no control group limits it to less)");
   }
   daemon::Server server(so);
   // Before the first connection is accepted: an engine that may wait for
@@ -373,10 +379,17 @@ int RunServe(ServeOptions o) {
     running_server = nullptr;
     return ReportError("serve", s.error().message());
   }
+  for (const std::string& note : notes) so.log(note);
   // A stop asked for while it started: not ready, stopping (Run says so).
   if (!server.stopping()) {
     std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
               << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
+    // Whoever waits for that line (a supervisor, a script) will not see it.
+    if (!std::cout) {
+      so.log("ready, but the ready line could not be written to stdout: " +
+             std::string(std::strerror(errno)));
+      std::cout.clear();
+    }
   }
   // Models from the config load in the background: engines may ask (and
   // fall back, or wait for them) meanwhile. Each is keyed at once, on its
