@@ -366,10 +366,11 @@ TEST(Latencyfs, AModelNamedTwiceInTheConfigLoadsOnceWithoutDeadlock) {
   EXPECT_EQ(daemon.err().find("still busy"), std::string::npos) << daemon.err();
 }
 
-// SIGTERM cancels a preload whose reads are all under way (a model of a
-// few jobs, each megabytes from a slow file system): the stop does not wait
-// for the load to end, and publishes nothing.
-TEST(Latencyfs, SigtermCancelsAPreloadWhoseReadsAreUnderWay) {
+// `status` lists a preload under way; SIGTERM cancels it even when its
+// reads are all under way (a model of a few jobs, each megabytes from a
+// slow file system): the stop does not wait for the load to end, and
+// publishes nothing.
+TEST(Latencyfs, StatusListsAPreloadUnderWayAndSigtermCancelsIt) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
   // Its 23 MB come through at 1 MB/s, in fewer jobs than reads in flight.
   SlowCheckpoint slow("0", "1M", {.preset = "llama", .size_bytes = 16 << 20});
@@ -379,12 +380,22 @@ TEST(Latencyfs, SigtermCancelsAPreloadWhoseReadsAreUnderWay) {
   testing::Process daemon({"serve", "--socket-dir", sock, "--stop-timeout", "600"});
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
   testing::Process preload({"preload", mnt + "/m", "--socket-dir", sock});
+  // status lists the load under way: what, for whom, how far.
+  nlohmann::json load;
   auto reading = [&] {
     auto r = testing::RunWeightd({"status", "--json", "--socket-dir", sock});
-    return r.exit_code == 0 &&
-           nlohmann::json::parse(r.out)["devices"][0]["reserved"].get<uint64_t>() > 0;
+    if (r.exit_code != 0) return false;
+    const nlohmann::json loads = nlohmann::json::parse(r.out)["loading"];
+    if (loads.size() != 1 || loads[0]["done"].get<uint64_t>() == 0) return false;
+    load = loads[0];
+    return true;
   };
   ASSERT_TRUE(testing::Eventually(reading)) << daemon.err();
+  EXPECT_EQ(load["path"], mnt + "/m") << load.dump();
+  EXPECT_EQ(load["asked_by"], "pid " + std::to_string(preload.pid())) << load.dump();
+  EXPECT_LT(load["done"].get<uint64_t>(), load["total"].get<uint64_t>()) << load.dump();
+  auto text = testing::RunWeightd({"status", "--socket-dir", sock});
+  EXPECT_NE(text.out.find("loading " + mnt + "/m (asked by pid "), std::string::npos) << text.out;
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
   EXPECT_NE(preload.Wait(), 0) << preload.out();

@@ -617,69 +617,85 @@ Command AddStatusCommand(CLI::App& root) {
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
       ->check(NotEmpty());
   app->add_flag("--json", o->json, "print JSON: models (key, bytes, device, leases), devices");
-  return {app, [o] {
-            bool absent = false;
-            auto reply = client::Request(o->socket_dir, {{"type", "status"}}, {}, 0, &absent);
-            if (!reply.ok()) return ReportRequestError("status", reply.error(), absent);
-            if (o->json) {
-              std::cout << DumpJson(*reply, 2) << "\n";
-              return kExitOk;
+  return {
+      app, [o] {
+        bool absent = false;
+        auto reply = client::Request(o->socket_dir, {{"type", "status"}}, {}, 0, &absent);
+        if (!reply.ok()) return ReportRequestError("status", reply.error(), absent);
+        if (o->json) {
+          std::cout << DumpJson(*reply, 2) << "\n";
+          return kExitOk;
+        }
+        for (const auto& d : (*reply)["devices"]) {
+          const uint64_t reserved = d.value("reserved", uint64_t{0});
+          const uint64_t draining = d.value("evicted_in_use", uint64_t{0});
+          const uint64_t draining_models = d.value("evicted_in_use_models", uint64_t{0});
+          std::cout << d.value("name", "") << ": " << FormatBytes(d.value("used", uint64_t{0}))
+                    << " held of " << FormatBytes(d.value("budget", uint64_t{0}))
+                    << (draining > 0 ? " (" + FormatBytes(draining) + " by " +
+                                           Count(draining_models, "evicted model") +
+                                           " engines still map, freed when they let go)"
+                                     : "")
+                    << (reserved > 0 ? ", " + FormatBytes(reserved) + " for preloads under way"
+                                     : "")
+                    << "\n";
+          if (const json room = d.value("room", json()); room.is_object()) {
+            std::cout << "  the kernel would give " << FormatBytes(room.value("free", uint64_t{0}))
+                      << " more (" << Printable(room.value("what", "")) << "), "
+                      << FormatBytes(room.value("kept", uint64_t{0}))
+                      << " of it kept for the daemon itself\n";
+          }
+        }
+        if (const json cuda = reply->value("cuda", json::object()); !cuda.empty()) {
+          if (!cuda.value("available", false)) {
+            std::cout << "cuda: " << Printable(cuda.value("reason", "")) << "\n";
+          }
+          for (const auto& d : cuda.value("devices", json::array())) {
+            std::cout << "cuda:" << d.value("ordinal", 0) << " " << d.value("name", "") << "  "
+                      << Printable(d.value("model", "")) << "  "
+                      << FormatBytes(d.value("total_bytes", uint64_t{0}));
+            if (const json why = d.value("not_served", json()); why.is_string()) {
+              std::cout << "  not served: " << Printable(why.get<std::string>()) << "\n";
+            } else {
+              std::cout << "  read-only mapping: " << d.value("read_only_mapping", "") << "\n";
             }
-            for (const auto& d : (*reply)["devices"]) {
-              const uint64_t reserved = d.value("reserved", uint64_t{0});
-              const uint64_t draining = d.value("evicted_in_use", uint64_t{0});
-              const uint64_t draining_models = d.value("evicted_in_use_models", uint64_t{0});
-              std::cout << d.value("name", "") << ": " << FormatBytes(d.value("used", uint64_t{0}))
-                        << " held of " << FormatBytes(d.value("budget", uint64_t{0}))
-                        << (draining > 0 ? " (" + FormatBytes(draining) + " by " +
-                                               Count(draining_models, "evicted model") +
-                                               " engines still map, freed when they let go)"
-                                         : "")
-                        << (reserved > 0 ? ", " + FormatBytes(reserved) + " for preloads under way"
-                                         : "")
-                        << "\n";
-              if (const json room = d.value("room", json()); room.is_object()) {
-                std::cout << "  the kernel would give "
-                          << FormatBytes(room.value("free", uint64_t{0})) << " more ("
-                          << Printable(room.value("what", "")) << "), "
-                          << FormatBytes(room.value("kept", uint64_t{0}))
-                          << " of it kept for the daemon itself\n";
-              }
-            }
-            if (const json cuda = reply->value("cuda", json::object()); !cuda.empty()) {
-              if (!cuda.value("available", false)) {
-                std::cout << "cuda: " << Printable(cuda.value("reason", "")) << "\n";
-              }
-              for (const auto& d : cuda.value("devices", json::array())) {
-                std::cout << "cuda:" << d.value("ordinal", 0) << " " << d.value("name", "") << "  "
-                          << Printable(d.value("model", "")) << "  "
-                          << FormatBytes(d.value("total_bytes", uint64_t{0}));
-                if (const json why = d.value("not_served", json()); why.is_string()) {
-                  std::cout << "  not served: " << Printable(why.get<std::string>()) << "\n";
-                } else {
-                  std::cout << "  read-only mapping: " << d.value("read_only_mapping", "") << "\n";
-                }
-              }
-            }
-            const auto& models = (*reply)["models"];
-            if (models.empty()) std::cout << "no model is resident\n";
-            for (const auto& m : models) {
-              // A path that is not UTF-8 comes as {"hex": ...}.
-              const auto path = protocol::PathFromJson(m.value("path", json("")));
-              // #ID: what `evict #ID` takes.
-              std::cout << "  #" << m.value("id", uint64_t{0}) << "  "
-                        << Printable(m.value("description", "")) << "  "
-                        << FormatBytes(m.value("bytes", uint64_t{0})) << "  "
-                        << Count(m.value("leases", uint64_t{0}), "lease")
-                        << (m.value("name", "").empty() ? "" : "  pinned as " + m.value("name", ""))
-                        << "\n    " << Printable(path.ok() ? *path : "?") << "\n";
-            }
-            if (const uint64_t more = reply->value("models_omitted", uint64_t{0}); more > 0) {
-              std::cout << "  ... and " << Count(more, "more model")
-                        << " (the list is cut to fit one reply)\n";
-            }
-            return kExitOk;
-          }};
+          }
+        }
+        const auto& models = (*reply)["models"];
+        if (models.empty()) std::cout << "no model is resident\n";
+        for (const auto& m : models) {
+          // A path that is not UTF-8 comes as {"hex": ...}.
+          const auto path = protocol::PathFromJson(m.value("path", json("")));
+          // #ID: what `evict #ID` takes.
+          std::cout << "  #" << m.value("id", uint64_t{0}) << "  "
+                    << Printable(m.value("description", "")) << "  "
+                    << FormatBytes(m.value("bytes", uint64_t{0})) << "  "
+                    << Count(m.value("leases", uint64_t{0}), "lease")
+                    << (m.value("name", "").empty() ? "" : "  pinned as " + m.value("name", ""))
+                    << "\n    " << Printable(path.ok() ? *path : "?") << "\n";
+        }
+        if (const uint64_t more = reply->value("models_omitted", uint64_t{0}); more > 0) {
+          std::cout << "  ... and " << Count(more, "more model")
+                    << " (the list is cut to fit one reply)\n";
+        }
+        for (const auto& l : reply->value("loading", json::array())) {
+          const auto path = protocol::PathFromJson(l.value("path", json("")));
+          const uint64_t done = l.value("done", uint64_t{0}), total = l.value("total", uint64_t{0});
+          std::cout << "loading " << Printable(path.ok() ? *path : "?") << " (asked by "
+                    << Printable(l.value("asked_by", "")) << ", "
+                    << FormatSeconds(l.value("seconds", 0.0)) << " so far): ";
+          if (total == 0) {
+            std::cout << "starting, no weight read yet\n";
+          } else {
+            std::cout << done * 100 / total << "%, " << FormatBytes(done) << " of "
+                      << FormatBytes(total) << "\n";
+          }
+        }
+        if (const uint64_t more = reply->value("loading_omitted", uint64_t{0}); more > 0) {
+          std::cout << "  ... and " << Count(more, "more load") << " under way\n";
+        }
+        return kExitOk;
+      }};
 }
 
 Command AddEvictCommand(CLI::App& root) {

@@ -222,6 +222,17 @@ struct Server::State {
   // Preloads asked for by the daemon's owner (Server::Preload: the config's
   // models), which a stop waits for like connections.
   int live_preloads = 0;
+  // Preloads under way, for `status`: what, for whom, since when, how far.
+  struct Loading {
+    std::string path;
+    std::string asked_by;
+    std::chrono::steady_clock::time_point since;
+    uint64_t done = 0;
+    uint64_t total = 0;
+  };
+  std::mutex loads_mu;  // guards loads_under_way and next_load
+  std::map<uint64_t, Loading> loads_under_way;
+  uint64_t next_load = 0;
   // Run gave up waiting for some connection: its thread may still use the
   // state, which is then never freed.
   bool abandoned = false;
@@ -362,12 +373,38 @@ struct Server::State {
   // normally.
   Result<json> Preload(const std::string& path, const protocol::Processing& processing,
                        const std::string& pin, const std::vector<int>& only,
+                       const std::string& asked_by,
                        const std::function<void(uint64_t, uint64_t)>& progress,
                        std::optional<size_t> config_order = std::nullopt) {
     LoadMarks marks{*this, config_order, config_order.has_value(), {}, {}};
     Result<json> r = Error("");
+    // Listed in `status` while it runs, however it ends.
+    struct Listed {
+      State& s;
+      uint64_t id;
+      ~Listed() {
+        std::lock_guard lock(s.loads_mu);
+        s.loads_under_way.erase(id);
+      }
+    };
+    uint64_t id = 0;
+    {
+      std::lock_guard lock(loads_mu);
+      id = next_load++;
+      loads_under_way[id] = {path, asked_by, std::chrono::steady_clock::now(), 0, 0};
+    }
+    Listed listed{*this, id};
+    auto tracked = [&](uint64_t done, uint64_t total) {
+      {
+        std::lock_guard lock(loads_mu);
+        Loading& l = loads_under_way[id];
+        l.done = done;
+        l.total = total;
+      }
+      if (progress) progress(done, total);
+    };
     try {
-      r = PreloadUnguarded(path, processing, pin, only, progress, marks);
+      r = PreloadUnguarded(path, processing, pin, only, tracked, marks);
       // A header of a million tensors leaves hundreds of megabytes of freed
       // heap behind (its parse, the plan), given back now rather than kept
       // for good. Not after every preload: the next would fault its memory
@@ -1242,7 +1279,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     }
     {
       StopBeat stop{state_mu, beat_cv, finished, beat};
-      result = Preload(path, processing, pin, only, [&](uint64_t done, uint64_t total) {
+      result = Preload(path, processing, pin, only, who, [&](uint64_t done, uint64_t total) {
         std::unique_lock lock(state_mu);
         last_done = done;
         last_total = total;
@@ -1309,6 +1346,23 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       reply["models"] =
           protocol::ListWithin(std::move(entries), protocol::kMaxBodyBytes / 4 * 3, &omitted);
       if (omitted > 0) reply["models_omitted"] = omitted;
+      // Loads under way (whose bytes `reserved` counts): for whom, how far.
+      std::vector<json> loads;
+      {
+        std::lock_guard lock(loads_mu);
+        const auto now = std::chrono::steady_clock::now();
+        for (const auto& [load_id, l] : loads_under_way) {
+          loads.push_back({{"path", protocol::PathToJson(l.path)},
+                           {"asked_by", l.asked_by},
+                           {"seconds", std::chrono::duration<double>(now - l.since).count()},
+                           {"done", l.done},
+                           {"total", l.total}});
+        }
+      }
+      uint64_t loads_omitted = 0;
+      reply["loading"] =
+          protocol::ListWithin(std::move(loads), protocol::kMaxBodyBytes / 8, &loads_omitted);
+      if (loads_omitted > 0) reply["loading_omitted"] = loads_omitted;
       reply["pid"] = ::getpid();
       std::lock_guard lock(conn_mu);
       reply["connections"] = live_connections;
@@ -1779,7 +1833,8 @@ Result<std::string> Server::Preload(const PreloadRequest& request,
       s.Log("preload of " + request.path + " requested by the config");
     } catch (...) {
     }
-    r = s.Preload(request.path, request.processing, request.pin, {}, progress, request.order);
+    r = s.Preload(request.path, request.processing, request.pin, {}, "the config", progress,
+                  request.order);
   }
   if (!r.ok()) return r.error();
   return r->dump(-1, ' ', false, json::error_handler_t::replace);  // paths need not be UTF-8
