@@ -1726,6 +1726,10 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   ExpectRefused("[[model]]\npath = \"" + a + "\"\ntp_size = 2\n",
                 "[[model]] " + a + ": name a --shard-plan");
   ExpectRefused("[[model]]\npath = \"a\"\ntp_rank = 1\n", "not `tp_rank`");
+  // A key it does not take is named with its line.
+  ExpectRefused("[[model]]\npath = \"a\"\n\n[[model]]\npath = \"b\"\npinn = \"c\"\n",
+                config + ":6: [[model]] takes path");
+  ExpectRefused("socket_dir = \"s\"\nsocket_dirr = \"s\"\n", config + ":2: unknown key");
   ExpectRefused("[[model]]\npath = \"a\"\nfingerprint = \"most\"\n",
                 "fingerprint `most` is neither sampled nor full");
   // A name pins one model.

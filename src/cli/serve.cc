@@ -122,6 +122,10 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
                  ": " + std::string(e.description()));
   }
   auto fail = [&](const std::string& why) { return Error(file + ": " + why); };
+  // The same, at the line of `node` (where a key's value, or an entry, is).
+  auto fail_at = [&](const toml::node& node, const std::string& why) {
+    return Error(file + ":" + std::to_string(node.source().begin.line) + ": " + why);
+  };
   for (const auto& [key, value] : t) {
     const std::string k(key.str());
     if (k == "socket_dir") {
@@ -140,13 +144,15 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
       std::set<std::string> given;  // `host` and `cpu` are one device
       for (const auto& [device, size] : *value.as_table()) {
         if (!size.is_string() && !size.is_integer()) {
-          return fail("budget." + std::string(device.str()) + " must be a size like \"64G\"");
+          return fail_at(size,
+                         "budget." + std::string(device.str()) + " must be a size like \"64G\"");
         }
         const std::string amount =
             size.is_string() ? *size.value<std::string>() : std::to_string(*size.value<int64_t>());
         auto budget = ParseBudget(std::string(device.str()), amount);
         if (!budget.ok()) {
-          return fail("budget." + std::string(device.str()) + ": " + budget.error().message());
+          return fail_at(size,
+                         "budget." + std::string(device.str()) + ": " + budget.error().message());
         }
         if (!given.insert(budget->host ? "host" : budget->device).second) {
           return fail("[budget] names " + (budget->host ? std::string("host") : budget->device) +
@@ -165,7 +171,7 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
             const std::optional<int64_t> n = v.value<int64_t>();
             // The range is checked with the rest of the processing below.
             if (!v.is_integer() || !n || *n < 1 || *n > 1 << 20) {
-              return fail("[[model]] tp_size must be a positive whole number");
+              return fail_at(v, "[[model]] tp_size must be a positive whole number");
             }
             p.tp_size = static_cast<int>(*n);
             continue;
@@ -179,14 +185,15 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
                               : f == "fingerprint" ? &p.fingerprint
                                                    : nullptr;
           if (into == nullptr || !v.is_string()) {
-            return fail(
+            return fail_at(
+                v,
                 "[[model]] takes path, pin, device, dtype, quant, shard_plan and fingerprint "
                 "(strings) and tp_size (a number), not `" +
-                f + "`");
+                    f + "`");
           }
           *into = *v.value<std::string>();
         }
-        if (m.path.empty()) return fail("a [[model]] without a path");
+        if (m.path.empty()) return fail_at(entry, "a [[model]] without a path");
         // Relative to the config file, wherever the daemon was started:
         // the model, and a plan file.
         auto beside_config = [&](std::string& relative) -> Status {
@@ -232,7 +239,7 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
         models.push_back(m);
       }
     } else {
-      return fail("unknown key `" + k + "`");
+      return fail_at(value, "unknown key `" + k + "`");
     }
   }
   return OkStatus();
