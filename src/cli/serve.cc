@@ -39,7 +39,9 @@ using nlohmann::json;
 daemon::Server* running_server = nullptr;
 
 void OnSignal(int signal) {
+  const int saved = errno;  // whatever the interrupted code was about to read
   if (running_server != nullptr) running_server->RequestStop(signal);
+  errno = saved;
 }
 
 std::string Now() {
@@ -389,12 +391,13 @@ int RunServe(ServeOptions o) {
   for (const std::string& note : notes) so.log(note);
   // A stop asked for while it started: not ready, stopping (Run says so).
   if (!server.stopping()) {
+    errno = 0;
     std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
               << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
     // Whoever waits for that line (a supervisor, a script) will not see it.
     if (!std::cout) {
       so.log("ready, but the ready line could not be written to stdout: " +
-             std::string(std::strerror(errno)));
+             std::string(errno != 0 ? std::strerror(errno) : "an error of the stream"));
       std::cout.clear();
     }
   }
@@ -692,7 +695,7 @@ Command AddStatusCommand(CLI::App& root) {
                     << Printable(l.value("asked_by", "")) << ", "
                     << FormatSeconds(l.value("seconds", 0.0)) << " so far): ";
           if (total == 0) {
-            std::cout << "starting, no weight read yet\n";
+            std::cout << "reading headers, no progress reported yet\n";
           } else {
             std::cout << done * 100 / total << "%, " << FormatBytes(done) << " of "
                       << FormatBytes(total) << "\n";

@@ -222,11 +222,13 @@ struct Server::State {
   // Preloads asked for by the daemon's owner (Server::Preload: the config's
   // models), which a stop waits for like connections.
   int live_preloads = 0;
-  // Preloads under way, for `status`: what, for whom, since when, how far.
+  // Preloads, for `status` once they read (keyed, their turn come, no
+  // other load of theirs in flight): what, for whom, since when, how far.
   struct Loading {
     std::string path;
     std::string asked_by;
     std::chrono::steady_clock::time_point since;
+    bool reading = false;
     uint64_t done = 0;
     uint64_t total = 0;
   };
@@ -338,6 +340,7 @@ struct Server::State {
     std::vector<protocol::CacheKey> queued;
     std::vector<protocol::CacheKey> loading;  // marked by BeginLoad
     bool published = false;                   // some rank of it is resident
+    uint64_t listed = 0;                      // its entry in loads_under_way
     ~LoadMarks() {
       if (!loading.empty()) s.registry.EndLoad(loading);
       if (announced) s.registry.DropExpected(1);
@@ -378,8 +381,11 @@ struct Server::State {
                        std::optional<size_t> config_order = std::nullopt) {
     LoadMarks marks{*this, config_order, config_order.has_value(), {}, {}};
     Result<json> r = Error("");
-    // Listed in `status` while it runs, however it ends.
+    // Listed in `status` while it reads, however it ends.
     struct Listed {
+      Listed(State& state, uint64_t listed_id) : s(state), id(listed_id) {}
+      Listed(const Listed&) = delete;
+      Listed& operator=(const Listed&) = delete;
       State& s;
       uint64_t id;
       ~Listed() {
@@ -387,23 +393,24 @@ struct Server::State {
         s.loads_under_way.erase(id);
       }
     };
-    uint64_t id = 0;
-    {
-      std::lock_guard lock(loads_mu);
-      id = next_load++;
-      loads_under_way[id] = {path, asked_by, std::chrono::steady_clock::now(), 0, 0};
-    }
-    Listed listed{*this, id};
+    std::optional<Listed> listed;
     auto tracked = [&](uint64_t done, uint64_t total) {
       {
         std::lock_guard lock(loads_mu);
-        Loading& l = loads_under_way[id];
+        Loading& l = loads_under_way[marks.listed];
         l.done = done;
         l.total = total;
       }
       if (progress) progress(done, total);
     };
     try {
+      {
+        std::lock_guard lock(loads_mu);
+        marks.listed = next_load++;
+        loads_under_way[marks.listed] = {path,  asked_by, std::chrono::steady_clock::now(),
+                                         false, 0,        0};
+      }
+      listed.emplace(*this, marks.listed);
       r = PreloadUnguarded(path, processing, pin, only, tracked, marks);
       // A header of a million tensors leaves hundreds of megabytes of freed
       // heap behind (its parse, the plan), given back now rather than kept
@@ -497,8 +504,8 @@ Status Server::Start() {
       struct stat st;
       if (::lstat(s.socket_path.c_str(), &st) != 0 && errno == ENOENT) {
         return Error(who + " holds " + dir +
-                     " and is stopping (or starting): its socket is not there; start again "
-                     "once it has ended");
+                     ", and its socket is not there: it is stopping or starting (start again "
+                     "once it has stopped), or its socket was removed (stop it by its pid)");
       }
       return Error(who + " is already serving " + dir);
     }
@@ -1352,6 +1359,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
         std::lock_guard lock(loads_mu);
         const auto now = std::chrono::steady_clock::now();
         for (const auto& [load_id, l] : loads_under_way) {
+          if (!l.reading) continue;
           loads.push_back({{"path", protocol::PathToJson(l.path)},
                            {"asked_by", l.asked_by},
                            {"seconds", std::chrono::duration<double>(now - l.since).count()},
@@ -1687,13 +1695,19 @@ Result<json> Server::State::PreloadUnguarded(
     return memory::CreateHostSegment(
         bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""), host.options);
   };
+  {
+    std::lock_guard lock(loads_mu);
+    Loading& l = loads_under_way[marks.listed];
+    l.reading = true;
+    l.since = std::chrono::steady_clock::now();
+  }
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, lo);
   if (!loaded.ok()) {
     return Error(path + ": " + loaded.error().message() + "; nothing was published");
   }
   // A load that ended after the stop began is not published: the daemon
   // is going, and its asker was told so.
-  if (stopping.load()) return Error("the daemon is stopping; nothing was published");
+  if (stopping.load()) return Error(path + ": the daemon is stopping; nothing was published");
   // A GPU's segments cannot be read here: engines get the manifest from
   // host memory, one sealed copy for every rank (the same for all).
   std::shared_ptr<memory::Segment> manifest_copy;
