@@ -18,6 +18,7 @@
 #include <fstream>
 #include <functional>
 #include <limits>
+#include <mutex>
 #include <thread>
 
 #include "fingerprint/fingerprint.h"
@@ -789,6 +790,36 @@ TEST(Loader, AnAllocationRefusedIsTheLoadsError) {
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
   ASSERT_FALSE(loaded.ok());
   EXPECT_EQ(loaded.error().message(), "out of budget");
+}
+
+// Progress comes in steps of about a 64th of the load (1 MiB at least),
+// also within a job of megabytes (one slow read of it would otherwise
+// hold back every report), and ends at the total once.
+TEST(Loader, ProgressComesInSmallStepsToTheTotal) {
+  TempDir dir;
+  const std::string path = dir.Join("m");
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 24 << 20}).ok());
+  std::mutex mu;
+  std::vector<std::pair<uint64_t, uint64_t>> reports;
+  loader::LoadOptions o;
+  o.progress = [&](uint64_t done, uint64_t total) {
+    std::lock_guard lock(mu);
+    reports.emplace_back(done, total);
+  };
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message();
+  ASSERT_FALSE(reports.empty());
+  const uint64_t total = reports.back().second;
+  EXPECT_EQ(reports.back().first, total);
+  const uint64_t batch = std::max<uint64_t>(total / 64, 1 << 20);
+  uint64_t before = 0;
+  for (const auto& [done, of] : reports) {
+    EXPECT_EQ(of, total);
+    EXPECT_GT(done, before);  // no report twice
+    EXPECT_LE(done - before, batch + (256 << 10)) << "a report " << done - before << " bytes on";
+    before = done;
+  }
 }
 
 // The control group limits a container sets, as /proc/self/cgroup,

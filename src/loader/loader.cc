@@ -146,6 +146,9 @@ Status WriteRun(memory::Segment& segment, const CopyJob& job, const std::byte* r
 // Everything a worker needs to run jobs.
 struct Context {
   const std::atomic<bool>* cancel;  // may be null
+  // Told of the bytes of a big tensor's range as each step of it is read
+  // (progress within a job of megabytes); set before any job runs.
+  const std::function<void(uint64_t)>* advanced;
   const std::vector<OpenShard>& shards;
   const std::vector<Source>& sources;
   const std::vector<format::DType>& source_dtypes;
@@ -164,6 +167,7 @@ struct Buffers {
   }
 };
 
+// Returns the bytes read that were not told to c.advanced as they came.
 Result<uint64_t> RunCopy(const Context& c, const CopyJob& job, Buffers& buf) {
   const io::RandomAccessFile& file = *c.shards[job.shard].file;
   if (job.pieces.size() == 1 && job.bytes > kStepBytes) {  // a range of a big tensor
@@ -178,8 +182,9 @@ Result<uint64_t> RunCopy(const Context& c, const CopyJob& job, Buffers& buf) {
       for (size_t t : job.targets) {
         WEIGHTD_RETURN_IF_ERROR(c.targets[t].segment->Write(p.dst_offset + at, chunk));
       }
+      (*c.advanced)(chunk.size());
     }
-    return job.bytes;
+    return 0;  // every byte told as it came
   }
   const std::span<std::byte> run = buf.Get(buf.in, job.bytes);
   WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(job.file_offset, run));
@@ -486,8 +491,9 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   for (size_t i = 0; i < sources.size(); ++i) {
     samples.caught[i].store(sources[i].whole || sources[i].sample_bytes == 0);
   }
-  const Context context{options.cancel, shards,  sources, source_dtypes,
-                        plan,           offsets, targets, samples};
+  std::function<void(uint64_t)> advanced;
+  const Context context{options.cancel, &advanced, shards,  sources, source_dtypes,
+                        plan,           offsets,   targets, samples};
   auto write_manifests = [&]() -> Status {
     std::vector<std::byte> manifest(static_cast<size_t>(segment_plan.manifest_bytes));
     memory::WriteManifest(segment_plan, manifest);
@@ -544,6 +550,20 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   uint64_t done = 0, reported = 0, reads = 0;
   const uint64_t progress_batch =
       std::clamp(total / 64, kMinProgressBatchBytes, kMaxProgressBatchBytes);
+  // REQUIRES: mu held. Counts bytes read, and reports a batch's worth.
+  auto account = [&](uint64_t bytes) {
+    done += bytes;
+    // The end once (a job's end may tell no new byte), and an empty load's.
+    const bool end = done == total && (done != reported || total == 0);
+    if (options.progress && (done - reported >= progress_batch || end)) {
+      reported = done;
+      options.progress(done, total);
+    }
+  };
+  advanced = [&](uint64_t bytes) {
+    std::lock_guard lock(mu);
+    account(bytes);
+  };
   const int workers = static_cast<int>(std::min<size_t>(jobs, static_cast<size_t>(max_inflight)));
   io::RunTeam(workers, [&](int) {
     Buffers buffers;
@@ -584,11 +604,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       }
       if (i == 0) continue;  // the manifests: no read, no progress
       ++reads;
-      done += *read;
-      if (options.progress && (done - reported >= progress_batch || done == total)) {
-        reported = done;
-        options.progress(done, total);
-      }
+      account(*read);
     }
   });
   if (error) return *error;
