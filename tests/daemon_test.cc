@@ -986,6 +986,9 @@ TEST_F(DaemonTest, SigtermRemovesTheSocket) {
   ::usleep(300'000);  // time to die, had it not ignored the signal
   EXPECT_EQ(Run({"status"}).exit_code, 0);
   EXPECT_EQ(nohup.err().find("stopped"), std::string::npos) << nohup.err();
+  // ...and said so at start, with what stops it.
+  EXPECT_NE(nohup.err().find("SIGHUP is ignored, as this daemon was started"), std::string::npos)
+      << nohup.err();
   nohup.Signal(SIGTERM);
   EXPECT_EQ(nohup.Wait(), 0) << nohup.err();
 }
@@ -1692,9 +1695,15 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   const std::string config = dir_.Join("weightd.toml");
   // A relative path is the config file's neighbour, wherever the daemon
   // was started.
+  // Listed twice (the second time by its full path): loaded once, and said.
   testing::WriteFileText(config,
-                         "[budget]\nhost = \"1G\"\n[[model]]\npath = \"a\"\npin = \"prod\"\n");
+                         "[budget]\nhost = \"1G\"\n[[model]]\npath = \"a\"\npin = \"prod\"\n" +
+                             std::string("[[model]]\npath = \"") + a + "\"\n");
   auto daemon = StartDaemon({"--config", config});
+  ASSERT_TRUE(Eventually([&] {
+    return daemon->err().find("lists " + std::filesystem::canonical(a).string() +
+                              " twice (entries 1 and 2)") != std::string::npos;
+  })) << daemon->err();
   ASSERT_TRUE(Eventually([&] { return Status()["models"].size() == 1; })) << daemon->err();
   json s = Status();
   EXPECT_EQ(s["models"][0]["name"], "prod");

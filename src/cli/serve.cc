@@ -365,6 +365,19 @@ int RunServe(ServeOptions o) {
     notes.push_back("host budget " + FormatBytes(so.host_budget) + ": half of the machine's " +
                     FormatBytes(ceiling.bytes) + " of memory (no control group limits it to less)");
   }
+  // A checkpoint listed twice with the same processing loads once (the
+  // second finds it resident): said, as the config may mean otherwise.
+  for (size_t i = 0; i < preloads.size(); ++i) {
+    for (size_t j = 0; j < i; ++j) {
+      if (preloads[j].path == preloads[i].path &&
+          preloads[j].processing == preloads[i].processing) {
+        notes.push_back("the config lists " + preloads[i].path + " twice (entries " +
+                        std::to_string(j + 1) + " and " + std::to_string(i + 1) +
+                        ") with the same processing: it is loaded once");
+        break;
+      }
+    }
+  }
   daemon::Server server(so);
   // Before the first connection is accepted: an engine that may wait for
   // the daemon is told of the config's models from the start.
@@ -382,6 +395,10 @@ int RunServe(ServeOptions o) {
     struct sigaction was {};
     if (::sigaction(sig, nullptr, &was) == 0 && was.sa_handler != SIG_IGN) {
       ::sigaction(sig, &sa, nullptr);
+    } else {
+      notes.push_back(std::string(sig == SIGINT ? "SIGINT" : "SIGHUP") +
+                      " is ignored, as this daemon was started (nohup, a background job): "
+                      "stop it with SIGTERM");
     }
   }
   if (Status s = server.Start(); !s.ok()) {
