@@ -222,19 +222,43 @@ struct Server::State {
   // Preloads asked for by the daemon's owner (Server::Preload: the config's
   // models), which a stop waits for like connections.
   int live_preloads = 0;
-  // Preloads, for `status` once they read (keyed, their turn come, no
-  // other load of theirs in flight): what, for whom, since when, how far.
+  // Preloads reading a checkpoint (keyed, their turn come, no other load
+  // of theirs in flight), for `status`: what, for whom, since when, how far.
   struct Loading {
     std::string path;
     std::string asked_by;
     std::chrono::steady_clock::time_point since;
-    bool reading = false;
     uint64_t done = 0;
     uint64_t total = 0;
   };
   std::mutex loads_mu;  // guards loads_under_way and next_load
   std::map<uint64_t, Loading> loads_under_way;
   uint64_t next_load = 0;
+  // One of loads_under_way, for as long as this lives.
+  class ListedLoad {
+   public:
+    ListedLoad(State& s, const std::string& path, const std::string& asked_by) : s_(s) {
+      std::lock_guard lock(s_.loads_mu);
+      id_ = s_.next_load++;
+      s_.loads_under_way[id_] = {path, asked_by, std::chrono::steady_clock::now(), 0, 0};
+    }
+    ListedLoad(const ListedLoad&) = delete;
+    ListedLoad& operator=(const ListedLoad&) = delete;
+    ~ListedLoad() {
+      std::lock_guard lock(s_.loads_mu);
+      s_.loads_under_way.erase(id_);
+    }
+    void Progress(uint64_t done, uint64_t total) {
+      std::lock_guard lock(s_.loads_mu);
+      Loading& l = s_.loads_under_way.at(id_);
+      l.done = done;
+      l.total = total;
+    }
+
+   private:
+    State& s_;
+    uint64_t id_ = 0;
+  };
   // Run gave up waiting for some connection: its thread may still use the
   // state, which is then never freed.
   bool abandoned = false;
@@ -340,7 +364,6 @@ struct Server::State {
     std::vector<protocol::CacheKey> queued;
     std::vector<protocol::CacheKey> loading;  // marked by BeginLoad
     bool published = false;                   // some rank of it is resident
-    uint64_t listed = 0;                      // its entry in loads_under_way
     ~LoadMarks() {
       if (!loading.empty()) s.registry.EndLoad(loading);
       if (announced) s.registry.DropExpected(1);
@@ -381,37 +404,8 @@ struct Server::State {
                        std::optional<size_t> config_order = std::nullopt) {
     LoadMarks marks{*this, config_order, config_order.has_value(), {}, {}};
     Result<json> r = Error("");
-    // Listed in `status` while it reads, however it ends.
-    struct Listed {
-      Listed(State& state, uint64_t listed_id) : s(state), id(listed_id) {}
-      Listed(const Listed&) = delete;
-      Listed& operator=(const Listed&) = delete;
-      State& s;
-      uint64_t id;
-      ~Listed() {
-        std::lock_guard lock(s.loads_mu);
-        s.loads_under_way.erase(id);
-      }
-    };
-    std::optional<Listed> listed;
-    auto tracked = [&](uint64_t done, uint64_t total) {
-      {
-        std::lock_guard lock(loads_mu);
-        Loading& l = loads_under_way[marks.listed];
-        l.done = done;
-        l.total = total;
-      }
-      if (progress) progress(done, total);
-    };
     try {
-      {
-        std::lock_guard lock(loads_mu);
-        marks.listed = next_load++;
-        loads_under_way[marks.listed] = {path,  asked_by, std::chrono::steady_clock::now(),
-                                         false, 0,        0};
-      }
-      listed.emplace(*this, marks.listed);
-      r = PreloadUnguarded(path, processing, pin, only, tracked, marks);
+      r = PreloadUnguarded(path, processing, pin, only, asked_by, progress, marks);
       // A header of a million tensors leaves hundreds of megabytes of freed
       // heap behind (its parse, the plan), given back now rather than kept
       // for good. Not after every preload: the next would fault its memory
@@ -435,6 +429,7 @@ struct Server::State {
   }
   Result<json> PreloadUnguarded(const std::string& path, const protocol::Processing& processing,
                                 const std::string& pin, const std::vector<int>& only,
+                                const std::string& asked_by,
                                 const std::function<void(uint64_t, uint64_t)>& progress,
                                 LoadMarks& marks);
 };
@@ -1359,7 +1354,6 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
         std::lock_guard lock(loads_mu);
         const auto now = std::chrono::steady_clock::now();
         for (const auto& [load_id, l] : loads_under_way) {
-          if (!l.reading) continue;
           loads.push_back({{"path", protocol::PathToJson(l.path)},
                            {"asked_by", l.asked_by},
                            {"seconds", std::chrono::duration<double>(now - l.since).count()},
@@ -1484,8 +1478,8 @@ void Server::State::LearnReadOnly(const memory::Segment& segment) {
 
 Result<json> Server::State::PreloadUnguarded(
     const std::string& path, const protocol::Processing& processing, const std::string& pin,
-    const std::vector<int>& only, const std::function<void(uint64_t, uint64_t)>& progress,
-    LoadMarks& marks) {
+    const std::vector<int>& only, const std::string& asked_by,
+    const std::function<void(uint64_t, uint64_t)>& progress, LoadMarks& marks) {
   WEIGHTD_ASSIGN_OR_RETURN(transform::Processing resolved,
                            transform::ResolveProcessing(processing.tp_size, processing.dtype,
                                                         processing.quant, processing.shard_plan));
@@ -1647,7 +1641,6 @@ Result<json> Server::State::PreloadUnguarded(
   } reserved{registry, {}};
   std::vector<Eviction> evicted;
   loader::LoadOptions lo;
-  lo.progress = progress;
   lo.cancel = &stopping;
   lo.segment_name = io::BaseName(path);
   lo.processing = resolved;
@@ -1695,12 +1688,12 @@ Result<json> Server::State::PreloadUnguarded(
     return memory::CreateHostSegment(
         bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""), host.options);
   };
-  {
-    std::lock_guard lock(loads_mu);
-    Loading& l = loads_under_way[marks.listed];
-    l.reading = true;
-    l.since = std::chrono::steady_clock::now();
-  }
+  // Listed in `status` while it reads, however the load ends.
+  ListedLoad listed(*this, path, asked_by);
+  lo.progress = [&](uint64_t done, uint64_t total) {
+    listed.Progress(done, total);
+    if (progress) progress(done, total);
+  };
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, lo);
   if (!loaded.ok()) {
     return Error(path + ": " + loaded.error().message() + "; nothing was published");
