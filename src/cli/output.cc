@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <iostream>
 
+#include "protocol/paths.h"
+
 namespace weightd::cli {
 
 int ReportError(std::string_view what, std::string_view why, int code) {
@@ -73,6 +75,11 @@ std::string FormatSeconds(double seconds) {
 
 std::string DumpJson(const nlohmann::json& value, int indent) {
   return value.dump(indent, ' ', false, nlohmann::json::error_handler_t::replace);
+}
+
+std::string PrintablePath(const nlohmann::json& path) {
+  auto bytes = protocol::PathFromJson(path);
+  return Printable(bytes.ok() ? *bytes : path.dump());
 }
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {

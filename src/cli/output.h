@@ -47,6 +47,10 @@ std::string DumpJson(const nlohmann::json& value, int indent = -1);
 
 using protocol::Printable;
 
+// A path as a reply carries it (a string, or {"hex": ...} for one that is
+// not UTF-8), for a terminal; what is neither, as its JSON.
+std::string PrintablePath(const nlohmann::json& path);
+
 double SecondsSince(std::chrono::steady_clock::time_point start);
 
 // A subcommand: CLI11 fills its options, then main calls run.

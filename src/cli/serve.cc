@@ -469,9 +469,7 @@ int RunServe(ServeOptions o) {
 // A name pins one model: the ones `pin` named until this preload.
 void PrintPinTakenFrom(const json& reply, const std::string& pin) {
   for (const json& p : reply.value("pin_taken_from", json::array())) {
-    auto path = protocol::PathFromJson(p);
-    std::cout << "  `" << pin << "` no longer names the model from "
-              << Printable(path.ok() ? *path : p.dump()) << "\n";
+    std::cout << "  `" << pin << "` no longer names the model from " << PrintablePath(p) << "\n";
   }
 }
 
@@ -617,11 +615,9 @@ Command AddPreloadCommand(CLI::App& root) {
                           << ", seal and digest " << s("finish") << "\n";
               }
               for (const auto& e : reply->value("evicted", json::array())) {
-                auto path = protocol::PathFromJson(e.value("path", json("")));
-                std::cout << "  evicted to make room: "
-                          << Printable((path.ok() && !path->empty() ? *path + ", " : "") +
-                                       e.value("description", ""))
-                          << "\n";
+                const std::string path = PrintablePath(e.value("path", json("")));
+                std::cout << "  evicted to make room: " << (path.empty() ? "" : path + ", ")
+                          << Printable(e.value("description", "")) << "\n";
               }
               if (const uint64_t more = reply->value("evicted_omitted", uint64_t{0}); more > 0) {
                 std::cout << "  and " << Count(more, "more model") << " evicted to make room\n";
@@ -691,24 +687,21 @@ Command AddStatusCommand(CLI::App& root) {
         const auto& models = (*reply)["models"];
         if (models.empty()) std::cout << "no model is resident\n";
         for (const auto& m : models) {
-          // A path that is not UTF-8 comes as {"hex": ...}.
-          const auto path = protocol::PathFromJson(m.value("path", json("")));
           // #ID: what `evict #ID` takes.
           std::cout << "  #" << m.value("id", uint64_t{0}) << "  "
                     << Printable(m.value("description", "")) << "  "
                     << FormatBytes(m.value("bytes", uint64_t{0})) << "  "
                     << Count(m.value("leases", uint64_t{0}), "lease")
                     << (m.value("name", "").empty() ? "" : "  pinned as " + m.value("name", ""))
-                    << "\n    " << Printable(path.ok() ? *path : "?") << "\n";
+                    << "\n    " << PrintablePath(m.value("path", json(""))) << "\n";
         }
         if (const uint64_t more = reply->value("models_omitted", uint64_t{0}); more > 0) {
           std::cout << "  ... and " << Count(more, "more model")
                     << " (the list is cut to fit one reply)\n";
         }
         for (const auto& l : reply->value("loading", json::array())) {
-          const auto path = protocol::PathFromJson(l.value("path", json("")));
           const uint64_t done = l.value("done", uint64_t{0}), total = l.value("total", uint64_t{0});
-          std::cout << "loading " << Printable(path.ok() ? *path : "?") << " (asked by "
+          std::cout << "loading " << PrintablePath(l.value("path", json(""))) << " (asked by "
                     << Printable(l.value("asked_by", "")) << ", "
                     << FormatSeconds(l.value("seconds", 0.0)) << " so far): ";
           if (total == 0) {

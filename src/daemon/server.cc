@@ -48,6 +48,11 @@ using nlohmann::json;
 // The models evicted, as `evict` and a preload's reply list them: within
 // half a frame (an `evict all` of thousands of ranks with long pinned
 // names would not fit one), the rest counted in `omitted`.
+// An evicted model for the log: where it came from, and its key.
+std::string Named(const Eviction& e) {
+  return (e.path.empty() ? "" : e.path + ", ") + e.description;
+}
+
 json EvictionsJson(const std::vector<Eviction>& evicted, uint64_t* omitted) {
   std::vector<json> entries;
   entries.reserve(evicted.size());
@@ -1375,10 +1380,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
   if (type == "evict") {
     if (!body.contains("what") || !body["what"].is_string()) return Error("evict without `what`");
     const std::vector<Eviction> evicted = registry.Evict(body["what"].get<std::string>());
-    for (const Eviction& e : evicted) {
-      Log("evicted " + (e.path.empty() ? "" : e.path + ", ") + e.description + " (asked by " + who +
-          ")");
-    }
+    for (const Eviction& e : evicted) Log("evicted " + Named(e) + " (asked by " + who + ")");
     uint64_t omitted = 0;
     json reply = {{"type", "evicted"}, {"models", EvictionsJson(evicted, &omitted)}};
     if (omitted > 0) reply["models_omitted"] = omitted;
@@ -1677,9 +1679,7 @@ Result<json> Server::State::PreloadUnguarded(
       WEIGHTD_RETURN_IF_ERROR(registry.Reserve({need.begin(), need.end()}, &evicted,
                                                /*weigh_room=*/!host.options.try_huge_pages));
       reserved.ranks = std::move(want);
-      for (const Eviction& e : evicted) {
-        Log("evicted " + (e.path.empty() ? "" : e.path + ", ") + e.description + ", to make room");
-      }
+      for (const Eviction& e : evicted) Log("evicted " + Named(e) + ", to make room");
     }
     const memory::Device& device = devices[static_cast<size_t>(rank)];
     if (device.kind == memory::DeviceKind::kCuda) {
