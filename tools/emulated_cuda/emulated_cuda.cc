@@ -169,6 +169,15 @@ CUresult NeedContext(int* device = nullptr) {
   return CUDA_SUCCESS;
 }
 
+// Frees a handle this driver made (a module, a stream, an event).
+template <class Handle>
+CUresult DestroyHandle(Handle* handle) {
+  std::lock_guard lock(S().mu);
+  if (handle == nullptr) return CUDA_ERROR_INVALID_HANDLE;
+  delete handle;
+  return CUDA_SUCCESS;
+}
+
 bool ValidDevice(int ordinal) {
   return ordinal >= 0 && static_cast<size_t>(ordinal) < S().visible.size();
 }
@@ -794,12 +803,7 @@ CUresult ModuleLoadData(CUmodule* module, const void* image) {
   return CUDA_SUCCESS;
 }
 
-CUresult ModuleUnload(CUmodule module) {
-  std::lock_guard lock(S().mu);
-  if (module == nullptr) return CUDA_ERROR_INVALID_HANDLE;
-  delete module;
-  return CUDA_SUCCESS;
-}
+CUresult ModuleUnload(CUmodule module) { return DestroyHandle(module); }
 
 CUfunc_st flip_byte{0};
 
@@ -900,12 +904,7 @@ CUresult StreamCreate(CUstream* stream, unsigned int) {
   return CUDA_SUCCESS;
 }
 
-CUresult StreamDestroy(CUstream stream) {
-  std::lock_guard lock(S().mu);
-  if (stream == nullptr) return CUDA_ERROR_INVALID_HANDLE;
-  delete stream;
-  return CUDA_SUCCESS;
-}
+CUresult StreamDestroy(CUstream stream) { return DestroyHandle(stream); }
 
 CUresult StreamSynchronize(CUstream stream) {
   std::lock_guard lock(S().mu);
@@ -933,12 +932,7 @@ CUresult EventSynchronize(CUevent event) {
   return NeedContext();
 }
 
-CUresult EventDestroy(CUevent event) {
-  std::lock_guard lock(S().mu);
-  if (event == nullptr) return CUDA_ERROR_INVALID_HANDLE;
-  delete event;
-  return CUDA_SUCCESS;
-}
+CUresult EventDestroy(CUevent event) { return DestroyHandle(event); }
 
 struct Entry {
   const char* name;
