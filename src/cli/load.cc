@@ -285,8 +285,8 @@ Command AddLoadCommand(CLI::App& root) {
   app->add_flag("--no-cache", o->no_cache, "do not use the fingerprint's stat cache");
   app->add_flag(
       "--json", o->json,
-      "print JSON: source, reason, mismatch, tensors, bytes, seconds (CUDA's start apart: "
-      "cuda_start_seconds), checksum");
+      "print JSON: source, reason, mismatch, tensors, bytes, seconds (of which waiting for "
+      "the daemon: waited_seconds; CUDA's start apart: cuda_start_seconds), checksum");
   return {app, [o] { return RunLoad(*o); }};
 }
 

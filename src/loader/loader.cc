@@ -349,8 +349,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   // Samples of tensors copied whole are hashed from the first segment, as
   // soon as their shard is written, where it can be read while the rest is
   // written; else caught as the reads pass, as for the others.
-  // (A huge-page segment's view moves at Seal: `wholes` is taken again
-  // then, for the shards hashed after it.)
+  // (A view made at Seal, where none could be made early, may not be this
+  // one: `wholes` is taken again then, for the shards hashed after it.)
   const std::byte* wholes = targets.front().segment->readable().data();
   const bool hash_from_segment =
       wholes != nullptr && targets.front().segment->readable().size() >= segment_plan.total_bytes;
