@@ -1,4 +1,7 @@
+#include <fcntl.h>
 #include <gtest/gtest.h>
+#include <linux/magic.h>
+#include <sys/statfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -62,6 +65,39 @@ TEST(PosixFile, StatSignatureChangesWhenTheFileIsReplaced) {
   ASSERT_TRUE(after.ok());
   EXPECT_NE(before->inode, after->inode);
   EXPECT_FALSE(*before == *after);
+}
+
+TEST(PosixFile, CachedSaysWhetherEveryPageIsInThePageCache) {
+  TempDir dir;
+  const std::string path = dir.Join("f");
+  testing::WriteFileBytes(path, Pattern(3 << 20));
+  {
+    // Written back, so that the kernel may drop its pages when asked.
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fsync(fd), 0);
+    ::close(fd);
+  }
+  auto file = PosixFileSystem().Open(path);
+  ASSERT_TRUE(file.ok()) << file.error().message();
+  std::vector<std::byte> all((*file)->size());
+  ASSERT_TRUE((*file)->ReadExactly(0, all).ok());
+  EXPECT_TRUE((*file)->Cached());
+
+  struct statfs fs;
+  ASSERT_EQ(::statfs(path.c_str(), &fs), 0);
+  if (fs.f_type != TMPFS_MAGIC) {  // tmpfs pages are the file: never dropped
+    const int fd = ::open(path.c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    ::close(fd);
+    EXPECT_FALSE((*file)->Cached());
+  }
+
+  testing::WriteFileBytes(dir.Join("empty"), {});
+  auto empty = PosixFileSystem().Open(dir.Join("empty"));
+  ASSERT_TRUE(empty.ok());
+  EXPECT_TRUE((*empty)->Cached());  // nothing to wait for
 }
 
 class ReadManyTest : public ::testing::TestWithParam<int> {};

@@ -2,10 +2,12 @@
 
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <climits>
 #include <cstdlib>
@@ -130,6 +132,27 @@ class PosixFile final : public RandomAccessFile {
   }
 
   Result<StatSignature> Stat() const override { return SignatureAt(fd_, "", AT_EMPTY_PATH, path_); }
+
+  // mincore(2) over a read-only mapping, a window at a time (its vector is
+  // a byte per page), up to the first page not resident.
+  bool Cached() const override {
+    constexpr uint64_t kWindow = 1ull << 30;
+    const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    std::vector<unsigned char> resident;
+    for (uint64_t at = 0; at < size_; at += kWindow) {
+      const auto length = static_cast<size_t>(std::min(kWindow, size_ - at));
+      void* map = ::mmap(nullptr, length, PROT_READ, MAP_SHARED, fd_, static_cast<off_t>(at));
+      if (map == MAP_FAILED) return false;  // a file system that cannot map
+      resident.resize((length + page - 1) / page);
+      const bool ok = ::mincore(map, length, resident.data()) == 0;
+      ::munmap(map, length);
+      if (!ok || std::any_of(resident.begin(), resident.end(),
+                             [](unsigned char r) { return (r & 1) == 0; })) {
+        return false;
+      }
+    }
+    return true;
+  }
 
  private:
   const std::string path_;

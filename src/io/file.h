@@ -57,6 +57,11 @@ class RandomAccessFile {
 
   // The file's signature now (not at open time).
   virtual Result<StatSignature> Stat() const = 0;
+
+  // Whether every byte of the file is in the page cache now, so that no
+  // read of it waits for storage (until the kernel evicts some); false
+  // where that cannot be told.
+  virtual bool Cached() const { return false; }
 };
 
 enum class EntryType { kRegular, kDirectory, kSymlink, kOther };
