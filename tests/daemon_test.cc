@@ -256,6 +256,48 @@ TEST_F(DaemonTest, TheLibraryRefusesAFingerprintModeItDoesNotKnow) {
       << refused.error().message();
 }
 
+// An engine that keeps one Miss across its calls (rank after rank, retry
+// after retry) reads each call's, never an earlier one's.
+TEST_F(DaemonTest, TheLibrarySaysEachCallsMissAndWaitAfresh) {
+  const std::string a = MakeModel("a");
+  AcquireOptions options;
+  options.socket_dir = sock_;
+  options.log = [](const std::string&) {};
+  AcquireOptions::Miss miss;
+  double waited = -1;
+  options.miss = &miss;
+  options.waited_seconds = &waited;
+  auto acquire_from = [&](const char* source) {
+    auto w = Acquire({.path = a}, options);
+    ASSERT_TRUE(w.ok()) << w.error().message();
+    const std::unique_ptr<Weights> weights = *std::move(w);
+    EXPECT_EQ(weights->source(), source);
+  };
+  acquire_from("disk");  // no daemon
+  EXPECT_NE(miss.reason.find("no daemon"), std::string::npos) << miss.reason;
+  EXPECT_EQ(waited, 0);
+
+  // An error before the daemon is asked leaves nothing of the last call.
+  waited = -1;
+  options.fingerprint = "FULL";
+  EXPECT_FALSE(Acquire({.path = a}, options).ok());
+  EXPECT_EQ(miss.reason, "");
+  EXPECT_EQ(waited, 0);
+
+  // Nor does a hit.
+  options.fingerprint = "sampled";
+  auto daemon = StartDaemon();
+  acquire_from("disk");  // nothing resident
+  EXPECT_EQ(miss.reason, "no model is resident");
+  Preload(a);
+  waited = -1;
+  acquire_from("daemon");
+  EXPECT_EQ(miss.reason, "");
+  EXPECT_TRUE(miss.fields.empty());
+  EXPECT_TRUE(miss.mismatch.empty());
+  EXPECT_EQ(waited, 0);
+}
+
 TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   const std::string a = MakeModel("a");
   const std::string copy = dir_.Join("elsewhere/copy");

@@ -192,6 +192,9 @@ struct Miss {
   std::vector<std::string> mismatch;
   std::vector<std::string> fields;
   bool daemon_reachable = false;
+  // The daemon looked the key up and answered that it holds no such model
+  // (not a connection, protocol or mapping error).
+  bool answered = false;
   // Spent waiting for the daemon (asked to wait): to start, or to load.
   double waited = 0;
 };
@@ -295,6 +298,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
         if (v.is_string()) out.push_back(v.get<std::string>());
       }
     };
+    miss.answered = true;
     auto reason = body.find("reason");
     miss.reason = reason != body.end() && reason->is_string() ? reason->get<std::string>() : "miss";
     strings("mismatch", miss.mismatch);
@@ -405,7 +409,10 @@ std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
   Miss host_miss;
   std::unique_ptr<WeightsImpl> w = TryDaemon(host_key, mapped, checkpoint, host_miss);
   miss.waited += host_miss.waited;
-  if (!w) return nullptr;
+  if (!w) {
+    miss.reason += "; nor could it be copied up from the daemon's host memory: " + host_miss.reason;
+    return nullptr;
+  }
   std::string staged_because;
   const std::span<const std::byte> host = w->mapping->bytes();
   auto copy = memory::CopyToCudaSegment(host, device.uuid, &staged_because);
@@ -435,25 +442,28 @@ std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
 // Fire and forget: the daemon goes on loading after this connection closes.
 void AskToPopulate(const LoadSpec& spec, const protocol::Processing& p, const AcquireOptions& o,
                    const std::function<void(const std::string&)>& log) {
+  auto cannot = [&](const Error& e) {
+    log("could not ask the daemon to preload " + spec.path + ": " + e.message());
+  };
   auto real = io::PosixFileSystem().RealPath(spec.path);
+  if (!real.ok()) return cannot(real.error());
   // The daemon reads a plan file too, from its own working directory.
   protocol::Processing absolute = p;
   if (transform::IsPlanFile(p.shard_plan)) {
     auto plan = io::PosixFileSystem().RealPath(p.shard_plan);
-    if (!plan.ok()) return;
+    if (!plan.ok()) return cannot(plan.error());
     absolute.shard_plan = *plan;
   }
   auto ch = protocol::ConnectToDaemon(protocol::SocketDirectory(o.socket_dir));
-  if (!real.ok() || !ch.ok()) return;
+  if (!ch.ok()) return cannot(ch.error());
   json request = {{"type", "preload"},
                   {"path", protocol::PathToJson(*real)},
                   {"processing", protocol::ToJson(absolute)}};
   // On a GPU, this rank only: the other ranks' engines are on other GPUs,
   // and ask for their own.
   if (p.device != "host" && p.tp_size > 1) request["ranks"] = {p.tp_rank};
-  if (ch->Send(request).ok()) {
-    log("asked the daemon to preload " + *real + " for the next start");
-  }
+  if (Status sent = ch->Send(request); !sent.ok()) return cannot(sent.error());
+  log("asked the daemon to preload " + *real + " for the next start");
 }
 
 }  // namespace
@@ -495,6 +505,24 @@ Result<std::string> Weights::Checksum() const {
 Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOptions& options) {
   auto log = options.log ? options.log : [](const std::string& line) {
     std::cerr << "weightd: " << protocol::Printable(line) << "\n";
+  };
+  // Said afresh by every call, whichever way it ends: a Miss kept across
+  // calls (rank after rank) never shows an earlier call's.
+  if (options.miss != nullptr) *options.miss = {};
+  if (options.waited_seconds != nullptr) *options.waited_seconds = 0;
+  // One wait for the whole call, from the first request on, however many
+  // times the daemon is asked (a trusted name, then the content; a GPU's
+  // copy from host memory).
+  std::optional<std::chrono::steady_clock::time_point> first_asked;
+  auto wait_left = [&](const AcquireOptions& o) {
+    const auto now = std::chrono::steady_clock::now();
+    if (!first_asked) first_asked = now;
+    AcquireOptions timed = o;
+    if (!std::isnan(o.wait_for_daemon_seconds)) {
+      const double spent = std::chrono::duration<double>(now - *first_asked).count();
+      timed.wait_for_daemon_seconds = std::max(0.0, o.wait_for_daemon_seconds - spent);
+    }
+    return timed;
   };
   const protocol::Processing processing{spec.tp_size,       spec.tp_rank,    spec.dtype,
                                         spec.quant,         spec.shard_plan, spec.device,
@@ -549,10 +577,10 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     if (checkpoint.empty()) {
       if (auto real = io::PosixFileSystem().RealPath(spec.path); real.ok()) checkpoint = *real;
     }
-    std::unique_ptr<WeightsImpl> w = TryDaemon(key, o, checkpoint, miss);
+    std::unique_ptr<WeightsImpl> w = TryDaemon(key, wait_left(o), checkpoint, miss);
     if (!w && device.kind == memory::DeviceKind::kCuda &&
         miss.fields == std::vector<std::string>{"device"}) {
-      w = ReloadFromHost(key, device, o, checkpoint, miss);
+      w = ReloadFromHost(key, device, wait_left(o), checkpoint, miss);
       reloaded = w != nullptr;
     }
     waited += miss.waited;
@@ -563,9 +591,11 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   if (!options.trust.empty()) {
     key = protocol::MakeKey("", keyed, plan_name, plan_digest);
     hit = ask(options);
-    if (!hit && miss.daemon_reachable) {
+    if (!hit && miss.answered) {
       // The name is not (or no longer) on a model like this: the checkpoint
       // may still be resident, found by its content as without --trust.
+      // (A daemon that did not answer, or whose model could not be mapped,
+      // is not asked again: the disk load follows.)
       log("trusted name `" + options.trust + "` not served (" + miss.reason + "); checking " +
           spec.path + "'s content instead");
       checked.trust.clear();
