@@ -16,8 +16,24 @@
 // sampled fingerprint reads each tensor's first KiB: an edit past it alone
 // is not seen (docs/fingerprint.md).
 //
-// Thread safety: Acquire may be called from many threads; a Weights object
-// is immutable and may be read from any thread while it lives.
+// Thread safety: Acquire may be called from many threads (AcquireOptions::
+// log may then be called from several at once); a Weights object is
+// immutable and may be read from any thread while it lives.
+//
+// What lives how long: everything a Tensor holds (name, dtype, shape, data,
+// device_address) points into the Weights it came from, and is valid while
+// that object lives, no longer; copy what must outlive it. The daemon
+// stopping, being killed or evicting the model does not end it: a mapping
+// keeps its memory. On a GPU, destroying the Weights frees or unmaps its
+// memory at once: synchronize every stream that reads it first.
+//
+// Weights are for reading. Host bytes are read-only in every mode and from
+// every source (mapped PROT_READ: a write faults); an engine that rewrites
+// weights in place (repacking, fused scales) copies them into its own
+// buffers first. On a GPU, the daemon's memory is mapped read-only where the
+// driver allows it (a kernel's store into it faults and costs the engine its
+// CUDA context); the engine's own copies there are not protected, but are
+// not the engine's to write either.
 #pragma once
 
 #include <cstddef>
@@ -68,7 +84,10 @@ struct AcquireOptions {
   bool fallback = true;
   // Wait this long for a daemon that is starting (its socket not there
   // yet), and for a load of exactly this model that the daemon has in
-  // flight (its config's preloads at start, another engine's --populate).
+  // flight (its config's preloads at start, another engine's --populate):
+  // once for the whole call, however many requests it sends (an hour at
+  // most). Besides it, each request waits up to 30 s for an answer from a
+  // daemon that has stopped answering.
   double wait_for_daemon_seconds = 0;
   // After a miss, ask the daemon to preload the checkpoint for next time.
   bool populate = false;
@@ -90,7 +109,9 @@ struct AcquireOptions {
   // control characters in paths written as \xNN.
   std::function<void(const std::string&)> log;
   // When set, receives the daemon's miss (why, and the key fields that
-  // differed), also when Acquire then fails (no fallback) or loads from disk.
+  // differed), also when Acquire then fails (no fallback) or loads from disk;
+  // emptied first by every call (a hit, or an error before the daemon was
+  // asked, leaves it empty).
   struct Miss {
     std::string reason;
     std::vector<std::string> mismatch;  // "checkpoint: daemon has ..., engine wants ..."
@@ -99,7 +120,7 @@ struct AcquireOptions {
   Miss* miss = nullptr;
   // When set, receives how long Acquire waited for the daemon, as
   // wait_for_daemon_seconds let it (to start, or to load this model): a
-  // part of the time it took, not the load's own.
+  // part of the time it took, not the load's own; 0 when it did not wait.
   double* waited_seconds = nullptr;
 };
 
@@ -159,6 +180,10 @@ class Weights {
   virtual Status CopyToHost(const Tensor& t, uint64_t offset, std::span<std::byte> out) const = 0;
 };
 
+// Errors found before the daemon is asked are returned even with fallback,
+// since a disk load would meet them too: a processing option or shard plan
+// that cannot be, a device that is not there, a checkpoint whose
+// fingerprint cannot be read.
 Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOptions& options);
 
 }  // namespace weightd
