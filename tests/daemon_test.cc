@@ -298,6 +298,26 @@ TEST_F(DaemonTest, TheLibrarySaysEachCallsMissAndWaitAfresh) {
   EXPECT_EQ(waited, 0);
 }
 
+TEST_F(DaemonTest, CopyToHostTakesOnlyTheWeightsOwnTensors) {
+  const std::string a = MakeModel("a");
+  AcquireOptions options;
+  options.socket_dir = sock_;
+  options.log = [](const std::string&) {};
+  auto first = Acquire({.path = a}, options);
+  auto second = Acquire({.path = a}, options);
+  ASSERT_TRUE(first.ok() && second.ok());
+  const Tensor mine = (*first)->tensors().front();  // a copy of the record is still its own
+  std::vector<std::byte> bytes(static_cast<size_t>(mine.bytes));
+  ASSERT_TRUE((*first)->CopyToHost(mine, 0, bytes).ok());
+  EXPECT_TRUE(std::equal(bytes.begin(), bytes.end(), mine.data.begin()));
+  EXPECT_TRUE((*first)->CopyToHost(mine, mine.bytes, {}).ok());
+  const weightd::Status foreign = (*first)->CopyToHost((*second)->tensors().front(), 0, bytes);
+  ASSERT_FALSE(foreign.ok());
+  EXPECT_NE(foreign.error().message().find("is not one of these weights"), std::string::npos)
+      << foreign.error().message();
+  EXPECT_FALSE((*first)->CopyToHost(mine, 1, bytes).ok());  // past its end
+}
+
 TEST_F(DaemonTest, ByteIdenticalCopyElsewhereIsAHit) {
   const std::string a = MakeModel("a");
   const std::string copy = dir_.Join("elsewhere/copy");

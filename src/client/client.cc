@@ -122,9 +122,17 @@ class WeightsImpl final : public Weights {
   uint64_t manifest_bytes() const { return manifest_bytes_; }
 
   Status CopyToHost(const Tensor& t, uint64_t offset, std::span<std::byte> out) const override {
+    // A GPU tensor is found by its offset from this segment's base: one of
+    // other weights would read whatever lies there.
+    if (const Tensor* own = Find(t.name); own == nullptr ||
+                                          own->device_address != t.device_address ||
+                                          own->data.data() != t.data.data()) {
+      return Error("tensor `" + std::string(t.name) + "` is not one of these weights");
+    }
     if (offset > t.bytes || out.size() > t.bytes - offset) {
       return Error("bytes past the end of tensor `" + std::string(t.name) + "`");
     }
+    if (out.empty()) return OkStatus();
     if (t.device_address == 0) {
       std::memcpy(out.data(), t.data.data() + offset, out.size());
       return OkStatus();
