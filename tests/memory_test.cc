@@ -180,26 +180,33 @@ TEST(CudaSegment, AnAbsentGpuIsAnErrorThatSaysWhy) {
 }
 
 TEST(HostSegment, GatheredWritesLandInOrder) {
-  // More pieces than one pwritev takes (IOV_MAX), some empty, at an offset.
+  // More pieces than one pwritev takes (IOV_MAX), some empty, at an offset:
+  // small ones (put together before the write) and, past a MiB in all,
+  // bigger ones (written as they are).
   constexpr size_t kPieces = 3000;
-  std::vector<std::byte> values(kPieces);
-  std::vector<std::span<const std::byte>> pieces;
-  for (size_t i = 0; i < kPieces; ++i) {
-    values[i] = static_cast<std::byte>(i * 7 + 1);
-    pieces.push_back(std::span(&values[i], i % 5 == 4 ? 0 : 1));
+  for (const size_t piece_bytes : {size_t{1}, size_t{512}}) {
+    SCOPED_TRACE(piece_bytes);
+    std::vector<std::byte> values(kPieces * piece_bytes);
+    std::vector<std::span<const std::byte>> pieces;
+    for (size_t i = 0; i < values.size(); ++i) values[i] = static_cast<std::byte>(i * 7 + i / 251);
+    for (size_t i = 0; i < kPieces; ++i) {
+      pieces.push_back(std::span(&values[i * piece_bytes], i % 5 == 4 ? 0 : piece_bytes));
+    }
+    auto seg = memory::CreateHostSegment(kPieces * piece_bytes + 8192, "test");
+    ASSERT_TRUE(seg.ok());
+    ASSERT_TRUE((*seg)->Write(100, pieces).ok());
+    ASSERT_TRUE((*seg)->Seal().ok());
+    auto bytes = (*seg)->readable();
+    size_t at = 100;
+    for (size_t i = 0; i < kPieces; ++i) {
+      if (i % 5 == 4) continue;
+      for (size_t b = 0; b < piece_bytes; ++b) {
+        ASSERT_EQ(bytes[at++], values[i * piece_bytes + b]) << "piece " << i << " byte " << b;
+      }
+    }
+    EXPECT_EQ(bytes[at], std::byte{0});
+    EXPECT_EQ(bytes[99], std::byte{0});
   }
-  auto seg = memory::CreateHostSegment(8192, "test");
-  ASSERT_TRUE(seg.ok());
-  ASSERT_TRUE((*seg)->Write(100, pieces).ok());
-  ASSERT_TRUE((*seg)->Seal().ok());
-  auto bytes = (*seg)->readable();
-  size_t at = 100;
-  for (size_t i = 0; i < kPieces; ++i) {
-    if (i % 5 == 4) continue;
-    ASSERT_EQ(bytes[at++], values[i]) << "piece " << i;
-  }
-  EXPECT_EQ(bytes[at], std::byte{0});
-  EXPECT_EQ(bytes[99], std::byte{0});
 }
 
 using testing::HugePagePool;
