@@ -62,6 +62,7 @@ TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
 
   json warm = Load(a);
   EXPECT_EQ(warm["source"], "daemon") << warm.dump();
+  EXPECT_EQ(warm["miss_kind"], "none");
   EXPECT_EQ(warm["mode"], "zero_copy");
   EXPECT_EQ(warm["checksum"], DiskChecksum(a));
 
@@ -70,6 +71,7 @@ TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
   EXPECT_EQ(other["source"], "disk") << other.dump();
   EXPECT_EQ(other["mode"], "copy");  // asked zero_copy; the engine's own memory
   EXPECT_EQ(other["mismatch"], json::array({"checkpoint"})) << other.dump();
+  EXPECT_EQ(other["miss_kind"], "different");
   EXPECT_EQ(other["checksum"], DiskChecksum(b));
   EXPECT_NE(other["checksum"], warm["checksum"]);
   EXPECT_NE(daemon->err().find("acquire miss"), std::string::npos) << daemon->err();
@@ -85,6 +87,7 @@ TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
   const json failed = json::parse(strict_json.out);
   EXPECT_TRUE(failed["source"].is_null());
   EXPECT_EQ(failed["mismatch"], json::array({"checkpoint"}));
+  EXPECT_EQ(failed["miss_kind"], "different");
   EXPECT_NE(failed["error"].get<std::string>().find("not served by the daemon"), std::string::npos);
   EXPECT_TRUE(warm["trusted"].is_null());
 
@@ -275,6 +278,7 @@ TEST_F(DaemonTest, TheLibrarySaysEachCallsMissAndWaitAfresh) {
   };
   acquire_from("disk");  // no daemon
   EXPECT_NE(miss.reason.find("no daemon"), std::string::npos) << miss.reason;
+  EXPECT_EQ(miss.kind, MissKind::kNoDaemon);
   EXPECT_EQ(waited, 0);
 
   // An error before the daemon is asked leaves nothing of the last call.
@@ -282,6 +286,7 @@ TEST_F(DaemonTest, TheLibrarySaysEachCallsMissAndWaitAfresh) {
   options.fingerprint = "FULL";
   EXPECT_FALSE(Acquire({.path = a}, options).ok());
   EXPECT_EQ(miss.reason, "");
+  EXPECT_EQ(miss.kind, MissKind::kNone);
   EXPECT_EQ(waited, 0);
 
   // Nor does a hit.
@@ -289,10 +294,12 @@ TEST_F(DaemonTest, TheLibrarySaysEachCallsMissAndWaitAfresh) {
   auto daemon = StartDaemon();
   acquire_from("disk");  // nothing resident
   EXPECT_EQ(miss.reason, "no model is resident");
+  EXPECT_EQ(miss.kind, MissKind::kNotResident);
   Preload(a);
   waited = -1;
   acquire_from("daemon");
   EXPECT_EQ(miss.reason, "");
+  EXPECT_EQ(miss.kind, MissKind::kNone);
   EXPECT_TRUE(miss.fields.empty());
   EXPECT_TRUE(miss.mismatch.empty());
   EXPECT_EQ(waited, 0);
@@ -1140,6 +1147,7 @@ TEST_F(DaemonTest, AnEngineRefusesSegmentsThatAreNotWhatTheDaemonSays) {
     ASSERT_EQ(r.exit_code, 0) << c.what << ": " << r.err;
     const json j = json::parse(r.out);
     EXPECT_EQ(j["source"], "disk") << c.what;
+    EXPECT_EQ(j["miss_kind"], "failed") << c.what;
     EXPECT_EQ(j["checksum"], disk) << c.what;
     EXPECT_NE(r.err.find(c.reason), std::string::npos) << c.what << ": " << r.err;
   }

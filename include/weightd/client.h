@@ -67,6 +67,20 @@ struct LoadSpec {
   std::string device = "cpu";
 };
 
+// Why the daemon did not serve the weights, for an engine that acts on it
+// (an alert on kFailed, say) without reading the reason's words.
+enum class MissKind {
+  kNone,         // it served them
+  kNoDaemon,     // no daemon answered on the socket: not running, or not yet
+  kNotResident,  // the daemon holds nothing like them (a cold start)
+  kDifferent,    // it holds the model with other key fields (see the mismatch):
+                 // changed content, other processing, another device
+  kFailed,       // it was reached, but the exchange failed: no answer, a refusal,
+                 // a protocol, mapping or copy error
+};
+// "none", "no_daemon", "not_resident", "different", "failed".
+std::string_view MissKindName(MissKind kind);
+
 enum class AcquireMode {
   kZeroCopy,  // map the daemon's segment; the lease lasts as long as the Weights
   // Copy into this process's own memory (on a GPU: its own allocation
@@ -113,6 +127,7 @@ struct AcquireOptions {
   // emptied first by every call (a hit, or an error before the daemon was
   // asked, leaves it empty).
   struct Miss {
+    MissKind kind = MissKind::kNone;
     std::string reason;
     std::vector<std::string> mismatch;  // "checkpoint: daemon has ..., engine wants ..."
     std::vector<std::string> fields;    // "checkpoint", "tp_rank", ...
@@ -145,9 +160,11 @@ class Weights {
   virtual const std::vector<Tensor>& tensors() const = 0;
   const Tensor* Find(std::string_view name) const;
 
-  // "daemon" or "disk", and why.
+  // "daemon" or "disk", and why: in words, and as a kind (kNone from the
+  // daemon).
   virtual std::string_view source() const = 0;
   virtual const std::string& reason() const = 0;
+  virtual MissKind miss_kind() const = 0;
   // On a miss, the key fields that differed ("checkpoint: daemon has ...").
   virtual const std::vector<std::string>& mismatch() const = 0;
   // The key fields that differed, by name ("checkpoint", "tp_rank").

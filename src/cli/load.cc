@@ -131,6 +131,7 @@ int RunLoad(LoadCommandOptions& o) {
       std::cout << DumpJson({{"path", protocol::PathToJson(o.spec.path)},
                              {"source", nullptr},
                              {"error", why},
+                             {"miss_kind", MissKindName(miss.kind)},
                              {"reason", miss.reason},
                              {"mismatch", miss.fields},
                              {"mismatch_details", miss.mismatch}},
@@ -157,6 +158,7 @@ int RunLoad(LoadCommandOptions& o) {
         {"path", protocol::PathToJson(o.spec.path)},
         {"source", std::string(w.source())},
         {"reason", w.reason()},
+        {"miss_kind", MissKindName(w.miss_kind())},
         {"mismatch", w.mismatch_fields()},
         {"mismatch_details", w.mismatch()},
         {"tensors", w.tensors().size()},
@@ -283,10 +285,10 @@ Command AddLoadCommand(CLI::App& root) {
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
       ->check(NotEmpty());
   app->add_flag("--no-cache", o->no_cache, "do not use the fingerprint's stat cache");
-  app->add_flag(
-      "--json", o->json,
-      "print JSON: source, reason, mismatch, tensors, bytes, seconds (of which waiting for "
-      "the daemon: waited_seconds; CUDA's start apart: cuda_start_seconds), checksum");
+  app->add_flag("--json", o->json,
+                "print JSON: source, reason, miss_kind (none, no_daemon, not_resident, different, "
+                "failed), mismatch, tensors, bytes, seconds (of which waiting for "
+                "the daemon: waited_seconds; CUDA's start apart: cuda_start_seconds), checksum");
   return {app, [o] { return RunLoad(*o); }};
 }
 

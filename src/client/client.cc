@@ -79,6 +79,7 @@ class WeightsImpl final : public Weights {
   const std::vector<Tensor>& tensors() const override { return tensors_; }
   std::string_view source() const override { return source_; }
   const std::string& reason() const override { return reason_; }
+  MissKind miss_kind() const override { return miss_kind_; }
   const std::vector<std::string>& mismatch() const override { return mismatch_; }
   const std::vector<std::string>& mismatch_fields() const override { return fields_; }
   const std::string& checkpoint_digest() const override { return digest_; }
@@ -112,6 +113,7 @@ class WeightsImpl final : public Weights {
   std::vector<Tensor> tensors_;
   std::string source_;
   std::string reason_;
+  MissKind miss_kind_ = MissKind::kNone;
   std::vector<std::string> mismatch_;
   std::vector<std::string> fields_;
   std::string digest_;
@@ -196,13 +198,11 @@ class WeightsImpl final : public Weights {
 };
 
 struct Miss {
+  MissKind kind = MissKind::kNone;
   std::string reason;
   std::vector<std::string> mismatch;
   std::vector<std::string> fields;
   bool daemon_reachable = false;
-  // The daemon looked the key up and answered that it holds no such model
-  // (not a connection, protocol or mapping error).
-  bool answered = false;
   // Spent waiting for the daemon (asked to wait): to start, or to load.
   double waited = 0;
 };
@@ -259,6 +259,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   } count_wait{miss.waited, started, wait > 0};
   auto ch = protocol::ConnectToDaemonWaiting(protocol::SocketDirectory(o.socket_dir), wait);
   if (!ch.ok()) {
+    miss.kind = MissKind::kNoDaemon;
     miss.reason = "no daemon: " + ch.error().message();
     return nullptr;
   }
@@ -274,6 +275,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     const std::string& m = e.message();
     const bool ours =
         m.starts_with("no file descriptor left") || m.starts_with("the daemon did not answer");
+    miss.kind = MissKind::kFailed;
     miss.reason = ours ? m : what + ": " + m;
     return nullptr;
   };
@@ -306,11 +308,11 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
         if (v.is_string()) out.push_back(v.get<std::string>());
       }
     };
-    miss.answered = true;
     auto reason = body.find("reason");
     miss.reason = reason != body.end() && reason->is_string() ? reason->get<std::string>() : "miss";
     strings("mismatch", miss.mismatch);
     strings("fields", miss.fields);
+    miss.kind = miss.fields.empty() ? MissKind::kNotResident : MissKind::kDifferent;
     if (!miss.mismatch.empty()) {
       miss.reason += ": ";
       for (size_t i = 0; i < miss.mismatch.size(); ++i) {
@@ -323,11 +325,13 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
                                    : Result<protocol::CacheKey>(Error("no key"));
   if (!held.ok()) return fail("protocol error", held.error());
   if (!protocol::Compare(*held, key, !o.trust.empty()).empty()) {
+    miss.kind = MissKind::kFailed;
     miss.reason = "protocol error: the daemon served a model with another key";
     return nullptr;
   }
   // Taken on trust, it must be the model that name pins.
   if (!o.trust.empty() && body.value("name", json()) != json(o.trust)) {
+    miss.kind = MissKind::kFailed;
     miss.reason = "protocol error: the daemon served a model not named `" + o.trust + "`";
     return nullptr;
   }
@@ -349,6 +353,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     auto device = memory::ParseDevice(held->device);
     if (reply->fds.size() != 2 || !bytes || !manifest_bytes || !device.ok() ||
         device->kind != memory::DeviceSpec::Kind::kCudaUuid) {
+      miss.kind = MissKind::kFailed;
       miss.reason = "protocol error: a GPU's `acquired` reply without its manifest and segment";
       return nullptr;
     }
@@ -384,6 +389,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     return w;
   }
   if (reply->fds.size() != 1 || !bytes) {
+    miss.kind = MissKind::kFailed;
     miss.reason = "protocol error: an `acquired` reply without one segment and its size";
     return nullptr;
   }
@@ -419,12 +425,14 @@ std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
   miss.waited += host_miss.waited;
   if (!w) {
     miss.reason += "; nor could it be copied up from the daemon's host memory: " + host_miss.reason;
+    if (host_miss.kind == MissKind::kFailed) miss.kind = MissKind::kFailed;
     return nullptr;
   }
   std::string staged_because;
   const std::span<const std::byte> host = w->mapping->bytes();
   auto copy = memory::CopyToCudaSegment(host, device.uuid, &staged_because);
   if (!copy.ok()) {
+    miss.kind = MissKind::kFailed;
     miss.reason += "; the copy from the daemon's host memory failed: " + copy.error().message();
     return nullptr;
   }
@@ -435,6 +443,7 @@ std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
   if (Status s =
           w->IndexOnGpu(w->manifest_copy, w->segment->device_address(), host.size(), device.Name());
       !s.ok()) {
+    miss.kind = MissKind::kFailed;
     miss.reason += "; " + s.error().message();
     return nullptr;
   }
@@ -475,6 +484,22 @@ void AskToPopulate(const LoadSpec& spec, const protocol::Processing& p, const Ac
 }
 
 }  // namespace
+
+std::string_view MissKindName(MissKind kind) {
+  switch (kind) {
+    case MissKind::kNone:
+      return "none";
+    case MissKind::kNoDaemon:
+      return "no_daemon";
+    case MissKind::kNotResident:
+      return "not_resident";
+    case MissKind::kDifferent:
+      return "different";
+    case MissKind::kFailed:
+      return "failed";
+  }
+  return "failed";
+}
 
 const Tensor* Weights::Find(std::string_view name) const {
   const auto& all = tensors();
@@ -599,7 +624,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   if (!options.trust.empty()) {
     key = protocol::MakeKey("", keyed, plan_name, plan_digest);
     hit = ask(options);
-    if (!hit && miss.answered) {
+    if (!hit && (miss.kind == MissKind::kNotResident || miss.kind == MissKind::kDifferent)) {
       // The name is not (or no longer) on a model like this: the checkpoint
       // may still be resident, found by its content as without --trust.
       // (A daemon that did not answer, or whose model could not be mapped,
@@ -614,7 +639,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     hit = ask(checked);
   }
   if (options.miss != nullptr && !miss.reason.empty()) {
-    *options.miss = {miss.reason, miss.mismatch, miss.fields};
+    *options.miss = {miss.kind, miss.reason, miss.mismatch, miss.fields};
   }
   if (options.waited_seconds != nullptr) *options.waited_seconds = waited;
   if (hit) {
@@ -657,6 +682,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   auto w = std::make_unique<WeightsImpl>();
   w->source_ = "disk";
   w->reason_ = miss.reason;
+  w->miss_kind_ = miss.kind;
   w->mismatch_ = miss.mismatch;
   w->fields_ = miss.fields;
   w->digest_ = loaded.checkpoint_digest;
