@@ -72,7 +72,8 @@ struct LoadSpec {
 enum class MissKind {
   kNone,         // it served them
   kNoDaemon,     // no daemon answered on the socket: not running, or not yet
-  kNotResident,  // the daemon holds nothing like them (a cold start)
+  kNotResident,  // the daemon holds nothing like them: a cold start, or one it is
+                 // still loading, or whose last preload failed (the reason says)
   kDifferent,    // it holds the model with other key fields (see the mismatch):
                  // changed content, other processing, another device
   kFailed,       // it was reached, but the exchange failed: no answer, a refusal,
@@ -197,9 +198,10 @@ class Weights {
   virtual Status CopyToHost(const Tensor& t, uint64_t offset, std::span<std::byte> out) const = 0;
 };
 
-// Errors found before the daemon is asked are returned even with fallback,
-// since a disk load would meet them too: a processing option or shard plan
-// that cannot be, a device that is not there, a checkpoint whose
+// Errors found before the daemon is asked (or, with `trust`, between the
+// trusted name's lookup and the content's) are returned even with
+// fallback, since a disk load would meet them too: a processing option or
+// shard plan that cannot be, a device that is not there, a checkpoint whose
 // fingerprint cannot be read.
 Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOptions& options);
 

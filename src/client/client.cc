@@ -123,14 +123,16 @@ class WeightsImpl final : public Weights {
   // The manifest's bytes at the start of the segment last indexed.
   uint64_t manifest_bytes() const { return manifest_bytes_; }
 
-  Status CopyToHost(const Tensor& t, uint64_t offset, std::span<std::byte> out) const override {
+  Status CopyToHost(const Tensor& asked, uint64_t offset, std::span<std::byte> out) const override {
     // A GPU tensor is found by its offset from this segment's base: one of
-    // other weights would read whatever lies there.
-    if (const Tensor* own = Find(t.name); own == nullptr ||
-                                          own->device_address != t.device_address ||
-                                          own->data.data() != t.data.data()) {
-      return Error("tensor `" + std::string(t.name) + "` is not one of these weights");
+    // other weights would read whatever lies there. The record read is
+    // this object's own, whatever the caller's copy of it says.
+    const Tensor* own = Find(asked.name);
+    if (own == nullptr || own->device_address != asked.device_address ||
+        own->data.data() != asked.data.data()) {
+      return Error("tensor `" + std::string(asked.name) + "` is not one of these weights");
     }
+    const Tensor& t = *own;
     if (offset > t.bytes || out.size() > t.bytes - offset) {
       return Error("bytes past the end of tensor `" + std::string(t.name) + "`");
     }
@@ -498,7 +500,7 @@ std::string_view MissKindName(MissKind kind) {
     case MissKind::kFailed:
       return "failed";
   }
-  return "failed";
+  return "failed";  // not a kind: only for a compiler that wants a return here
 }
 
 const Tensor* Weights::Find(std::string_view name) const {
@@ -543,18 +545,20 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   // calls (rank after rank) never shows an earlier call's.
   if (options.miss != nullptr) *options.miss = {};
   if (options.waited_seconds != nullptr) *options.waited_seconds = 0;
-  // One wait for the whole call, from the first request on, however many
-  // times the daemon is asked (a trusted name, then the content; a GPU's
-  // copy from host memory).
+  // One wait for the whole call (an hour at most), from the first request
+  // on, however many times the daemon is asked (a trusted name, then the
+  // content, its fingerprint taken between; a GPU's copy from host memory).
+  const double wait =
+      std::isnan(options.wait_for_daemon_seconds)
+          ? 0
+          : std::clamp(options.wait_for_daemon_seconds, 0.0, protocol::kMaxAcquireWaitSeconds);
   std::optional<std::chrono::steady_clock::time_point> first_asked;
   auto wait_left = [&](const AcquireOptions& o) {
     const auto now = std::chrono::steady_clock::now();
     if (!first_asked) first_asked = now;
     AcquireOptions timed = o;
-    if (!std::isnan(o.wait_for_daemon_seconds)) {
-      const double spent = std::chrono::duration<double>(now - *first_asked).count();
-      timed.wait_for_daemon_seconds = std::max(0.0, o.wait_for_daemon_seconds - spent);
-    }
+    const double spent = std::chrono::duration<double>(now - *first_asked).count();
+    timed.wait_for_daemon_seconds = std::max(0.0, wait - spent);
     return timed;
   };
   const protocol::Processing processing{spec.tp_size,       spec.tp_rank,    spec.dtype,
@@ -638,7 +642,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     WEIGHTD_ASSIGN_OR_RETURN(key, content_key());
     hit = ask(checked);
   }
-  if (options.miss != nullptr && !miss.reason.empty()) {
+  if (options.miss != nullptr && !hit) {
     *options.miss = {miss.kind, miss.reason, miss.mismatch, miss.fields};
   }
   if (options.waited_seconds != nullptr) *options.waited_seconds = waited;
