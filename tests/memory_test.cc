@@ -181,8 +181,7 @@ TEST(CudaSegment, AnAbsentGpuIsAnErrorThatSaysWhy) {
 
 TEST(HostSegment, GatheredWritesLandInOrder) {
   // More pieces than one pwritev takes (IOV_MAX), some empty, at an offset:
-  // small ones (put together before the write) and, past a MiB in all,
-  // bigger ones (written as they are).
+  // of a byte each, and of 512 (more than a MiB in all).
   constexpr size_t kPieces = 3000;
   for (const size_t piece_bytes : {size_t{1}, size_t{512}}) {
     SCOPED_TRACE(piece_bytes);
@@ -699,11 +698,10 @@ TEST(Channel, SaysWhenThisProcessHasNoDescriptorLeft) {
   EXPECT_EQ(status, 0);
 }
 
-TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
+void CheckLoadAgainstFiles(const format::SyntheticOptions& made) {
   TempDir dir;
   const std::string path = dir.Join("m");
-  ASSERT_TRUE(
-      format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 4 << 20}).ok());
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(path, made).ok());
   loader::LoadOptions small_reads;
   small_reads.max_inflight = 4;
   small_reads.chunk_bytes = 4096;  // big tensors split into many reads
@@ -739,6 +737,18 @@ TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
                 0)
           << t.name;
     }
+  }
+}
+
+// Big tensors in many small reads, and runs of small tensors of odd sizes
+// (each run written at once, its tensors' alignment padding laid out
+// between them).
+TEST(Loader, DigestEqualsTheFingerprintAndBytesEqualTheFiles) {
+  for (const format::SyntheticOptions& made :
+       {format::SyntheticOptions{.preset = "llama", .size_bytes = 4 << 20},
+        format::SyntheticOptions{.preset = "many-tensors", .tensors = 3000, .shards = 2}}) {
+    SCOPED_TRACE(made.preset);
+    CheckLoadAgainstFiles(made);
   }
 }
 
