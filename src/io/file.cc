@@ -135,7 +135,7 @@ class PosixFile final : public RandomAccessFile {
 
   // mincore(2) over a read-only mapping, a window at a time (its vector is
   // a byte per page), up to the first page not resident.
-  bool Cached() const override {
+  bool InPageCache() const override {
     constexpr uint64_t kWindow = 1ull << 30;
     const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
     std::vector<unsigned char> resident;

@@ -61,7 +61,7 @@ class RandomAccessFile {
   // Whether every byte of the file is in the page cache now, so that no
   // read of it waits for storage (until the kernel evicts some); false
   // where that cannot be told.
-  virtual bool Cached() const { return false; }
+  virtual bool InPageCache() const { return false; }
 };
 
 enum class EntryType { kRegular, kDirectory, kSymlink, kOther };
