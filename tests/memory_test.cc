@@ -565,6 +565,27 @@ TEST(Channel, RefusesABodyNestedDeeperThanItsLimit) {
   ASSERT_FALSE(deep.ok());
   EXPECT_NE(deep.error().message().find("nests deeper"), std::string::npos)
       << deep.error().message();
+  // Brackets in strings (an escaped quote among them) are not levels.
+  const std::string brackets(100, '[');
+  ASSERT_TRUE(a.Send({{"type", "status"}, {"x", "\"" + brackets + "\\" + brackets}}).ok());
+  auto quoted = b.Receive(1000);
+  ASSERT_TRUE(quoted.ok()) << quoted.error().message();
+  EXPECT_EQ(quoted->body["x"], "\"" + brackets + "\\" + brackets);
+  // A megabyte of them, unclosed: refused as too deep, not parsed first.
+  const std::string body = R"({"type":"status","x":)" + std::string(1 << 19, '[');
+  const std::string frame = protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) + body;
+  std::thread writer([&] {  // more than the socket's buffer holds
+    for (size_t at = 0; at < frame.size();) {
+      const ssize_t n = ::write(fds[0], frame.data() + at, frame.size() - at);
+      if (n <= 0) return;
+      at += static_cast<size_t>(n);
+    }
+  });
+  auto unclosed = b.Receive(10'000);
+  writer.join();
+  ASSERT_FALSE(unclosed.ok());
+  EXPECT_NE(unclosed.error().message().find("nests deeper"), std::string::npos)
+      << unclosed.error().message();
 }
 
 // A daemon stopped or hung stops accepting; once its queue is full, a

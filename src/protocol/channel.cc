@@ -124,6 +124,32 @@ Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds,
   return OkStatus();
 }
 
+// How deep the arrays and objects of JSON `text` nest (strings skipped),
+// counted no further than one level past `limit`.
+int NestingDepth(std::string_view text, int limit) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (const char ch : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (ch == '\\') {
+        escaped = true;
+      } else if (ch == '"') {
+        in_string = false;
+      }
+    } else if (ch == '"') {
+      in_string = true;
+    } else if (ch == '[' || ch == '{') {
+      deepest = std::max(deepest, ++depth);
+      if (deepest > limit) break;
+    } else if (ch == ']' || ch == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 }  // namespace
 
 std::string Message::type() const {
@@ -224,17 +250,14 @@ Result<Message> Channel::Receive(int timeout_ms) {
     return Error("frame announced " + std::to_string(descriptors) + " descriptors and carried " +
                  std::to_string(m.fds.size()));
   }
-  int depth = 0;
-  const nlohmann::json::parser_callback_t deepest = [&](int d, nlohmann::json::parse_event_t,
-                                                        nlohmann::json&) {
-    depth = std::max(depth, d);
-    return true;
-  };
-  m.body = nlohmann::json::parse(text, deepest, /*allow_exceptions=*/false);
-  if (m.body.is_discarded() || !m.body.is_object()) return Error("frame body is not a JSON object");
-  if (depth > kMaxJsonDepth) {
+  // Measured before the parse, which builds every level it meets: a
+  // megabyte of `[[[[` would be tens of megabytes of tree before anything
+  // could refuse it.
+  if (NestingDepth(text, kMaxJsonDepth) > kMaxJsonDepth) {
     return Error("frame body nests deeper than " + std::to_string(kMaxJsonDepth) + " levels");
   }
+  m.body = nlohmann::json::parse(text, nullptr, /*allow_exceptions=*/false);
+  if (m.body.is_discarded() || !m.body.is_object()) return Error("frame body is not a JSON object");
   if (m.type().empty()) return Error("frame body has no \"type\"");
   return m;
 }
