@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
@@ -871,7 +872,19 @@ void Server::State::Serve(std::unique_ptr<Connection> c) {
     const int ready = ::poll(&next, 1, serving.load() > kBusyServing ? 0 : kParkAfterMs);
     if (ready < 0 && errno == EINTR) continue;
     if (ready == 0 && Park(c)) return;
-    auto m = c->ch.Receive();
+    // Quiet and not parked (epoll refused it: this user's watches used up,
+    // or no memory): this thread waits for its request, no longer than the
+    // idle timeout unless it holds a lease, as the park thread would.
+    const bool unparked = ready == 0 && c->leases.empty();
+    auto m = c->ch.Receive(
+        unparked ? static_cast<int>(std::min(options.idle_seconds * 1000, double{INT_MAX})) : -1);
+    if (unparked && !m.ok() && m.error().message() == protocol::Channel::kTimedOut) {
+      char quiet[32];
+      std::snprintf(quiet, sizeof quiet, "%g", options.idle_seconds);
+      Log("connection " + std::to_string(c->id) + " (pid " + std::to_string(c->peer.pid) +
+          "): no request for " + quiet + " s and no lease (not parked); closing it");
+      break;
+    }
     if (!m.ok()) {
       if (m.error().message() != protocol::Channel::kClosed) {
         Log("connection " + std::to_string(c->id) + " (pid " + std::to_string(c->peer.pid) +
@@ -1024,7 +1037,13 @@ void Server::State::ParkLoop() {
       try {
         std::thread([this, raw] {
           ::pthread_setname_np(::pthread_self(), kServingThreadName);
-          Serve(std::unique_ptr<Connection>(raw));
+          try {
+            Serve(std::unique_ptr<Connection>(raw));
+          } catch (...) {
+            // Out of memory for this connection (its frame, a log line), as
+            // WorkerLoop catches it: closed as Serve unwound; the daemon
+            // serves on, where an exception leaving a thread would end it.
+          }
           std::lock_guard lock(conn_mu);
           --workers;
           conn_done.notify_all();
