@@ -1236,19 +1236,18 @@ TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
       {"bad key", protocol::FrameHeader(30, 0) + R"({"type":"acquire","key":[1,2]})", 0, false},
       {"no version in common", protocol::FrameHeader(32, 0) + R"({"type":"hello","versions":[99]})",
        0, false},
-      // 100,000 levels in 200 KB: within the frame limit, and deeper than
-      // any recursive walk of it survives on a thread's stack.
+      // 30,000 levels in 60 KB: within a request's limit, and deeper than
+      // a recursive walk of it survives on a thread's stack.
       {"deeply nested versions",
-       Frame(R"({"type":"hello","versions":)" + std::string(100000, '[') +
-             std::string(100000, ']') + "}"),
+       Frame(R"({"type":"hello","versions":)" + std::string(30000, '[') + std::string(30000, ']') +
+             "}"),
        0, false},
       {"nested status within the limit",
        Frame(R"({"type":"status","x":)" + std::string(20, '[') + std::string(20, ']') + "}"), -1,
        false},
       // Refused however it nests, before anything walks it.
       {"deeply nested status",
-       Frame(R"({"type":"status","x":)" + std::string(100000, '[') + std::string(100000, ']') +
-             "}"),
+       Frame(R"({"type":"status","x":)" + std::string(30000, '[') + std::string(30000, ']') + "}"),
        0, false},
   };
   // Someone else is attached all along and must not notice.
@@ -1266,6 +1265,18 @@ TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
       EXPECT_NE(reply.find("error"), std::string::npos) << c.what;
     }
     EXPECT_EQ(Status()["models"].size(), 1u) << c.what;
+  }
+  // A request bigger than any the daemon takes (a key, a path, options) is
+  // refused from its header.
+  {
+    RawPeer peer(path);
+    ASSERT_TRUE(peer.connected());
+    peer.Send(
+        Frame(R"({"type":"status","x":")" + std::string(protocol::kMaxRequestBytes, 'a') + "\"}"));
+    const std::string reply = peer.ReadUntilClosed();
+    EXPECT_NE(reply.find("over the limit of " + std::to_string(protocol::kMaxRequestBytes)),
+              std::string::npos)
+        << reply;
   }
   EXPECT_EQ(engine.Wait(), 0) << engine.err();
   EXPECT_EQ(TotalLeases(), 0);

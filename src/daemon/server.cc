@@ -15,8 +15,8 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <climits>
 #include <chrono>
+#include <climits>
 #include <condition_variable>
 #include <cstring>
 #include <future>
@@ -877,7 +877,8 @@ void Server::State::Serve(std::unique_ptr<Connection> c) {
     // idle timeout unless it holds a lease, as the park thread would.
     const bool unparked = ready == 0 && c->leases.empty();
     auto m = c->ch.Receive(
-        unparked ? static_cast<int>(std::min(options.idle_seconds * 1000, double{INT_MAX})) : -1);
+        unparked ? static_cast<int>(std::min(options.idle_seconds * 1000, double{INT_MAX})) : -1,
+        protocol::kMaxRequestBytes);
     if (unparked && !m.ok() && m.error().message() == protocol::Channel::kTimedOut) {
       char quiet[32];
       std::snprintf(quiet, sizeof quiet, "%g", options.idle_seconds);

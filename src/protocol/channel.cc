@@ -225,7 +225,7 @@ Status Channel::Send(const nlohmann::json& body, std::span<const memory::UniqueF
   return OkStatus();
 }
 
-Result<Message> Channel::Receive(int timeout_ms) {
+Result<Message> Channel::Receive(int timeout_ms, uint32_t max_body_bytes) {
   Message m;
   char header[kFrameHeaderBytes];
   Deadline deadline{};
@@ -238,9 +238,10 @@ Result<Message> Channel::Receive(int timeout_ms) {
     return Error("protocol version " + std::to_string(version) + " (this side speaks " +
                  std::to_string(kProtocolVersion) + ")");
   }
-  if (bytes > kMaxBodyBytes) {
+  const uint32_t limit = std::min(max_body_bytes, kMaxBodyBytes);
+  if (bytes > limit) {
     return Error("frame of " + std::to_string(bytes) + " bytes is over the limit of " +
-                 std::to_string(kMaxBodyBytes));
+                 std::to_string(limit));
   }
   if (descriptors > kMaxDescriptors) return Error("frame announces too many descriptors");
   std::string text(bytes, '\0');

@@ -29,6 +29,10 @@ namespace weightd::protocol {
 
 inline constexpr uint32_t kProtocolVersion = 1;
 inline constexpr uint32_t kMaxBodyBytes = 1u << 20;
+// What the daemon takes from a peer: a request is a key, a path and
+// options, kilobytes; a frame that says it is more is refused before its
+// body is read (or room made for it).
+inline constexpr uint32_t kMaxRequestBytes = 64u << 10;
 inline constexpr uint32_t kMaxDescriptors = 2;
 // Arrays and objects inside one another in a frame's body, at most: ours
 // go five deep; a peer's thousands would make every reader that walks them
@@ -56,9 +60,10 @@ class Channel {
   Status Send(const nlohmann::json& body, std::span<const memory::UniqueFd* const> fds);
 
   // Waits up to `timeout_ms` (-1: forever) for the next frame to start, and
-  // then at most kBodyTimeoutMs for the whole of it. A peer that closed
-  // cleanly between frames gives an error whose message is kClosed.
-  Result<Message> Receive(int timeout_ms = -1);
+  // then at most kBodyTimeoutMs for the whole of it; a body over
+  // `max_body_bytes` is an error. A peer that closed cleanly between frames
+  // gives an error whose message is kClosed.
+  Result<Message> Receive(int timeout_ms = -1, uint32_t max_body_bytes = kMaxBodyBytes);
 
   int fd() const { return socket_.get(); }
 
