@@ -261,6 +261,44 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }
 
+// An engine that waits for a load and is killed meanwhile frees the
+// daemon's thread at once, not when the load ends (up to an hour of wait).
+TEST(Latencyfs, AnEngineKilledWhileItWaitsForALoadEndsItsWait) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  // Its 23 MB come through at 1 MB/s: a load of some twenty seconds.
+  SlowCheckpoint slow("0", "1M", {.preset = "llama", .size_bytes = 16 << 20});
+  ASSERT_TRUE(slow.ready());
+  const std::string src = slow.src(), mnt = slow.mnt(), sock = slow.sock();
+  testing::Process daemon({"serve", "--socket-dir", sock});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  testing::Process preload({"preload", mnt + "/m", "--socket-dir", sock});
+  auto status = [&] {
+    auto r = testing::RunWeightd({"status", "--json", "--socket-dir", sock});
+    return r.exit_code == 0 ? nlohmann::json::parse(r.out) : nlohmann::json::object();
+  };
+  ASSERT_TRUE(testing::Eventually([&] {
+    return !status().value("loading", nlohmann::json()).empty();
+  })) << daemon.err();
+  testing::Process engine({"load", src + "/m", "--socket-dir", sock, "--wait-for-daemon", "600"});
+  // The preload's, the engine's, and the status's own.
+  ASSERT_TRUE(testing::Eventually([&] { return status().value("connections", 0) == 3; }))
+      << daemon.err();
+  ::usleep(500'000);  // its acquire, sent as it connected, is waiting
+  engine.Signal(SIGKILL);
+  engine.Wait();
+  EXPECT_TRUE(testing::Eventually(
+      [&] {
+        return daemon.err().find("the engine went away while it waited for a load") !=
+               std::string::npos;
+      },
+      10))
+      << daemon.err();
+  EXPECT_FALSE(status()["loading"].empty()) << "the load ended first: the test proves nothing";
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+  preload.Wait();
+}
+
 // The config's models load one after another; an engine started with the
 // daemon, willing to wait for it, waits for its model even while it is
 // queued behind another, and an engine whose model is not in the config is

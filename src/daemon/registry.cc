@@ -255,7 +255,7 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
 
 Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::string& trust,
                                    std::chrono::steady_clock::time_point wait_until,
-                                   const std::string& path) {
+                                   const std::string& path, const std::function<bool()>& gone) {
   std::unique_lock lock(mu_);
   Lookup out = AcquireLocked(key, trust, path);
   if (out.model || !trust.empty()) return out;
@@ -281,7 +281,24 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
            (expected_ == 0 || std::any_of(models_.begin(), models_.end(),
                                           [&](const auto& m) { return m->key == key; }));
   };
-  if (!load_done_.wait_until(lock, wait_until, settled)) {
+  // Waited a slice at a time, to ask between them whether the asker is
+  // still there: a wait is up to an hour, and holds a thread.
+  constexpr auto kSlice = std::chrono::milliseconds(500);
+  bool done = false;
+  while (!done) {
+    const auto slice_end =
+        gone ? std::min(wait_until, std::chrono::steady_clock::now() + kSlice) : wait_until;
+    done = load_done_.wait_until(lock, slice_end, settled);
+    if (done || std::chrono::steady_clock::now() >= wait_until) break;
+    lock.unlock();
+    const bool left = gone();
+    lock.lock();
+    if (left) {
+      out.asker_gone = true;
+      return out;
+    }
+  }
+  if (!done) {
     if (coming()) {
       out.loading = true;
       return out;

@@ -128,8 +128,9 @@ class Registry {
     std::vector<protocol::FieldDifference> mismatch;  // on a miss, against the closest model
     std::string reason;                               // on a miss
     std::string name;                                 // on a hit: its pinned name, if any
-    bool loading = false;  // on a miss: a load of exactly this key is in flight
-    bool waited = false;   // on a hit: found once the load in flight ended
+    bool loading = false;     // on a miss: a load of exactly this key is in flight
+    bool waited = false;      // on a hit: found once the load in flight ended
+    bool asker_gone = false;  // the wait ended because `gone` said so
   };
   // Finds the model for `key` and leases it. `trust` (not empty) names a
   // pinned model whose content is not compared (every other field is).
@@ -138,12 +139,14 @@ class Registry {
   // reload's source), waits for that load until `wait_until` (default: no
   // wait) and looks again;
   // with a wait, also while announced loads are not keyed yet (ExpectLoads).
+  // `gone`, when given, is asked every half second of a wait whether the
+  // asker went away: then the wait ends, a miss with `asker_gone`.
   // A miss is explained against the same model on another device first,
   // then one loaded from `path` (the engine's checkpoint), then the model
   // with the fewest differing fields: never a hit by path.
   Lookup Acquire(const protocol::CacheKey& key, const std::string& trust,
                  std::chrono::steady_clock::time_point wait_until = {},
-                 const std::string& path = {});
+                 const std::string& path = {}, const std::function<bool()>& gone = {});
   void Release(const std::shared_ptr<ResidentModel>& model);
 
   // Names every resident model whose key is in `group` (the ranks of one

@@ -1127,12 +1127,22 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       if (!given.ok()) return Error("`path`: " + given.error().message());
       engine_path = std::move(given).value();
     }
+    // Gone: closed (POLLHUP), not only done sending (an engine may shut
+    // its side after the request and still read the reply).
+    const auto asker_gone = [fd = ch.fd()] {
+      pollfd p{fd, 0, 0};
+      return ::poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR)) != 0;
+    };
     Registry::Lookup found =
         registry.Acquire(key, trust,
                          std::chrono::steady_clock::now() +
                              std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                  std::chrono::duration<double>(wait_seconds)),
-                         engine_path);
+                         engine_path, asker_gone);
+    if (found.asker_gone) {
+      Log("acquire from " + who + ": the engine went away while it waited for a load");
+      return Error(protocol::Channel::kClosed);
+    }
     if (found.loading) {
       found.reason =
           "the daemon is loading this very model right now, or is about to (an engine that waits "
