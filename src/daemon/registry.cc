@@ -289,7 +289,7 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
     const auto slice_end =
         gone ? std::min(wait_until, std::chrono::steady_clock::now() + kSlice) : wait_until;
     done = load_done_.wait_until(lock, slice_end, settled);
-    if (done || std::chrono::steady_clock::now() >= wait_until) break;
+    if (done || !gone || std::chrono::steady_clock::now() >= wait_until) break;
     lock.unlock();
     const bool left = gone();
     lock.lock();
