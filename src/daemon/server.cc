@@ -46,14 +46,14 @@ namespace {
 
 using nlohmann::json;
 
-// The models evicted, as `evict` and a preload's reply list them: within
-// half a frame (an `evict all` of thousands of ranks with long pinned
-// names would not fit one), the rest counted in `omitted`.
 // An evicted model for the log: where it came from, and its key.
 std::string Named(const Eviction& e) {
   return (e.path.empty() ? "" : e.path + ", ") + e.description;
 }
 
+// The models evicted, as `evict` and a preload's reply list them: within
+// half a frame (an `evict all` of thousands of ranks with long pinned
+// names would not fit one), the rest counted in `omitted`.
 json EvictionsJson(const std::vector<Eviction>& evicted, uint64_t* omitted) {
   std::vector<json> entries;
   entries.reserve(evicted.size());
@@ -332,6 +332,9 @@ struct Server::State {
   // Hands a quiet connection to the park thread; false (and `c` kept)
   // when the daemon stops or the epoll set refuses it.
   bool Park(std::unique_ptr<Connection>& c);
+  // Says that `c`, quiet for options.idle_seconds without a lease, is
+  // being closed (`how`: where it waited, or empty).
+  void LogIdleClose(const Connection& c, const std::string& how);
   // The park thread: a parked connection that becomes readable (a request,
   // or its close) is served again on a thread of its own; one without
   // leases quiet for options.idle_seconds is closed; a stop ends them all.
@@ -880,10 +883,7 @@ void Server::State::Serve(std::unique_ptr<Connection> c) {
         unparked ? static_cast<int>(std::min(options.idle_seconds * 1000, double{INT_MAX})) : -1,
         protocol::kMaxRequestBytes);
     if (unparked && !m.ok() && m.error().message() == protocol::Channel::kTimedOut) {
-      char quiet[32];
-      std::snprintf(quiet, sizeof quiet, "%g", options.idle_seconds);
-      Log("connection " + std::to_string(c->id) + " (pid " + std::to_string(c->peer.pid) +
-          "): no request for " + quiet + " s and no lease (not parked); closing it");
+      LogIdleClose(*c, " (not parked)");
       break;
     }
     if (!m.ok()) {
@@ -939,6 +939,17 @@ void Server::State::Finish(std::unique_ptr<Connection> c) {
   std::lock_guard lock(conn_mu);
   --live_connections;
   conn_done.notify_all();
+}
+
+void Server::State::LogIdleClose(const Connection& c, const std::string& how) {
+  try {
+    char quiet[32];
+    std::snprintf(quiet, sizeof quiet, "%g", options.idle_seconds);
+    Log("connection " + std::to_string(c.id) + " (pid " + std::to_string(c.peer.pid) +
+        "): no request for " + quiet + " s and no lease" + how + "; closing it");
+  } catch (...) {
+    // No memory for the line; it is closed all the same.
+  }
 }
 
 bool Server::State::Park(std::unique_ptr<Connection>& c) {
@@ -1014,16 +1025,7 @@ void Server::State::ParkLoop() {
     }
     for (auto& c : ending) {
       if (!c) continue;
-      if (!stop) {
-        try {
-          char quiet[32];
-          std::snprintf(quiet, sizeof quiet, "%g", options.idle_seconds);
-          Log("connection " + std::to_string(c->id) + " (pid " + std::to_string(c->peer.pid) +
-              "): no request for " + quiet + " s and no lease; closing it");
-        } catch (...) {
-          // No memory for the line; it is closed all the same.
-        }
-      }
+      if (!stop) LogIdleClose(*c, "");
       Finish(std::move(c));
     }
     if (stop) break;
