@@ -127,7 +127,11 @@ class WeightsImpl final : public Weights {
     // A GPU tensor is found by its offset from this segment's base: one of
     // other weights would read whatever lies there. The record read is
     // this object's own, whatever the caller's copy of it says.
-    const Tensor* own = Find(asked.name);
+    // (A record of tensors() itself, as Checksum passes, needs no lookup.)
+    const std::less<const Tensor*> before;  // a total order, whatever `asked` points into
+    const bool listed = !tensors_.empty() && !before(&asked, tensors_.data()) &&
+                        before(&asked, tensors_.data() + tensors_.size());
+    const Tensor* own = listed ? &asked : Find(asked.name);
     if (own == nullptr || own->device_address != asked.device_address ||
         own->data.data() != asked.data.data()) {
       return Error("tensor `" + std::string(asked.name) + "` is not one of these weights");
@@ -238,12 +242,9 @@ Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
 // miss is explained against: a hit is by the key alone.
 std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const AcquireOptions& o,
                                        const std::string& checkpoint, Miss& miss) {
-  // Waiting for the daemon, to start or to finish loading this model: an
-  // hour at most (inf means that), nan not at all.
-  const double wait =
-      std::isnan(o.wait_for_daemon_seconds)
-          ? 0
-          : std::clamp(o.wait_for_daemon_seconds, 0.0, protocol::kMaxAcquireWaitSeconds);
+  // Waiting for the daemon, to start or to finish loading this model: what
+  // is left of the call's one wait (Acquire bounds it).
+  const double wait = o.wait_for_daemon_seconds;
   const auto started = std::chrono::steady_clock::now();
   // When asked to wait: from here to the daemon's answer (however this
   // ends before it), not what is done with the answer (a copy, a mapping).
@@ -545,9 +546,10 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   // calls (rank after rank) never shows an earlier call's.
   if (options.miss != nullptr) *options.miss = {};
   if (options.waited_seconds != nullptr) *options.waited_seconds = 0;
-  // One wait for the whole call (an hour at most), from the first request
-  // on, however many times the daemon is asked (a trusted name, then the
-  // content, its fingerprint taken between; a GPU's copy from host memory).
+  // One wait for the whole call, from the first request on, however many
+  // times the daemon is asked (a trusted name, then the content, its
+  // fingerprint taken between; a GPU's copy from host memory): an hour at
+  // most (inf means that), nan not at all.
   const double wait =
       std::isnan(options.wait_for_daemon_seconds)
           ? 0
