@@ -1,10 +1,12 @@
 // Segments, manifests, the cache key, the wire, and the loader, in process.
 #include <fcntl.h>
 #include <gtest/gtest.h>
+#include <sched.h>
 #include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
 #include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/time.h>
 #include <sys/un.h>
 #include <sys/wait.h>
@@ -951,6 +953,116 @@ TEST(HostMemory, TheLowestControlGroupLimitIsTheCeiling) {
   const memory::MemoryCeiling here = memory::HostMemoryCeiling();
   EXPECT_GT(here.bytes, 0u);
   EXPECT_FALSE(here.source.empty());
+}
+
+// The CPU quotas a container sets: the lowest over the group and its
+// ancestors, in whole CPUs rounded up, found as the memory limits are.
+TEST(HostCpus, TheLowestControlGroupQuotaLimitsThem) {
+  TempDir root;
+  auto put = [&](const std::string& rel, const std::string& text) {
+    std::filesystem::create_directories(std::filesystem::path(root.Join(rel)).parent_path());
+    testing::WriteFileText(root.Join(rel), text);
+  };
+  auto mount = [](const std::string& group, const std::string& point, bool v2) {
+    return "32 31 0:29 " + group + " " + point + " rw,relatime shared:8 - " +
+           (v2 ? "cgroup2 cgroup2 rw" : "cgroup cgroup rw,cpu,cpuacct") + "\n";
+  };
+  const std::string v2 = mount("/", "/v2", true);
+  // cgroup v2: none on the group, 1.5 CPUs on its parent (2 to run on),
+  // 4 on the pod above.
+  put("v2/pod/ctr/cpu.max", "max 100000\n");
+  put("v2/pod/cpu.max", "400000 100000\n");
+  EXPECT_EQ(memory::CgroupCpuLimit("0::/pod/ctr\n", v2, root.path()), 4);
+  put("v2/pod/ctr/cpu.max", "150000 100000\n");
+  EXPECT_EQ(memory::CgroupCpuLimit("0::/pod/ctr\n", v2, root.path()), 2);
+  put("v2/pod/ctr/cpu.max", "5000 100000\n");  // a twentieth: still one
+  EXPECT_EQ(memory::CgroupCpuLimit("0::/pod/ctr\n", v2, root.path()), 1);
+  // cgroup v1's cpu controller (with cpuacct): -1 is none.
+  const std::string v1 = mount("/", "/v1", false);
+  put("v1/batch/job/cpu.cfs_quota_us", "-1\n");
+  put("v1/batch/job/cpu.cfs_period_us", "100000\n");
+  EXPECT_EQ(memory::CgroupCpuLimit("3:memory:/m\n2:cpu,cpuacct:/batch/job\n", v1, root.path()),
+            std::nullopt);
+  put("v1/batch/cpu.cfs_quota_us", "250000\n");
+  put("v1/batch/cpu.cfs_period_us", "50000\n");
+  EXPECT_EQ(memory::CgroupCpuLimit("2:cpu,cpuacct:/batch/job\n", v1, root.path()), 5);
+  // A memory-only hierarchy is not read for CPUs; nor is what no quota.
+  EXPECT_EQ(memory::CgroupCpuLimit("4:memory:/batch/job\n",
+                                   "35 31 0:32 / /v1 rw - cgroup cgroup rw,memory\n", root.path()),
+            std::nullopt);
+  for (const char* bad : {"max\n", "0 100000\n", "100000 0\n", "1e5 100000\n", "1 2 3\n", ""}) {
+    put("bad/cpu.max", bad);
+    EXPECT_EQ(memory::CgroupCpuLimit("0::/\n", mount("/", "/bad", true), root.path()), std::nullopt)
+        << bad;
+  }
+  // This process: at least one.
+  EXPECT_GE(memory::HostCpus(), 1);
+}
+
+// A real control group (cgroup v1's cpu controller, as root): a process
+// moved into a group below one limited to one CPU counts one, whatever its
+// affinity allows, and one whose own group allows 1.5 CPUs counts two
+// (where it may run on two). The loader runs as many workers as that.
+TEST(HostCpus, AProcessInALimitedControlGroupCountsWhatItsQuotaAllows) {
+  const std::string mount = "/sys/fs/cgroup/cpu";
+  if (::geteuid() != 0 || ::access((mount + "/cpu.cfs_quota_us").c_str(), W_OK) != 0) {
+    GTEST_SKIP() << "needs root and cgroup v1's cpu controller at " << mount;
+  }
+  {
+    std::ifstream cgroups("/proc/self/cgroup");
+    bool at_root = false;
+    for (std::string line; std::getline(cgroups, line);) {
+      at_root = at_root || line.ends_with(":cpu:/") || line.ends_with(":cpu,cpuacct:/");
+    }
+    if (!at_root) GTEST_SKIP() << "this process is not in the cpu hierarchy's root group";
+  }
+  const std::string parent = mount + "/weightd-test-" + std::to_string(::getpid());
+  const std::string child = parent + "/engine";
+  auto put = [](const std::string& file, const std::string& text) {
+    std::ofstream f(file);
+    f << text;
+    f.flush();
+    return static_cast<bool>(f);
+  };
+  ASSERT_EQ(::mkdir(parent.c_str(), 0755), 0) << std::strerror(errno);
+  ASSERT_EQ(::mkdir(child.c_str(), 0755), 0) << std::strerror(errno);
+  // What HostCpus says in a process moved into `group`.
+  auto cpus_in = [&](const std::string& group) {
+    int pipe_fds[2];
+    if (::pipe(pipe_fds) != 0) return -1;
+    const pid_t pid = ::fork();
+    if (pid == 0) {
+      ::close(pipe_fds[0]);
+      int n = -1;
+      if (put(group + "/cgroup.procs", std::to_string(::getpid()))) n = memory::HostCpus();
+      (void)!::write(pipe_fds[1], &n, sizeof n);
+      ::_exit(0);
+    }
+    ::close(pipe_fds[1]);
+    int n = -2;
+    if (pid < 0 || ::read(pipe_fds[0], &n, sizeof n) != sizeof n) n = -2;
+    ::close(pipe_fds[0]);
+    if (pid > 0) ::waitpid(pid, nullptr, 0);
+    return n;
+  };
+  const int unlimited = cpus_in(child);
+  EXPECT_TRUE(put(parent + "/cpu.cfs_period_us", "100000"));
+  EXPECT_TRUE(put(parent + "/cpu.cfs_quota_us", "100000"));
+  const int under_one = cpus_in(child);
+  EXPECT_TRUE(put(child + "/cpu.cfs_period_us", "100000"));
+  EXPECT_TRUE(put(parent + "/cpu.cfs_quota_us", "-1"));
+  EXPECT_TRUE(put(child + "/cpu.cfs_quota_us", "150000"));
+  const int own_one_and_a_half = cpus_in(child);
+  ::rmdir(child.c_str());
+  ::rmdir(parent.c_str());
+
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  ASSERT_EQ(::sched_getaffinity(0, sizeof set, &set), 0);
+  const int affinity = CPU_COUNT(&set);
+  EXPECT_EQ(unlimited, affinity);
+  EXPECT_EQ(under_one, 1);
+  EXPECT_EQ(own_one_and_a_half, std::min(affinity, 2));
 }
 
 // The room a control group has left: its limit less what it holds beyond

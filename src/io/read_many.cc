@@ -1,14 +1,11 @@
 #include "io/read_many.h"
 
-#include <sched.h>
-
 #include <algorithm>
 #include <atomic>
 #include <condition_variable>
 #include <memory>
 #include <mutex>
 #include <optional>
-#include <thread>
 
 #include "io/worker_pool.h"
 
@@ -45,13 +42,6 @@ class FirstError {
 
 void RunTeam(int workers, const std::function<void(int)>& body) {
   WorkerPool::Shared().RunTeam(workers, body);
-}
-
-int UsableCpus() {
-  cpu_set_t set;
-  CPU_ZERO(&set);
-  if (::sched_getaffinity(0, sizeof set, &set) == 0) return std::max(CPU_COUNT(&set), 1);
-  return std::max(static_cast<int>(std::thread::hardware_concurrency()), 1);
 }
 
 Status ReadMany(std::span<const ReadRequest> requests, const ReadOptions& options,

@@ -68,10 +68,4 @@ Status ReadFilesFully(FileSystem& fs, const std::vector<std::string>& paths,
 // counter rather than assume every worker runs at once.
 void RunTeam(int workers, const std::function<void(int worker)>& body);
 
-// The CPUs this process may run on (its affinity mask), at least 1: as
-// many workers as are worth running when no read waits for storage. A
-// control group's CPU quota (cpu.max) is not counted: more workers than
-// it allows only take turns.
-int UsableCpus();
-
 }  // namespace weightd::io

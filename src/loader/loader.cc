@@ -12,6 +12,7 @@
 #include "format/checkpoint.h"
 #include "format/safetensors.h"
 #include "io/read_many.h"
+#include "memory/host_memory.h"
 #include "memory/manifest.h"
 #include "transform/apply.h"
 #include "transform/convert.h"
@@ -584,7 +585,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   // in flight.
   if (std::all_of(shards.begin(), shards.end(),
                   [](const OpenShard& s) { return s.file->InPageCache(); })) {
-    max_inflight = std::min(max_inflight, io::UsableCpus());
+    max_inflight = std::min(max_inflight, memory::HostCpus());
   }
   const int workers = static_cast<int>(std::min<size_t>(jobs, static_cast<size_t>(max_inflight)));
   io::RunTeam(workers, [&](int) {

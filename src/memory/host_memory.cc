@@ -1,5 +1,6 @@
 #include "memory/host_memory.h"
 
+#include <sched.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -7,6 +8,7 @@
 #include <fstream>
 #include <functional>
 #include <sstream>
+#include <thread>
 #include <vector>
 
 namespace weightd::memory {
@@ -15,6 +17,8 @@ namespace {
 // A limit this high is no limit: cgroup v1 writes "unlimited" as the
 // largest page-aligned 63-bit number.
 constexpr uint64_t kNoLimit = uint64_t{1} << 62;
+// More CPUs than any quota could mean.
+constexpr uint64_t kMaxCpus = 1 << 20;
 
 std::string ReadSmallFile(const std::string& path) {
   std::ifstream in(path);
@@ -85,9 +89,10 @@ bool AtOrBelow(const std::string& inner, const std::string& outer) {
           inner[outer.size()] == '/');
 }
 
-// The control group mounts that show the memory controller and are not
-// covered by a later mount at the same place or above it.
-std::vector<CgroupMount> MemoryMounts(std::string_view mountinfo) {
+// The control group mounts that show `controller` (cgroup v2's, and v1's
+// that has it) and are not covered by a later mount at the same place or
+// above it.
+std::vector<CgroupMount> ControllerMounts(std::string_view mountinfo, std::string_view controller) {
   std::vector<CgroupMount> mounts;
   std::vector<std::string> points;  // of every mount, in order
   std::vector<size_t> at;           // each memory mount's place in `points`
@@ -100,9 +105,9 @@ std::vector<CgroupMount> MemoryMounts(std::string_view mountinfo) {
     points.push_back(Unescape(f[4]));
     const std::string& type = f[dash + 1];
     const std::vector<std::string> super = Split(f[dash + 3], ',');
-    const bool memory_v1 =
-        type == "cgroup" && std::find(super.begin(), super.end(), "memory") != super.end();
-    if (type != "cgroup2" && !memory_v1) continue;
+    const bool has_v1 =
+        type == "cgroup" && std::find(super.begin(), super.end(), controller) != super.end();
+    if (type != "cgroup2" && !has_v1) continue;
     const std::string root = Unescape(f[3]);
     if (LeavesItsRoot(root)) continue;
     mounts.push_back({root, points.back(), type == "cgroup2"});
@@ -147,13 +152,13 @@ std::optional<uint64_t> MeminfoKib(std::string_view meminfo, std::string_view ke
 
 namespace {
 
-// Calls visit(dir, v2, own) for this process's memory group in every
-// hierarchy the mounts show (at `prefix` + the mount point), then for each
-// of its ancestors up to the mount's root (`own` false).
-void ForEachMemoryGroup(std::string_view proc_self_cgroup, std::string_view proc_self_mountinfo,
-                        const std::string& prefix,
-                        const std::function<void(const std::string&, bool, bool)>& visit) {
-  // This process's group in the v2 hierarchy and in v1's memory hierarchy.
+// Calls visit(dir, v2, own) for this process's group of `controller` in
+// every hierarchy the mounts show (at `prefix` + the mount point), then for
+// each of its ancestors up to the mount's root (`own` false).
+void ForEachGroup(std::string_view controller, std::string_view proc_self_cgroup,
+                  std::string_view proc_self_mountinfo, const std::string& prefix,
+                  const std::function<void(const std::string&, bool, bool)>& visit) {
+  // This process's group in the v2 hierarchy and in v1's of the controller.
   std::optional<std::string> v2_group, v1_group;
   for (const std::string& line : Split(proc_self_cgroup, '\n')) {
     // hierarchy-ID:controller-list:path (the path may hold ':')
@@ -167,10 +172,10 @@ void ForEachMemoryGroup(std::string_view proc_self_cgroup, std::string_view proc
       v2_group = path;
     } else {
       const std::vector<std::string> list = Split(controllers, ',');
-      if (std::find(list.begin(), list.end(), "memory") != list.end()) v1_group = path;
+      if (std::find(list.begin(), list.end(), controller) != list.end()) v1_group = path;
     }
   }
-  for (const CgroupMount& m : MemoryMounts(proc_self_mountinfo)) {
+  for (const CgroupMount& m : ControllerMounts(proc_self_mountinfo, controller)) {
     const std::optional<std::string>& group = m.v2 ? v2_group : v1_group;
     if (!group) continue;
     std::optional<std::string> rel = Below(*group, m.root);
@@ -228,14 +233,14 @@ std::optional<uint64_t> CgroupMemoryLimit(std::string_view proc_self_cgroup,
                                           std::string_view proc_self_mountinfo,
                                           const std::string& prefix, std::string* where) {
   std::optional<uint64_t> lowest;
-  ForEachMemoryGroup(proc_self_cgroup, proc_self_mountinfo, prefix,
-                     [&](const std::string& dir, bool v2, bool own) {
-                       const auto limit = GroupLimit(dir, v2, own);
-                       if (limit && (!lowest || limit->first < *lowest)) {
-                         lowest = limit->first;
-                         if (where != nullptr) *where = limit->second;
-                       }
-                     });
+  ForEachGroup("memory", proc_self_cgroup, proc_self_mountinfo, prefix,
+               [&](const std::string& dir, bool v2, bool own) {
+                 const auto limit = GroupLimit(dir, v2, own);
+                 if (limit && (!lowest || limit->first < *lowest)) {
+                   lowest = limit->first;
+                   if (where != nullptr) *where = limit->second;
+                 }
+               });
   return lowest;
 }
 
@@ -243,28 +248,27 @@ std::optional<MemoryRoom> CgroupMemoryRoom(std::string_view proc_self_cgroup,
                                            std::string_view proc_self_mountinfo,
                                            const std::string& prefix) {
   std::optional<MemoryRoom> least;
-  ForEachMemoryGroup(
-      proc_self_cgroup, proc_self_mountinfo, prefix,
-      [&](const std::string& dir, bool v2, bool own) {
-        const auto limit = GroupLimit(dir, v2, own);
-        if (!limit) return;
-        // What the group holds (its descendants too), less the files' page
-        // cache, which the kernel reclaims before it kills: on the file
-        // LRU lists, where shared memory (memfds, tmpfs) never is; and on
-        // v2 the kernel's reclaimable caches (dentries, inodes).
-        const std::optional<uint64_t> usage =
-            ParseLimit(ReadSmallFile(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes")));
-        const std::string stat = ReadSmallFile(dir + "/memory.stat");
-        const char* active = v2 ? "active_file" : "total_active_file";
-        const char* inactive = v2 ? "inactive_file" : "total_inactive_file";
-        const uint64_t file_cache = StatValue(stat, active).value_or(0) +
-                                    StatValue(stat, inactive).value_or(0) +
-                                    (v2 ? StatValue(stat, "slab_reclaimable").value_or(0) : 0);
-        const uint64_t held = usage ? *usage - std::min(*usage, file_cache) : 0;
-        const uint64_t room = limit->first - std::min(limit->first, held);
-        if (!least || room < least->free)
-          least = MemoryRoom{room, limit->first, held, limit->second};
-      });
+  ForEachGroup("memory", proc_self_cgroup, proc_self_mountinfo, prefix,
+               [&](const std::string& dir, bool v2, bool own) {
+                 const auto limit = GroupLimit(dir, v2, own);
+                 if (!limit) return;
+                 // What the group holds (its descendants too), less the files' page
+                 // cache, which the kernel reclaims before it kills: on the file
+                 // LRU lists, where shared memory (memfds, tmpfs) never is; and on
+                 // v2 the kernel's reclaimable caches (dentries, inodes).
+                 const std::optional<uint64_t> usage = ParseLimit(
+                     ReadSmallFile(dir + (v2 ? "/memory.current" : "/memory.usage_in_bytes")));
+                 const std::string stat = ReadSmallFile(dir + "/memory.stat");
+                 const char* active = v2 ? "active_file" : "total_active_file";
+                 const char* inactive = v2 ? "inactive_file" : "total_inactive_file";
+                 const uint64_t file_cache =
+                     StatValue(stat, active).value_or(0) + StatValue(stat, inactive).value_or(0) +
+                     (v2 ? StatValue(stat, "slab_reclaimable").value_or(0) : 0);
+                 const uint64_t held = usage ? *usage - std::min(*usage, file_cache) : 0;
+                 const uint64_t room = limit->first - std::min(limit->first, held);
+                 if (!least || room < least->free)
+                   least = MemoryRoom{room, limit->first, held, limit->second};
+               });
   return least;
 }
 
@@ -280,6 +284,45 @@ std::optional<MemoryRoom> HostMemoryRoom() {
     room = MemoryRoom{*available, *total, *total - std::min(*total, *available), "MemAvailable"};
   }
   return room;
+}
+
+std::optional<int> CgroupCpuLimit(std::string_view proc_self_cgroup,
+                                  std::string_view proc_self_mountinfo, const std::string& prefix) {
+  std::optional<int> fewest;
+  ForEachGroup("cpu", proc_self_cgroup, proc_self_mountinfo, prefix,
+               [&](const std::string& dir, bool v2, bool) {
+                 // v2: "max PERIOD" or "QUOTA PERIOD"; v1: the quota is -1
+                 // where none is set, which is no number here.
+                 std::optional<uint64_t> quota, period;
+                 if (v2) {
+                   const std::vector<std::string> f = Split(ReadSmallFile(dir + "/cpu.max"), ' ');
+                   if (f.size() == 2) {
+                     quota = ParseLimit(f[0]);
+                     period = ParseLimit(f[1]);
+                   }
+                 } else {
+                   quota = ParseLimit(ReadSmallFile(dir + "/cpu.cfs_quota_us"));
+                   period = ParseLimit(ReadSmallFile(dir + "/cpu.cfs_period_us"));
+                 }
+                 if (!quota || !period) return;
+                 // A part of a CPU is one more to run on.
+                 const uint64_t cpus =
+                     std::min<uint64_t>(*quota / *period + (*quota % *period != 0), kMaxCpus);
+                 if (!fewest || static_cast<int>(cpus) < *fewest) fewest = static_cast<int>(cpus);
+               });
+  return fewest;
+}
+
+int HostCpus() {
+  int cpus = static_cast<int>(std::thread::hardware_concurrency());
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (::sched_getaffinity(0, sizeof set, &set) == 0) cpus = CPU_COUNT(&set);
+  if (const std::optional<int> quota = CgroupCpuLimit(ReadSmallFile("/proc/self/cgroup"),
+                                                      ReadSmallFile("/proc/self/mountinfo"), "")) {
+    cpus = std::min(cpus, *quota);
+  }
+  return std::max(cpus, 1);
 }
 
 MemoryCeiling HostMemoryCeiling() {

@@ -1,7 +1,9 @@
-// How much memory this process may take: the machine's RAM, or less where
-// a control group caps it (a container's memory limit, cgroup v1 or v2).
-// A budget above that ceiling would leave the kernel's OOM killer, not the
-// budget, to decide what goes when the segments fill it.
+// What of the host this process may use. Memory: the machine's RAM, or
+// less where a control group caps it (a container's memory limit, cgroup v1
+// or v2); a budget above that ceiling would leave the kernel's OOM killer,
+// not the budget, to decide what goes when the segments fill it. CPUs: its
+// affinity mask, or fewer where a control group's quota allows fewer (a
+// container's --cpus, a Kubernetes pod's CPU limit).
 //
 // Thread safety: free functions, no shared state.
 #pragma once
@@ -58,5 +60,18 @@ std::optional<MemoryRoom> HostMemoryRoom();
 std::optional<MemoryRoom> CgroupMemoryRoom(std::string_view proc_self_cgroup,
                                            std::string_view proc_self_mountinfo,
                                            const std::string& prefix);
+
+// How many CPUs this process can keep busy, at least 1: its affinity mask,
+// or its control groups' lowest CPU quota where that allows fewer. Read
+// afresh on each call (a pod's limit can change while the daemon runs).
+int HostCpus();
+
+// The lowest CPU quota this process's control groups are under, in CPUs
+// rounded up (1.5 CPUs of time: 2 to run on), read as CgroupMemoryLimit
+// reads: cgroup v2's cpu.max ("QUOTA PERIOD", or "max PERIOD" for none),
+// v1's cpu.cfs_quota_us (-1 for none) over cpu.cfs_period_us. nullopt
+// where no quota is set.
+std::optional<int> CgroupCpuLimit(std::string_view proc_self_cgroup,
+                                  std::string_view proc_self_mountinfo, const std::string& prefix);
 
 }  // namespace weightd::memory

@@ -190,7 +190,7 @@ Result<UniqueFd> MakeMemfd(const std::string& name, uint64_t bytes, bool huge) {
 Status TakeHugePages(int fd, std::byte* map, uint64_t bytes) {
   const uint64_t pages = bytes / kHugePageBytes;
   const uint64_t threads =
-      std::clamp<uint64_t>(std::thread::hardware_concurrency(), 1, kMaxPopulateThreads);
+      std::clamp<uint64_t>(static_cast<uint64_t>(HostCpus()), 1, kMaxPopulateThreads);
   const uint64_t per_thread = (pages + threads - 1) / threads * kHugePageBytes;
   std::vector<int> errors(static_cast<size_t>(threads), 0);
   {
