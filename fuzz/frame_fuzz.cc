@@ -4,11 +4,21 @@
 // fields the daemon decodes from requests (a cache key, processing flags, a
 // path) are decoded as it does; what decodes must survive a round trip
 // through the wire form unchanged.
+//
+// An input that starts with "FDS!" is a list of writes, each with the
+// descriptors a peer passes along with it (SCM_RIGHTS): a byte (its low
+// two bits: how many descriptors), a 16-bit little-endian length, and that
+// many bytes. Whatever the frames and however many descriptors came with
+// them, every descriptor received must be closed once the messages are
+// gone: none may leak into the daemon.
+#include <dirent.h>
+#include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
@@ -50,20 +60,76 @@ void DecodeFields(const nlohmann::json& body) {
   }
 }
 
+constexpr char kWithDescriptors[4] = {'F', 'D', 'S', '!'};
+
+int OpenDescriptors() {
+  DIR* dir = ::opendir("/proc/self/fd");
+  if (dir == nullptr) __builtin_trap();
+  int n = 0;
+  while (::readdir(dir) != nullptr) ++n;
+  ::closedir(dir);
+  return n;
+}
+
+// Writes `bytes` with `count` descriptors (of /dev/null) attached.
+void SendWith(int socket, const uint8_t* bytes, size_t size, int count) {
+  int passed[3];
+  for (int i = 0; i < count; ++i) {
+    passed[i] = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
+    if (passed[i] < 0) __builtin_trap();
+  }
+  iovec iov{const_cast<uint8_t*>(bytes), size};
+  alignas(cmsghdr) char control[CMSG_SPACE(sizeof passed)] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (count > 0) {
+    msg.msg_control = control;
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * count);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * count);
+    std::memcpy(CMSG_DATA(c), passed, sizeof(int) * count);
+  }
+  if (::sendmsg(socket, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(size)) __builtin_trap();
+  for (int i = 0; i < count; ++i) ::close(passed[i]);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  const int open_before = OpenDescriptors();
   int fds[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return 0;
   // Inputs are small (-max_len): they fit the socket buffer in one write.
-  if (size > 0 && ::write(fds[0], data, size) != static_cast<ssize_t>(size)) __builtin_trap();
-  ::close(fds[0]);
-  protocol::Channel channel{memory::UniqueFd(fds[1])};
-  for (int i = 0; i < 64; ++i) {
-    auto m = channel.Receive(0);
-    if (!m.ok()) break;
-    if (!m->body.is_object() || m->type().empty()) __builtin_trap();
-    DecodeFields(m->body);
+  if (size >= 4 && std::memcmp(data, kWithDescriptors, 4) == 0) {
+    for (size_t at = 4; at + 3 <= size;) {
+      const int count = data[at] & 3;
+      const size_t length =
+          std::min<size_t>(data[at + 1] | size_t{data[at + 2]} << 8, size - at - 3);
+      at += 3;
+      // Descriptors ride on data: a write of nothing carries none.
+      if (length > 0) SendWith(fds[0], data + at, length, count);
+      at += length;
+    }
+  } else if (size > 0 && ::write(fds[0], data, size) != static_cast<ssize_t>(size)) {
+    __builtin_trap();
   }
+  ::close(fds[0]);
+  {
+    protocol::Channel channel{memory::UniqueFd(fds[1])};
+    for (int i = 0; i < 64; ++i) {
+      auto m = channel.Receive(0);
+      if (!m.ok()) break;
+      if (!m->body.is_object() || m->type().empty()) __builtin_trap();
+      for (const memory::UniqueFd& fd : m->fds) {
+        if (::fcntl(fd.get(), F_GETFD) < 0) __builtin_trap();  // handed over, open
+      }
+      DecodeFields(m->body);
+    }
+  }
+  // The socket and every descriptor that arrived on it are closed.
+  if (OpenDescriptors() != open_before) __builtin_trap();
   return 0;
 }
