@@ -20,6 +20,7 @@
 #include "format/checkpoint.h"
 #include "format/synthetic.h"
 #include "io/file.h"
+#include "protocol/text.h"
 
 namespace weightd::cli {
 namespace {
@@ -130,7 +131,7 @@ Status FineTuneOneTensor(const std::string& dir, std::string* which) {
 }
 
 int RunDemo(const DemoOptions& o) {
-  auto size = ParseSize(o.size);
+  auto size = protocol::ParseSize(o.size);
   if (!size || *size == 0)
     return ReportError("demo", "--size " + o.size + ": not a size", kExitUsage);
   std::string dir = o.dir;

@@ -9,6 +9,7 @@
 #include "cli/output.h"
 #include "format/synthetic.h"
 #include "protocol/paths.h"
+#include "protocol/text.h"
 
 namespace weightd::cli {
 namespace {
@@ -41,7 +42,7 @@ int RunMake(MakeOptions o) {
     if (given) return ReportError("make-checkpoint", why, kExitUsage);
   }
   if (!o.size.empty()) {
-    auto size = ParseSize(o.size);
+    auto size = protocol::ParseSize(o.size);
     if (!size) {
       return ReportError("make-checkpoint", "--size " + o.size + ": not a size (e.g. 512M, 2G)",
                          kExitUsage);

@@ -29,10 +29,6 @@ inline constexpr int kExitNoDaemon = 3;  // status, preload, evict: nothing list
 // Prints "weightd: error: <what>: <why>" to stderr and returns `code`.
 int ReportError(std::string_view what, std::string_view why, int code = kExitFailure);
 
-// "512M", "64G", "1T", "4096" (bytes); binary multiples. nullopt when the
-// text is not a size or overflows.
-std::optional<uint64_t> ParseSize(std::string_view text);
-
 // Count(1, "shard") -> "1 shard", Count(3, "shard") -> "3 shards".
 std::string Count(uint64_t n, std::string_view noun);
 

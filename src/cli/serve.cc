@@ -2,7 +2,6 @@
 // an operator sends it.
 #include <malloc.h>
 #include <signal.h>
-#include <toml++/toml.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -22,6 +21,7 @@
 
 #include "cli/output.h"
 #include "client/admin.h"
+#include "daemon/config.h"
 #include "daemon/registry.h"
 #include "daemon/server.h"
 #include "io/file.h"
@@ -59,27 +59,10 @@ int ReportRequestError(std::string_view command, const Error& e, bool no_daemon)
   return ReportError(command, e.message(), no_daemon ? kExitNoDaemon : kExitFailure);
 }
 
-// One device's budget, as --budget DEVICE=SIZE or a config's [budget] names it.
-struct Budget {
-  std::string device;  // as given: host, cuda:N, cuda:GPU-<uuid>
-  bool host = false;
-  uint64_t bytes = 0;
-  bool unitless = false;  // a bare number: bytes
-};
-
-Result<Budget> ParseBudget(const std::string& device, const std::string& amount) {
-  auto spec = memory::ParseDevice(device);
-  if (!spec.ok()) return Error("`" + device + "` is not host, cuda:N or cuda:GPU-<uuid>");
-  auto bytes = ParseSize(amount);
-  if (!bytes) return Error("`" + amount + "` is not a size like 64G");
-  const bool unitless = !amount.empty() && amount.back() >= '0' && amount.back() <= '9';
-  return Budget{device, spec->kind == memory::DeviceSpec::Kind::kHost, *bytes, unitless};
-}
-
 struct ServeOptions {
   std::string socket_dir;
   std::vector<std::string> budgets;
-  std::vector<Budget> config_budgets;  // the config file's; --budget wins per device
+  std::vector<daemon::Budget> config_budgets;  // the config file's; --budget wins per device
   std::string config;
   bool no_cache = false;
   bool budget_only = false;
@@ -87,27 +70,12 @@ struct ServeOptions {
   double idle_seconds = 60;
 };
 
-struct ConfigModel {
-  std::string path;
-  std::string pin;
-  protocol::Processing processing;  // as `weightd preload`'s flags give it
-};
-
-// The --config file:
-//
-//   socket_dir = "/run/weightd"          # optional; --socket-dir wins
-//   [budget]
-//   host = "64G"                         # optional; --budget wins
-//   "cuda:0" = "70G"                     # optional, per GPU
-//   [[model]]                            # preloaded at start, in this order
-//   path = "/models/llama-3-8b"
-//   pin = "llama3"                       # optional
-//   device = "cuda:0"                    # optional; default: host memory
-//   tp_size = 2                          # optional, with shard_plan, dtype,
-//   shard_plan = "llama"                 # quant: as preload's flags
-//
-// Unknown keys are errors, so a typo does not silently do nothing.
-Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigModel>& models) {
+// Reads the --config file (see daemon/config.h) and finishes what its text
+// alone cannot say: paths relative to the file's directory, wherever the
+// daemon was started; the processing checked as preload's flags are (a
+// plan file read); and whether two entries name one model.
+Status ReadConfig(const std::string& file, ServeOptions& o,
+                  std::vector<daemon::ConfigModel>& models) {
   // A regular file of reasonable size: a FIFO or a directory given here is
   // an error, not a wait or a config silently ignored.
   constexpr uint64_t kMaxConfigBytes = 1 << 20;
@@ -115,134 +83,46 @@ Status ReadConfig(const std::string& file, ServeOptions& o, std::vector<ConfigMo
   if (opened->size() > kMaxConfigBytes) return Error(file + ": a config file is at most 1 MiB");
   std::string text(static_cast<size_t>(opened->size()), '\0');
   WEIGHTD_RETURN_IF_ERROR(opened->ReadExactly(0, std::as_writable_bytes(std::span(text))));
-  toml::table t;
-  try {
-    t = toml::parse(text, file);
-  } catch (const toml::parse_error& e) {
-    const auto& where = e.source().begin;
-    return Error(file + ":" + std::to_string(where.line) + ":" + std::to_string(where.column) +
-                 ": " + std::string(e.description()));
-  }
+  WEIGHTD_ASSIGN_OR_RETURN(daemon::Config config, daemon::ParseConfig(text, file));
   auto fail = [&](const std::string& why) { return Error(file + ": " + why); };
-  // The same, at the line of `node` (where a key's value, or an entry, is).
-  auto fail_at = [&](const toml::node& node, const std::string& why) {
-    return Error(file + ":" + std::to_string(node.source().begin.line) + ": " + why);
+  auto beside_config = [&](std::string& relative) -> Status {
+    if (relative.empty() || relative.front() == '/') return OkStatus();
+    auto dir = io::PosixFileSystem().RealPath(io::DirName(file));
+    if (!dir.ok()) return fail(dir.error().message());
+    relative = io::JoinPath(*dir, relative);
+    return OkStatus();
   };
-  for (const auto& [key, value] : t) {
-    const std::string k(key.str());
-    if (k == "socket_dir") {
-      if (!value.is_string()) return fail("socket_dir must be a string");
-      if (o.socket_dir.empty()) {
-        o.socket_dir = *value.value<std::string>();
-        // Relative to the config file, as its models' paths are.
-        if (!o.socket_dir.empty() && o.socket_dir.front() != '/') {
-          auto dir = io::PosixFileSystem().RealPath(io::DirName(file));
-          if (!dir.ok()) return fail(dir.error().message());
-          o.socket_dir = io::JoinPath(*dir, o.socket_dir);
-        }
-      }
-    } else if (k == "budget") {
-      if (!value.is_table()) return fail("[budget] must be a table");
-      std::set<std::string> given;  // `host` and `cpu` are one device
-      for (const auto& [device, size] : *value.as_table()) {
-        if (!size.is_string() && !size.is_integer()) {
-          return fail_at(size,
-                         "budget." + std::string(device.str()) + " must be a size like \"64G\"");
-        }
-        const std::string amount =
-            size.is_string() ? *size.value<std::string>() : std::to_string(*size.value<int64_t>());
-        auto budget = ParseBudget(std::string(device.str()), amount);
-        if (!budget.ok()) {
-          return fail_at(size,
-                         "budget." + std::string(device.str()) + ": " + budget.error().message());
-        }
-        if (!given.insert(budget->host ? "host" : budget->device).second) {
-          return fail("[budget] names " + (budget->host ? std::string("host") : budget->device) +
-                      " twice (`host` and `cpu` are one device); give one budget per device");
-        }
-        o.config_budgets.push_back(*budget);
-      }
-    } else if (k == "model") {
-      if (!value.is_array_of_tables()) return fail("model must be [[model]] tables");
-      for (const auto& entry : *value.as_array()) {
-        ConfigModel m;
-        protocol::Processing& p = m.processing;
-        for (const auto& [field, v] : *entry.as_table()) {
-          const std::string f(field.str());
-          if (f == "tp_size") {
-            const std::optional<int64_t> n = v.value<int64_t>();
-            // The range is checked with the rest of the processing below.
-            if (!v.is_integer() || !n || *n < 1 || *n > 1 << 20) {
-              return fail_at(v, "[[model]] tp_size must be a positive whole number");
-            }
-            p.tp_size = static_cast<int>(*n);
-            continue;
-          }
-          std::string* into = f == "path"          ? &m.path
-                              : f == "pin"         ? &m.pin
-                              : f == "device"      ? &p.device
-                              : f == "dtype"       ? &p.dtype
-                              : f == "quant"       ? &p.quant
-                              : f == "shard_plan"  ? &p.shard_plan
-                              : f == "fingerprint" ? &p.fingerprint
-                                                   : nullptr;
-          if (into == nullptr || !v.is_string()) {
-            return fail_at(
-                v,
-                "[[model]] takes path, pin, device, dtype, quant, shard_plan and fingerprint "
-                "(strings) and tp_size (a number), not `" +
-                    f + "`");
-          }
-          *into = *v.value<std::string>();
-        }
-        if (m.path.empty()) return fail_at(entry, "a [[model]] without a path");
-        // Relative to the config file, wherever the daemon was started:
-        // the model, and a plan file.
-        auto beside_config = [&](std::string& relative) -> Status {
-          if (relative.empty() || relative.front() == '/') return OkStatus();
-          WEIGHTD_ASSIGN_OR_RETURN(const std::string dir,
-                                   io::PosixFileSystem().RealPath(io::DirName(file)));
-          relative = io::JoinPath(dir, relative);
-          return OkStatus();
-        };
-        if (Status s = beside_config(m.path); !s.ok()) return fail(s.error().message());
-        if (transform::IsPlanFile(p.shard_plan)) {
-          if (Status s = beside_config(p.shard_plan); !s.ok()) return fail(s.error().message());
-        }
-        // The processing and the devices' form now, not after `ready`
-        // (which GPU an ordinal names is known once the driver answers).
-        if (Status s = FinishProcessingFlags(p); !s.ok()) {
-          return fail("[[model]] " + m.path + ": " + s.error().message());
-        }
-        // Shown in logs and `status` as `weightd preload` shows its paths:
-        // real, or at least without `..` where it does not exist (yet).
-        if (auto real = io::PosixFileSystem().RealPath(m.path); real.ok()) {
-          m.path = *real;
-        } else {
-          m.path = std::filesystem::path(m.path).lexically_normal().string();
-        }
-        if (!m.pin.empty()) {
-          if (Status s = daemon::CheckPinName(m.pin); !s.ok()) {
-            return fail("[[model]] pin `" + m.pin + "`: " + s.error().message());
-          }
-          for (const ConfigModel& other : models) {
-            if (other.pin == m.pin) {
-              return fail("two [[model]] entries are pinned as `" + m.pin +
-                          "`; a name pins one model");
-            }
-            // The second preload would find the first's model resident and
-            // move the name: the first would name nothing.
-            if (!other.pin.empty() && other.path == m.path && other.processing == m.processing) {
-              return fail("[[model]] " + m.path + " is pinned as `" + other.pin + "` and as `" +
-                          m.pin + "` with the same processing; a model has one name");
-            }
-          }
-        }
-        models.push_back(m);
-      }
-    } else {
-      return fail_at(value, "unknown key `" + k + "`");
+  if (o.socket_dir.empty() && !config.socket_dir.empty()) {
+    o.socket_dir = config.socket_dir;
+    WEIGHTD_RETURN_IF_ERROR(beside_config(o.socket_dir));
+  }
+  o.config_budgets = std::move(config.budgets);
+  for (daemon::ConfigModel& m : config.models) {
+    protocol::Processing& p = m.processing;
+    WEIGHTD_RETURN_IF_ERROR(beside_config(m.path));
+    if (transform::IsPlanFile(p.shard_plan)) WEIGHTD_RETURN_IF_ERROR(beside_config(p.shard_plan));
+    // The processing and the devices' form now, not after `ready`
+    // (which GPU an ordinal names is known once the driver answers).
+    if (Status s = FinishProcessingFlags(p); !s.ok()) {
+      return fail("[[model]] " + m.path + ": " + s.error().message());
     }
+    // Shown in logs and `status` as `weightd preload` shows its paths:
+    // real, or at least without `..` where it does not exist (yet).
+    if (auto real = io::PosixFileSystem().RealPath(m.path); real.ok()) {
+      m.path = *real;
+    } else {
+      m.path = std::filesystem::path(m.path).lexically_normal().string();
+    }
+    // The second preload would find the first's model resident and move
+    // the name: the first would name nothing.
+    for (const daemon::ConfigModel& other : models) {
+      if (!m.pin.empty() && !other.pin.empty() && other.path == m.path &&
+          other.processing == m.processing) {
+        return fail("[[model]] " + m.path + " is pinned as `" + other.pin + "` and as `" + m.pin +
+                    "` with the same processing; a model has one name");
+      }
+    }
+    models.push_back(std::move(m));
   }
   return OkStatus();
 }
@@ -266,7 +146,7 @@ int RunServe(ServeOptions o) {
   // with its socket bound: writes to it fail instead.
   ::signal(SIGPIPE, SIG_IGN);
   ShareTwoArenas();
-  std::vector<ConfigModel> preloads;
+  std::vector<daemon::ConfigModel> preloads;
   if (!o.config.empty()) {
     if (Status s = ReadConfig(o.config, o, preloads); !s.ok()) {
       return ReportError("serve", s.error().message(), kExitUsage);
@@ -292,12 +172,12 @@ int RunServe(ServeOptions o) {
   so.idle_seconds = o.idle_seconds;
   // The file's first, then the flags: for a device named in both, the last
   // one given (the flag) is the one that holds.
-  std::vector<Budget> budgets = o.config_budgets;
+  std::vector<daemon::Budget> budgets = o.config_budgets;
   std::set<std::string> flagged;  // a device twice on the command line: which one was meant?
   for (const std::string& b : o.budgets) {
     const size_t eq = b.find('=');
-    auto budget = eq == std::string::npos ? ParseBudget("host", b)
-                                          : ParseBudget(b.substr(0, eq), b.substr(eq + 1));
+    auto budget = eq == std::string::npos ? daemon::ParseBudget("host", b)
+                                          : daemon::ParseBudget(b.substr(0, eq), b.substr(eq + 1));
     if (!budget.ok()) {
       return ReportError("serve",
                          "--budget " + b + ": " + budget.error().message() +
@@ -313,7 +193,7 @@ int RunServe(ServeOptions o) {
     }
     budgets.push_back(*budget);
   }
-  for (const Budget& b : budgets) {
+  for (const daemon::Budget& b : budgets) {
     if (b.host) {
       so.host_budget = b.bytes;
       host_budget_given = true;
@@ -332,7 +212,7 @@ int RunServe(ServeOptions o) {
   // Budgets that cannot mean what they say are taken, and said.
   std::set<std::string> in_force;  // the last budget given for a device holds
   for (auto it = budgets.rbegin(); it != budgets.rend(); ++it) {
-    const Budget& b = *it;
+    const daemon::Budget& b = *it;
     if (!in_force.insert(b.host ? "host" : b.device).second) continue;
     // `host=64` is 64 bytes: taken as given, but likely meant otherwise.
     if (b.unitless && b.bytes > 0 && b.bytes < (uint64_t{1} << 20)) {

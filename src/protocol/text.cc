@@ -36,4 +36,47 @@ std::string Printable(std::string_view text) {
   return out;
 }
 
+std::optional<uint64_t> ParseSize(std::string_view text) {
+  uint64_t value = 0;
+  size_t i = 0;
+  for (; i < text.size() && text[i] >= '0' && text[i] <= '9'; ++i) {
+    if (__builtin_mul_overflow(value, uint64_t{10}, &value) ||
+        __builtin_add_overflow(value, static_cast<uint64_t>(text[i] - '0'), &value)) {
+      return std::nullopt;
+    }
+  }
+  if (i == 0) return std::nullopt;
+  std::string_view suffix = text.substr(i);
+  int shift = 0;
+  if (!suffix.empty()) {
+    switch (suffix[0]) {
+      case 'K':
+      case 'k':
+        shift = 10;
+        break;
+      case 'M':
+      case 'm':
+        shift = 20;
+        break;
+      case 'G':
+      case 'g':
+        shift = 30;
+        break;
+      case 'T':
+      case 't':
+        shift = 40;
+        break;
+      case 'B':
+      case 'b':
+        break;
+      default:
+        return std::nullopt;
+    }
+    if (shift != 0) suffix.remove_prefix(1);
+    if (!(suffix.empty() || suffix == "B" || suffix == "iB" || suffix == "b")) return std::nullopt;
+  }
+  if (shift != 0 && value > (UINT64_MAX >> shift)) return std::nullopt;
+  return value << shift;
+}
+
 }  // namespace weightd::protocol

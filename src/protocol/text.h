@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -15,5 +16,9 @@ std::string FormatBytes(uint64_t bytes);
 // sequence in a tensor name) as \xNN: shown, not obeyed, and one log line
 // stays one line.
 std::string Printable(std::string_view text);
+
+// "512M", "64G", "1T", "4096" (bytes); binary multiples. nullopt when the
+// text is not a size or overflows.
+std::optional<uint64_t> ParseSize(std::string_view text);
 
 }  // namespace weightd::protocol
