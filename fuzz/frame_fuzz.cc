@@ -8,17 +8,22 @@
 // An input that starts with "FDS!" is a list of writes, each with the
 // descriptors a peer passes along with it (SCM_RIGHTS): a byte (its low
 // two bits: how many descriptors), a 16-bit little-endian length, and that
-// many bytes. Whatever the frames and however many descriptors came with
-// them, every descriptor received must be closed once the messages are
-// gone: none may leak into the daemon.
+// many bytes; up to 64 writes, while the socket takes them. Whatever the
+// frames and however many descriptors came with them, every descriptor
+// received must be closed once the messages are gone: none may leak into
+// the daemon.
 #include <dirent.h>
 #include <fcntl.h>
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
@@ -62,17 +67,30 @@ void DecodeFields(const nlohmann::json& body) {
 
 constexpr char kWithDescriptors[4] = {'F', 'D', 'S', '!'};
 
-int OpenDescriptors() {
+// No more writes than the 64 messages read could take, each at most one
+// frame.
+constexpr int kMaxWrites = 64;
+
+// The descriptors open in this process, by number: a leak that happens
+// along with a descriptor wrongly closed is still a change.
+std::vector<int> OpenDescriptors() {
   DIR* dir = ::opendir("/proc/self/fd");
   if (dir == nullptr) __builtin_trap();
-  int n = 0;
-  while (::readdir(dir) != nullptr) ++n;
+  std::vector<int> open;
+  while (const dirent* e = ::readdir(dir)) {
+    if (e->d_name[0] != '.' && ::dirfd(dir) != std::atoi(e->d_name)) {
+      open.push_back(std::atoi(e->d_name));
+    }
+  }
   ::closedir(dir);
-  return n;
+  std::sort(open.begin(), open.end());
+  return open;
 }
 
-// Writes `bytes` with `count` descriptors (of /dev/null) attached.
-void SendWith(int socket, const uint8_t* bytes, size_t size, int count) {
+// Writes `bytes` with `count` descriptors (of /dev/null) attached; false
+// when the socket takes no more (its buffer full, or too many descriptors
+// in flight for this process's limit).
+bool SendWith(int socket, const uint8_t* bytes, size_t size, int count) {
   int passed[3];
   for (int i = 0; i < count; ++i) {
     passed[i] = ::open("/dev/null", O_RDONLY | O_CLOEXEC);
@@ -92,25 +110,30 @@ void SendWith(int socket, const uint8_t* bytes, size_t size, int count) {
     c->cmsg_len = CMSG_LEN(sizeof(int) * count);
     std::memcpy(CMSG_DATA(c), passed, sizeof(int) * count);
   }
-  if (::sendmsg(socket, &msg, MSG_NOSIGNAL) != static_cast<ssize_t>(size)) __builtin_trap();
+  const ssize_t sent = ::sendmsg(socket, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
   for (int i = 0; i < count; ++i) ::close(passed[i]);
+  if (sent < 0 && errno != EAGAIN && errno != ETOOMANYREFS) __builtin_trap();
+  // A part written is what the reader gets: frames cut there are its to refuse.
+  return sent == static_cast<ssize_t>(size);
 }
 
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
-  const int open_before = OpenDescriptors();
+  const std::vector<int> open_before = OpenDescriptors();
   int fds[2];
   if (::socketpair(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0, fds) != 0) return 0;
-  // Inputs are small (-max_len): they fit the socket buffer in one write.
+  // Inputs are small (-max_len): written at once, before anything reads,
+  // they fit the socket buffer.
   if (size >= 4 && std::memcmp(data, kWithDescriptors, 4) == 0) {
-    for (size_t at = 4; at + 3 <= size;) {
+    int writes = 0;
+    for (size_t at = 4; at + 3 <= size && writes < kMaxWrites;) {
       const int count = data[at] & 3;
       const size_t length =
           std::min<size_t>(data[at + 1] | size_t{data[at + 2]} << 8, size - at - 3);
       at += 3;
       // Descriptors ride on data: a write of nothing carries none.
-      if (length > 0) SendWith(fds[0], data + at, length, count);
+      if (length > 0 && (++writes, !SendWith(fds[0], data + at, length, count))) break;
       at += length;
     }
   } else if (size > 0 && ::write(fds[0], data, size) != static_cast<ssize_t>(size)) {
