@@ -986,8 +986,9 @@ TEST(HostCpus, TheLowestControlGroupQuotaLimitsThem) {
   put("v1/batch/cpu.cfs_quota_us", "250000\n");
   put("v1/batch/cpu.cfs_period_us", "50000\n");
   EXPECT_EQ(memory::CgroupCpuLimit("2:cpu,cpuacct:/batch/job\n", v1, root.path()), 5);
-  // A memory-only hierarchy is not read for CPUs; nor is what no quota.
-  EXPECT_EQ(memory::CgroupCpuLimit("4:memory:/batch/job\n",
+  // A hierarchy without the cpu controller is not read for CPUs, whatever
+  // its files say; nor is what is not a quota.
+  EXPECT_EQ(memory::CgroupCpuLimit("2:cpu,cpuacct:/batch/job\n",
                                    "35 31 0:32 / /v1 rw - cgroup cgroup rw,memory\n", root.path()),
             std::nullopt);
   for (const char* bad : {"max\n", "0 100000\n", "100000 0\n", "1e5 100000\n", "1 2 3\n", ""}) {
@@ -1001,8 +1002,9 @@ TEST(HostCpus, TheLowestControlGroupQuotaLimitsThem) {
 
 // A real control group (cgroup v1's cpu controller, as root): a process
 // moved into a group below one limited to one CPU counts one, whatever its
-// affinity allows, and one whose own group allows 1.5 CPUs counts two
-// (where it may run on two). The loader runs as many workers as that.
+// affinity allows; one whose own group allows half a CPU counts one, not
+// none; and 1.5 CPUs count two (told from no limit with 3 CPUs or more).
+// The loader runs as many workers as that.
 TEST(HostCpus, AProcessInALimitedControlGroupCountsWhatItsQuotaAllows) {
   const std::string mount = "/sys/fs/cgroup/cpu";
   if (::geteuid() != 0 || ::access((mount + "/cpu.cfs_quota_us").c_str(), W_OK) != 0) {
@@ -1024,8 +1026,19 @@ TEST(HostCpus, AProcessInALimitedControlGroupCountsWhatItsQuotaAllows) {
     f.flush();
     return static_cast<bool>(f);
   };
-  ASSERT_EQ(::mkdir(parent.c_str(), 0755), 0) << std::strerror(errno);
-  ASSERT_EQ(::mkdir(child.c_str(), 0755), 0) << std::strerror(errno);
+  // Removed however the test ends (a group with no process in it).
+  struct Groups {
+    std::vector<std::string> made;
+    ~Groups() {
+      for (auto it = made.rbegin(); it != made.rend(); ++it) {
+        EXPECT_EQ(::rmdir(it->c_str()), 0) << *it << ": " << std::strerror(errno);
+      }
+    }
+  } groups;
+  for (const std::string& group : {parent, child}) {
+    ASSERT_EQ(::mkdir(group.c_str(), 0755), 0) << group << ": " << std::strerror(errno);
+    groups.made.push_back(group);
+  }
   // What HostCpus says in a process moved into `group`.
   auto cpus_in = [&](const std::string& group) {
     int pipe_fds[2];
@@ -1051,10 +1064,10 @@ TEST(HostCpus, AProcessInALimitedControlGroupCountsWhatItsQuotaAllows) {
   const int under_one = cpus_in(child);
   EXPECT_TRUE(put(child + "/cpu.cfs_period_us", "100000"));
   EXPECT_TRUE(put(parent + "/cpu.cfs_quota_us", "-1"));
+  EXPECT_TRUE(put(child + "/cpu.cfs_quota_us", "50000"));
+  const int own_half = cpus_in(child);
   EXPECT_TRUE(put(child + "/cpu.cfs_quota_us", "150000"));
   const int own_one_and_a_half = cpus_in(child);
-  ::rmdir(child.c_str());
-  ::rmdir(parent.c_str());
 
   cpu_set_t set;
   CPU_ZERO(&set);
@@ -1062,6 +1075,7 @@ TEST(HostCpus, AProcessInALimitedControlGroupCountsWhatItsQuotaAllows) {
   const int affinity = CPU_COUNT(&set);
   EXPECT_EQ(unlimited, affinity);
   EXPECT_EQ(under_one, 1);
+  EXPECT_EQ(own_half, 1);
   EXPECT_EQ(own_one_and_a_half, std::min(affinity, 2));
 }
 

@@ -95,7 +95,7 @@ bool AtOrBelow(const std::string& inner, const std::string& outer) {
 std::vector<CgroupMount> ControllerMounts(std::string_view mountinfo, std::string_view controller) {
   std::vector<CgroupMount> mounts;
   std::vector<std::string> points;  // of every mount, in order
-  std::vector<size_t> at;           // each memory mount's place in `points`
+  std::vector<size_t> at;           // each such mount's place in `points`
   for (const std::string& line : Split(mountinfo, '\n')) {
     // id parent major:minor root point options [optional...] - type source super-options
     const std::vector<std::string> f = Split(line, ' ');
