@@ -9,6 +9,7 @@
 
 #include "daemon/config.h"
 #include "daemon/registry.h"
+#include "memory/cuda.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   using namespace weightd;
@@ -20,13 +21,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   std::set<std::string> devices, pins;
   for (const daemon::Budget& b : config->budgets) {
-    if (!devices.insert(b.host ? "host" : b.device).second) __builtin_trap();  // one per device
+    // One per device, however it is spelled.
+    auto device = memory::ParseDevice(b.device);
+    if (!device.ok()) __builtin_trap();
+    const std::string one = std::to_string(static_cast<int>(device->kind)) + ":" +
+                            std::to_string(device->ordinal) + ":" + device->uuid;
+    if (!devices.insert(one).second) __builtin_trap();
     if (!daemon::ParseBudget(b.device, std::to_string(b.bytes)).ok()) __builtin_trap();
   }
   for (const daemon::ConfigModel& m : config->models) {
     if (m.path.empty() || m.processing.tp_size < 1) __builtin_trap();
-    if (!m.pin.empty() &&
-        (!pins.insert(m.pin).second || !daemon::CheckPinName(m.pin).ok())) {
+    if (!m.pin.empty() && (!pins.insert(m.pin).second || !daemon::CheckPinName(m.pin).ok())) {
       __builtin_trap();
     }
   }

@@ -1835,6 +1835,8 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
       "pinned as `p` and as `q`");
   // One budget per device; `cpu` is the host.
   ExpectRefused("[budget]\nhost = \"1G\"\ncpu = \"2G\"\n", "[budget] names host twice");
+  ExpectRefused("[budget]\n\"cuda:0\" = \"1G\"\n\"cuda:00\" = \"2G\"\n",
+                "[budget] names cuda:0 twice");
   // A size that is not one is named as such, in the file.
   ExpectRefused("[budget]\nhost = \"lots\"\n", "budget.host: `lots` is not a size");
   // A device that is none is an error at start, not a failed preload after

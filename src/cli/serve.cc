@@ -184,10 +184,9 @@ int RunServe(ServeOptions o) {
                              " (expected DEVICE=SIZE, e.g. host=64G, cuda:0=70G)",
                          kExitUsage);
     }
-    if (!flagged.insert(budget->host ? "host" : budget->device).second) {
+    if (!flagged.insert(budget->same_device).second) {
       return ReportError("serve",
-                         "--budget " + b + ": a budget for " +
-                             (budget->host ? std::string("host") : budget->device) +
+                         "--budget " + b + ": a budget for " + budget->same_device +
                              " was given already; give one per device",
                          kExitUsage);
     }
@@ -213,7 +212,7 @@ int RunServe(ServeOptions o) {
   std::set<std::string> in_force;  // the last budget given for a device holds
   for (auto it = budgets.rbegin(); it != budgets.rend(); ++it) {
     const daemon::Budget& b = *it;
-    if (!in_force.insert(b.host ? "host" : b.device).second) continue;
+    if (!in_force.insert(b.same_device).second) continue;
     // `host=64` is 64 bytes: taken as given, but likely meant otherwise.
     if (b.unitless && b.bytes > 0 && b.bytes < (uint64_t{1} << 20)) {
       notes.push_back("the budget for " + b.device + " is " + std::to_string(b.bytes) +

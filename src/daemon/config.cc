@@ -16,7 +16,14 @@ Result<Budget> ParseBudget(const std::string& device, const std::string& amount)
   auto bytes = protocol::ParseSize(amount);
   if (!bytes) return Error("`" + amount + "` is not a size like 64G");
   const bool unitless = !amount.empty() && amount.back() >= '0' && amount.back() <= '9';
-  return Budget{device, spec->kind == memory::DeviceSpec::Kind::kHost, *bytes, unitless};
+  std::string same_device = "host";
+  if (spec->kind == memory::DeviceSpec::Kind::kCudaOrdinal) {
+    same_device = "cuda:" + std::to_string(spec->ordinal);
+  } else if (spec->kind == memory::DeviceSpec::Kind::kCudaUuid) {
+    same_device = "cuda:" + spec->uuid;
+  }
+  return Budget{device, same_device, spec->kind == memory::DeviceSpec::Kind::kHost, *bytes,
+                unitless};
 }
 
 Result<Config> ParseConfig(std::string_view text, const std::string& label) {
@@ -41,7 +48,7 @@ Result<Config> ParseConfig(std::string_view text, const std::string& label) {
       config.socket_dir = *value.value<std::string>();
     } else if (k == "budget") {
       if (!value.is_table()) return fail("[budget] must be a table");
-      std::set<std::string> given;  // `host` and `cpu` are one device
+      std::set<std::string> given;  // `host` and `cpu` are one device, as are cuda:0 and cuda:00
       for (const auto& [device, size] : *value.as_table()) {
         if (!size.is_string() && !size.is_integer()) {
           return fail_at(size,
@@ -54,8 +61,8 @@ Result<Config> ParseConfig(std::string_view text, const std::string& label) {
           return fail_at(size,
                          "budget." + std::string(device.str()) + ": " + budget.error().message());
         }
-        if (!given.insert(budget->host ? "host" : budget->device).second) {
-          return fail("[budget] names " + (budget->host ? std::string("host") : budget->device) +
+        if (!given.insert(budget->same_device).second) {
+          return fail("[budget] names " + budget->same_device +
                       " twice (`host` and `cpu` are one device); give one budget per device");
         }
         config.budgets.push_back(*budget);
@@ -69,7 +76,7 @@ Result<Config> ParseConfig(std::string_view text, const std::string& label) {
           const std::string f(field.str());
           if (f == "tp_size") {
             const std::optional<int64_t> n = v.value<int64_t>();
-            // The range is checked with the rest of the processing, later.
+            // Whether the plan allows as many ranks is checked later.
             if (!v.is_integer() || !n || *n < 1 || *n > 1 << 20) {
               return fail_at(v, "[[model]] tp_size must be a positive whole number");
             }

@@ -14,10 +14,11 @@
 //   shard_plan = "llama"                 # quant, fingerprint: as preload's flags
 //
 // Unknown keys are errors, so a typo does not silently do nothing.
+//
+// Thread safety: free functions, no shared state.
 #pragma once
 
 #include <cstdint>
-#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -30,6 +31,9 @@ namespace weightd::daemon {
 // One device's budget, as --budget DEVICE=SIZE or a config's [budget] names it.
 struct Budget {
   std::string device;  // as given: host, cpu, cuda:N, cuda:GPU-<uuid>
+  // The device in one spelling (host for cpu, cuda:0 for cuda:00): two
+  // budgets with the same are for one device.
+  std::string same_device;
   bool host = false;
   uint64_t bytes = 0;
   bool unitless = false;  // a bare number: bytes
@@ -40,8 +44,8 @@ struct Budget {
 Result<Budget> ParseBudget(const std::string& device, const std::string& amount);
 
 struct ConfigModel {
-  std::string path;  // as written: relative to the config file's directory
-  std::string pin;   // empty: none
+  std::string path;                 // as written: relative to the config file's directory
+  std::string pin;                  // empty: none
   protocol::Processing processing;  // as `weightd preload`'s flags give it, not yet checked
 };
 
@@ -53,10 +57,11 @@ struct Config {
 
 // Parses and checks `text`; errors start with `label` (the file's name)
 // and, where they can, the line. Checked here: the TOML, every key and its
-// type, the budgets, each model's path (present) and pin (a valid name,
-// one model each), tp_size's range. Not checked here: the processing
-// (which may name a plan file to read) and whether two entries name one
-// model.
+// type, the budgets (one per device), each model's path (present) and pin
+// (a valid name, one model each), that tp_size is a whole number from 1 to
+// 2^20. Not checked here: the rest of the processing (which may name a plan
+// file to read) and whether two entries name one model. So a file with
+// several mistakes is refused for its pins before its processing.
 Result<Config> ParseConfig(std::string_view text, const std::string& label);
 
 }  // namespace weightd::daemon

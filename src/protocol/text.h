@@ -1,5 +1,6 @@
 // Text for people that both ends write: the daemon in its errors and logs,
-// the command line in what it prints.
+// the command line in what it prints; and sizes as people write them, in
+// flags and config files.
 #pragma once
 
 #include <cstdint>
