@@ -2069,6 +2069,38 @@ TEST(Protocol, AListTooLongForAReplyIsCutAndTheRestCounted) {
   for (size_t i = 0; i < cut.size(); ++i) EXPECT_EQ(cut[i], entries[i]);  // a prefix, as it came
 }
 
+// The daemon checks its socket directory on what it opened and makes its
+// socket through that: a directory swapped in at the path between the
+// check and the bind (by whoever may write to the parent) gets nothing.
+TEST(SocketDirectory, TheSocketLandsInTheDirectoryCheckedWhateverItsPathNamesBy) {
+  testing::TempDir dir;
+  const std::string sock = dir.Join("sock"), moved = dir.Join("moved"), other = dir.Join("other");
+  ASSERT_EQ(::mkdir(sock.c_str(), 0700), 0);
+  auto checked = protocol::OpenSocketDirectory(sock);
+  ASSERT_TRUE(checked.ok()) << checked.error().message();
+  // The path now leads to another directory.
+  ASSERT_EQ(::rename(sock.c_str(), moved.c_str()), 0);
+  ASSERT_EQ(::mkdir(other.c_str(), 0755), 0);
+  ASSERT_EQ(::symlink(other.c_str(), sock.c_str()), 0);
+  const std::string path =
+      protocol::PathThrough(checked->get(), protocol::kSocketName, protocol::SocketPath(sock));
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  ASSERT_LT(path.size(), sizeof addr.sun_path);
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  memory::UniqueFd listener(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
+  ASSERT_EQ(::bind(listener.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr), 0)
+      << std::strerror(errno);
+  struct stat st;
+  EXPECT_EQ(::lstat((moved + "/" + protocol::kSocketName).c_str(), &st), 0);
+  EXPECT_TRUE(S_ISSOCK(st.st_mode));
+  EXPECT_NE(::lstat((other + "/" + protocol::kSocketName).c_str(), &st), 0);
+  // And the path as it is now is refused.
+  auto again = protocol::OpenSocketDirectory(sock);
+  ASSERT_FALSE(again.ok());
+  EXPECT_NE(again.error().message().find("symlink"), std::string::npos) << again.error().message();
+}
+
 TEST(Server, ConfigModelsPassOverOneThatWillNotCome) {
   testing::TempDir dir;
   const std::string a = dir.Join("a"), b = dir.Join("b");

@@ -97,13 +97,14 @@ void TrimHeap() {
 
 std::string Errno(const std::string& what) { return what + ": " + std::strerror(errno); }
 
-// Creates the socket directory (0700) when missing, then checks it is ours
-// alone.
-Status ClaimDirectory(const std::string& dir) {
+// Creates the socket directory (0700) when missing, then opens it and
+// checks it is ours alone: what the daemon makes there, it makes through
+// the descriptor.
+Result<memory::UniqueFd> ClaimDirectory(const std::string& dir) {
   if (::mkdir(dir.c_str(), 0700) != 0 && errno != EEXIST) {
     return Error(Errno("cannot create the socket directory " + dir));
   }
-  return protocol::CheckSocketDirectory(dir);
+  return protocol::OpenSocketDirectory(dir);
 }
 
 std::string ReadSmallFile(int fd) {
@@ -193,6 +194,7 @@ struct Server::State {
   };
   ServerOptions options;
   Registry registry;
+  memory::UniqueFd dir_fd;  // the socket directory, as checked
   memory::UniqueFd lock_fd;
   memory::UniqueFd listen_fd;
   memory::UniqueFd wake_read, wake_write;
@@ -495,10 +497,12 @@ Status Server::Start() {
     return Error("socket path " + s.socket_path + " is too long for a Unix socket (at most " +
                  std::to_string(sizeof addr.sun_path - 1) + " bytes)");
   }
-  WEIGHTD_RETURN_IF_ERROR(ClaimDirectory(dir));
+  WEIGHTD_ASSIGN_OR_RETURN(s.dir_fd, ClaimDirectory(dir));
+  const int dir_fd = s.dir_fd.get();
 
   const std::string lock_path = dir + "/" + protocol::kLockName;
-  s.lock_fd.Reset(::open(lock_path.c_str(), O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
+  s.lock_fd.Reset(
+      ::openat(dir_fd, protocol::kLockName, O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC, 0600));
   if (!s.lock_fd.valid()) return Error(Errno("cannot open the lock file " + lock_path));
   if (::flock(s.lock_fd.get(), LOCK_EX | LOCK_NB) != 0) {
     if (errno == EWOULDBLOCK) {
@@ -506,7 +510,8 @@ Status Server::Start() {
       const std::string who = "another weightd daemon" + (pid.empty() ? "" : " (pid " + pid + ")");
       // Its socket goes first when it stops, and comes last when it starts.
       struct stat st;
-      if (::lstat(s.socket_path.c_str(), &st) != 0 && errno == ENOENT) {
+      if (::fstatat(dir_fd, protocol::kSocketName, &st, AT_SYMLINK_NOFOLLOW) != 0 &&
+          errno == ENOENT) {
         return Error(who + " holds " + dir +
                      ", and its socket is not there: it is stopping or starting (start again "
                      "once it has stopped), or its socket was removed (stop it by its pid)");
@@ -523,21 +528,29 @@ Status Server::Start() {
 
   // We hold the lock: a socket already there was left by a daemon that died.
   struct stat st;
-  if (::lstat(s.socket_path.c_str(), &st) == 0) {
+  if (::fstatat(dir_fd, protocol::kSocketName, &st, AT_SYMLINK_NOFOLLOW) == 0) {
     if (!S_ISSOCK(st.st_mode)) {
       return Error(s.socket_path + " exists and is not a socket; remove it by hand");
     }
     s.Log("replacing the stale socket of a daemon that is gone");
-    ::unlink(s.socket_path.c_str());
+    ::unlinkat(dir_fd, protocol::kSocketName, 0);
   }
-  std::memcpy(addr.sun_path, s.socket_path.c_str(), s.socket_path.size() + 1);
+  // Bound through the directory checked, not through its path, which
+  // whoever may write to its parent could point elsewhere by now.
+  const std::string bind_path = protocol::PathThrough(dir_fd, protocol::kSocketName, s.socket_path);
+  if (bind_path.size() >= sizeof addr.sun_path) {
+    return Error("socket path " + bind_path + " is too long for a Unix socket");
+  }
+  std::memcpy(addr.sun_path, bind_path.c_str(), bind_path.size() + 1);
   s.listen_fd.Reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!s.listen_fd.valid()) return Error(Errno("socket"));
   if (::bind(s.listen_fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
     return Error(Errno("cannot bind " + s.socket_path));
   }
   // The directory (0700) already keeps others out; the socket says so too.
-  if (::chmod(s.socket_path.c_str(), 0600) != 0) return Error(Errno("chmod " + s.socket_path));
+  if (::fchmodat(dir_fd, protocol::kSocketName, 0600, 0) != 0) {
+    return Error(Errno("chmod " + s.socket_path));
+  }
   if (::listen(s.listen_fd.get(), 256) != 0) return Error(Errno("listen"));
   // accept() gives up after this long, so that a thread idle that long can
   // end (when enough others are idle too).
@@ -655,7 +668,7 @@ bool Server::Run() {
   // Stop: no new connections (every accept() returns at once), no socket to
   // find, every connection ended.
   ::shutdown(s.listen_fd.get(), SHUT_RDWR);
-  ::unlink(s.socket_path.c_str());
+  ::unlinkat(s.dir_fd.get(), protocol::kSocketName, 0);
   s.WakeParkThread();
   std::unique_lock lock(s.conn_mu);
   for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);

@@ -1,5 +1,6 @@
 #include "protocol/paths.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -34,24 +35,33 @@ std::string SocketDirectory(const std::string& flag) {
 
 std::string SocketPath(const std::string& dir) { return dir + "/" + kSocketName; }
 
-Status CheckSocketDirectory(const std::string& named) {
+Result<memory::UniqueFd> OpenSocketDirectory(const std::string& named) {
   const std::string dir = WithoutTrailingSlashes(named);
-  // lstat follows a symlink named before a last `.` or `..` too.
+  // O_NOFOLLOW refuses a symlink named before a last `.` or `..` only.
   const std::string last = dir.substr(dir.find_last_of('/') + 1);
   if (last == "." || last == "..") {
     return Error("socket directory " + named + " ends in `" + last +
                  "`; name the directory itself");
   }
+  // O_PATH: no permission to list it is needed, only to be its owner.
+  memory::UniqueFd fd(::open(dir.c_str(), O_PATH | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC));
+  if (!fd.valid()) {
+    const int error = errno;
+    // Not a directory: a symlink (to one or not), or something else. The
+    // lstat only words the refusal; nothing was opened through it.
+    struct stat st;
+    if (error == ENOTDIR && ::lstat(dir.c_str(), &st) == 0 && S_ISLNK(st.st_mode)) {
+      return Error("socket directory " + dir +
+                   " is a symlink; refusing it (name the real directory with --socket-dir, or "
+                   "remove the link: weightd serve makes the directory)");
+    }
+    if (error == ENOTDIR) return Error("socket directory " + dir + " is not a directory");
+    return Error("socket directory " + dir + ": " + std::strerror(error));
+  }
   struct stat st;
-  if (::lstat(dir.c_str(), &st) != 0) {
+  if (::fstat(fd.get(), &st) != 0) {
     return Error("socket directory " + dir + ": " + std::strerror(errno));
   }
-  if (S_ISLNK(st.st_mode)) {
-    return Error("socket directory " + dir +
-                 " is a symlink; refusing it (name the real directory with --socket-dir, or "
-                 "remove the link: weightd serve makes the directory)");
-  }
-  if (!S_ISDIR(st.st_mode)) return Error("socket directory " + dir + " is not a directory");
   if (st.st_uid != ::geteuid()) {
     return Error("socket directory " + dir + " is owned by uid " + std::to_string(st.st_uid) +
                  ", not by this user (uid " + std::to_string(::geteuid()) +
@@ -64,7 +74,23 @@ Status CheckSocketDirectory(const std::string& named) {
     return Error("socket directory " + dir + " has mode " + mode + "; it must be 0700 (chmod 700 " +
                  dir + ")");
   }
+  return fd;
+}
+
+Status CheckSocketDirectory(const std::string& dir) {
+  WEIGHTD_ASSIGN_OR_RETURN(memory::UniqueFd opened, OpenSocketDirectory(dir));
   return OkStatus();
+}
+
+std::string PathThrough(int dir_fd, const std::string& name, const std::string& fallback) {
+  const std::string through = "/proc/self/fd/" + std::to_string(dir_fd);
+  struct stat via, opened;
+  // The same directory both ways: /proc is mounted, and is this process's.
+  if (::stat(through.c_str(), &via) == 0 && ::fstat(dir_fd, &opened) == 0 &&
+      via.st_dev == opened.st_dev && via.st_ino == opened.st_ino) {
+    return through + "/" + name;
+  }
+  return fallback;
 }
 
 nlohmann::json PathToJson(const std::string& path) {

@@ -7,6 +7,7 @@
 #include <nlohmann/json.hpp>
 #include <string>
 
+#include "memory/segment.h"
 #include "weightd/result.h"
 
 namespace weightd::protocol {
@@ -24,6 +25,18 @@ std::string SocketPath(const std::string& dir);
 // checks it before listening; engines before trusting what listens there
 // (/tmp/weightd-$UID could be made by anyone first).
 Status CheckSocketDirectory(const std::string& dir);
+
+// The same check, made on the directory opened (never through a symlink):
+// whoever can write to its parent cannot swap another directory in
+// between the check and the use, as long as the caller goes on through
+// the descriptor returned (openat, PathThrough).
+Result<memory::UniqueFd> OpenSocketDirectory(const std::string& dir);
+
+// A path naming `name` in the directory open as `dir_fd`, for calls that
+// take only a path (bind): through /proc/self/fd, which leads to the
+// directory opened whatever its path names by then; `fallback` where
+// /proc is not mounted.
+std::string PathThrough(int dir_fd, const std::string& name, const std::string& fallback);
 
 // A file path on the wire. JSON carries UTF-8 text and a Linux path is
 // bytes: a path that is not UTF-8 travels as {"hex": "<its bytes>"} so it
