@@ -2082,8 +2082,10 @@ TEST(SocketDirectory, TheSocketLandsInTheDirectoryCheckedWhateverItsPathNamesBy)
   ASSERT_EQ(::rename(sock.c_str(), moved.c_str()), 0);
   ASSERT_EQ(::mkdir(other.c_str(), 0755), 0);
   ASSERT_EQ(::symlink(other.c_str(), sock.c_str()), 0);
-  const std::string path =
+  const auto through =
       protocol::PathThrough(checked->get(), protocol::kSocketName, protocol::SocketPath(sock));
+  ASSERT_TRUE(through.ok()) << through.error().message();
+  const std::string& path = *through;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   ASSERT_LT(path.size(), sizeof addr.sun_path);

@@ -537,7 +537,8 @@ Status Server::Start() {
   }
   // Bound through the directory checked, not through its path, which
   // whoever may write to its parent could point elsewhere by now.
-  const std::string bind_path = protocol::PathThrough(dir_fd, protocol::kSocketName, s.socket_path);
+  WEIGHTD_ASSIGN_OR_RETURN(const std::string bind_path,
+                           protocol::PathThrough(dir_fd, protocol::kSocketName, s.socket_path));
   if (bind_path.size() >= sizeof addr.sun_path) {
     return Error("socket path " + bind_path + " is too long for a Unix socket");
   }
@@ -686,6 +687,7 @@ bool Server::Run() {
     // it this process's descriptors: the directory is free for the next
     // daemon now, not when that thread ends.
     s.lock_fd.Reset();
+    s.dir_fd.Reset();
     return false;
   }
   s.listen_fd.Reset();

@@ -37,7 +37,8 @@ std::string SocketPath(const std::string& dir) { return dir + "/" + kSocketName;
 
 Result<memory::UniqueFd> OpenSocketDirectory(const std::string& named) {
   const std::string dir = WithoutTrailingSlashes(named);
-  // O_NOFOLLOW refuses a symlink named before a last `.` or `..` only.
+  // O_NOFOLLOW looks at the last component only: a symlink named before a
+  // last `.` or `..` would be followed.
   const std::string last = dir.substr(dir.find_last_of('/') + 1);
   if (last == "." || last == "..") {
     return Error("socket directory " + named + " ends in `" + last +
@@ -82,15 +83,20 @@ Status CheckSocketDirectory(const std::string& dir) {
   return OkStatus();
 }
 
-std::string PathThrough(int dir_fd, const std::string& name, const std::string& fallback) {
+Result<std::string> PathThrough(int dir_fd, const std::string& name, const std::string& fallback) {
   const std::string through = "/proc/self/fd/" + std::to_string(dir_fd);
   struct stat via, opened;
-  // The same directory both ways: /proc is mounted, and is this process's.
-  if (::stat(through.c_str(), &via) == 0 && ::fstat(dir_fd, &opened) == 0 &&
-      via.st_dev == opened.st_dev && via.st_ino == opened.st_ino) {
-    return through + "/" + name;
+  if (::stat(through.c_str(), &via) != 0) {
+    if (errno == ENOENT) return fallback;  // no /proc here
+    return Error(through + ": " + std::strerror(errno));
   }
-  return fallback;
+  if (::fstat(dir_fd, &opened) != 0) return Error(std::string("fstat: ") + std::strerror(errno));
+  // A /proc that is not this process's would lead elsewhere: refused, not
+  // the path taken after all.
+  if (via.st_dev != opened.st_dev || via.st_ino != opened.st_ino) {
+    return Error(through + " does not lead to the directory opened (is /proc this process's?)");
+  }
+  return through + "/" + name;
 }
 
 nlohmann::json PathToJson(const std::string& path) {

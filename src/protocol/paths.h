@@ -35,8 +35,9 @@ Result<memory::UniqueFd> OpenSocketDirectory(const std::string& dir);
 // A path naming `name` in the directory open as `dir_fd`, for calls that
 // take only a path (bind): through /proc/self/fd, which leads to the
 // directory opened whatever its path names by then; `fallback` where
-// /proc is not mounted.
-std::string PathThrough(int dir_fd, const std::string& name, const std::string& fallback);
+// /proc is not mounted. An error where /proc/self/fd/N is there but leads
+// elsewhere.
+Result<std::string> PathThrough(int dir_fd, const std::string& name, const std::string& fallback);
 
 // A file path on the wire. JSON carries UTF-8 text and a Linux path is
 // bytes: a path that is not UTF-8 travels as {"hex": "<its bytes>"} so it
