@@ -20,7 +20,7 @@ Result<Budget> ParseBudget(const std::string& device, const std::string& amount)
   if (spec->kind == memory::DeviceSpec::Kind::kCudaOrdinal) {
     same_device = "cuda:" + std::to_string(spec->ordinal);
   } else if (spec->kind == memory::DeviceSpec::Kind::kCudaUuid) {
-    same_device = "cuda:" + spec->uuid;
+    same_device = "cuda:GPU-" + spec->uuid.substr(4);  // MIG-x is GPU-x to the driver
   }
   return Budget{device, same_device, spec->kind == memory::DeviceSpec::Kind::kHost, *bytes,
                 unitless};

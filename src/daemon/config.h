@@ -31,8 +31,9 @@ namespace weightd::daemon {
 // One device's budget, as --budget DEVICE=SIZE or a config's [budget] names it.
 struct Budget {
   std::string device;  // as given: host, cpu, cuda:N, cuda:GPU-<uuid>
-  // The device in one spelling (host for cpu, cuda:0 for cuda:00): two
-  // budgets with the same are for one device.
+  // The device in one spelling (host for cpu, cuda:0 for cuda:00,
+  // cuda:GPU-x for cuda:MIG-x): two budgets with the same are for one
+  // device.
   std::string same_device;
   bool host = false;
   uint64_t bytes = 0;
