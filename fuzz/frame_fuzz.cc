@@ -67,8 +67,8 @@ void DecodeFields(const nlohmann::json& body) {
 
 constexpr char kWithDescriptors[4] = {'F', 'D', 'S', '!'};
 
-// No more writes than the 64 messages read could take, each at most one
-// frame.
+// No more writes than the 64 messages read could need (a write may carry
+// more than one frame, or part of one).
 constexpr int kMaxWrites = 64;
 
 // The descriptors open in this process, by number: a leak that happens
@@ -111,8 +111,9 @@ bool SendWith(int socket, const uint8_t* bytes, size_t size, int count) {
     std::memcpy(CMSG_DATA(c), passed, sizeof(int) * count);
   }
   const ssize_t sent = ::sendmsg(socket, &msg, MSG_NOSIGNAL | MSG_DONTWAIT);
+  const int error = errno;
   for (int i = 0; i < count; ++i) ::close(passed[i]);
-  if (sent < 0 && errno != EAGAIN && errno != ETOOMANYREFS) __builtin_trap();
+  if (sent < 0 && error != EAGAIN && error != ETOOMANYREFS) __builtin_trap();
   // A part written is what the reader gets: frames cut there are its to refuse.
   return sent == static_cast<ssize_t>(size);
 }
