@@ -7,7 +7,10 @@
 //
 // Whatever is asked, the daemon answers in well-formed frames or closes
 // that connection, and keeps serving: a status request on a new connection
-// is answered after every input.
+// is answered after every input. Then everything is evicted, so that an
+// input finds the daemon as the one before it left it but for its lease
+// numbers. Inputs over 4 KiB are skipped: requests are smaller, and all of
+// an input's frames go out in one write.
 //
 // Requests that name files are kept inside a scratch directory: a `path`
 // anywhere in a request becomes a small checkpoint, a directory with no
@@ -18,12 +21,12 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
-#include <functional>
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <string>
@@ -54,14 +57,18 @@ struct Sandbox {
 Sandbox& Daemon() {
   static Sandbox* sandbox = [] {
     auto* s = new Sandbox;
-    char name[] = "/tmp/weightd-request-fuzz-XXXXXX";
-    if (::mkdtemp(name) == nullptr) __builtin_trap();
+    // Named for the process, which the test removes whatever becomes of
+    // it (a crash skips the cleanup at exit).
+    std::string name = "/tmp/weightd-request-fuzz-" + std::to_string(::getpid()) + "-XXXXXX";
+    if (::mkdtemp(name.data()) == nullptr) __builtin_trap();
     s->dir = name;
     s->socket_dir = s->dir + "/sock";
     const std::string model = s->dir + "/model", empty = s->dir + "/empty";
     if (!format::WriteSyntheticCheckpoint(model, {.preset = "tiny"}).ok()) __builtin_trap();
     std::filesystem::create_directory(empty);
-    s->paths = {model, empty, s->dir + "/missing", model + "/model.safetensors.index.json"};
+    const std::string junk = s->dir + "/junk";
+    std::ofstream(junk) << "not a checkpoint\n";
+    s->paths = {model, empty, s->dir + "/missing", junk};
     const std::string plan = s->dir + "/plan.toml";
     std::ofstream(plan) << "[[rule]]\nmatch = 'proj\\.weight$'\nsplit = \"column\"\n";
     s->plan_files = {plan, s->dir + "/missing.toml"};
@@ -80,7 +87,8 @@ Sandbox& Daemon() {
       Sandbox& d = Daemon();
       d.server->RequestStop();
       d.runner.join();
-      std::filesystem::remove_all(d.dir);
+      std::error_code ignored;
+      std::filesystem::remove_all(d.dir, ignored);
     });
     return s;
   }();
@@ -109,6 +117,32 @@ void Confine(json& value, const Sandbox& s) {
   }
 }
 
+// How deep `text` nests, JSON strings skipped: the daemon refuses what
+// nests deeper than kMaxJsonDepth, and what nests deeper still would
+// recurse here.
+int Depth(std::string_view text) {
+  int depth = 0, deepest = 0;
+  bool in_string = false, escaped = false;
+  for (char c : text) {
+    if (in_string) {
+      if (escaped) {
+        escaped = false;
+      } else if (c == '\\') {
+        escaped = true;
+      } else if (c == '"') {
+        in_string = false;
+      }
+    } else if (c == '"') {
+      in_string = true;
+    } else if (c == '[' || c == '{') {
+      deepest = std::max(deepest, ++depth);
+    } else if (c == ']' || c == '}') {
+      --depth;
+    }
+  }
+  return deepest;
+}
+
 // A frame carrying `body` as it is, JSON or not.
 std::string Frame(std::string_view body) {
   return protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) + std::string(body);
@@ -117,6 +151,7 @@ std::string Frame(std::string_view body) {
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
+  if (size > 4096) return 0;
   Sandbox& s = Daemon();
   const std::string_view input(reinterpret_cast<const char*>(data), size);
   std::string frames;
@@ -124,7 +159,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     size_t end = input.find(kSeparator, at);
     if (end == std::string_view::npos) end = input.size();
     const std::string_view body = input.substr(at, end - at);
-    json request = json::parse(body, nullptr, /*allow_exceptions=*/false);
+    json request = Depth(body) > protocol::kMaxJsonDepth
+                       ? json(json::value_t::discarded)
+                       : json::parse(body, nullptr, /*allow_exceptions=*/false);
     if (request.is_discarded()) {
       frames += Frame(body);
     } else {
@@ -153,5 +190,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (!again.ok() || !again->Send(json{{"type", "status"}}).ok()) __builtin_trap();
   auto status = again->Receive(30'000);
   if (!status.ok() || status->type() != "status") __builtin_trap();
+  if (!again->Send(json{{"type", "evict"}, {"what", "all"}}).ok()) __builtin_trap();
+  auto evicted = again->Receive(30'000);
+  if (!evicted.ok() || evicted->type() != "evicted") __builtin_trap();
   return 0;
 }
