@@ -1837,6 +1837,10 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   ExpectRefused("[budget]\nhost = \"1G\"\ncpu = \"2G\"\n", "[budget] names host twice");
   ExpectRefused("[budget]\n\"cuda:0\" = \"1G\"\n\"cuda:00\" = \"2G\"\n",
                 "[budget] names cuda:0 twice");
+  const std::string uuid = "dd2ba83e-85d4-82b8-89e8-d021c4b456a2";
+  ExpectRefused(
+      "[budget]\n\"cuda:GPU-" + uuid + "\" = \"1G\"\n\"cuda:MIG-" + uuid + "\" = \"2G\"\n",
+      "[budget] names cuda:GPU-" + uuid + " twice");
   // A size that is not one is named as such, in the file.
   ExpectRefused("[budget]\nhost = \"lots\"\n", "budget.host: `lots` is not a size");
   // A device that is none is an error at start, not a failed preload after
