@@ -33,8 +33,7 @@ demo: release
 	$(RELEASE)/weightd demo
 
 test: asan
-	cd $(ASAN) && ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1 \
-	  ctest --output-on-failure -j $(JOBS)
+	scripts/ctest-asan $(ASAN) $(JOBS)
 
 bench: release
 	scripts/bench $(RELEASE)
