@@ -9,8 +9,11 @@
 // The input is lines: `f NAME` a file, `d NAME` a directory, `l NAME<TAB>
 // TARGET` a symlink (any target), and `i` whose following lines are all
 // the index's text. Names stay inside the checkpoint directory (leading
-// slashes dropped, anything with a `..` component skipped); targets and
-// the index's names are not confined.
+// slashes dropped, anything with a `..` component skipped), and nothing is
+// made through a symlink the input made before (a parent that is one
+// skips the entry; files are created exclusively, never followed); the
+// targets and the index's names are not confined.
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -85,6 +88,33 @@ std::string Confined(std::string_view name) {
   return std::string(name);
 }
 
+// Makes the directories that `inside`'s parents name below `base`, none
+// through a symlink; false (skip the entry) where a parent is a symlink
+// or no directory.
+bool MakeParents(const std::string& base, const std::string& inside) {
+  std::string at = base;
+  for (size_t from = 0, slash; (slash = inside.find('/', from)) != std::string::npos;
+       from = slash + 1) {
+    at += "/" + inside.substr(from, slash - from);
+    struct stat st;
+    if (::lstat(at.c_str(), &st) == 0) {
+      if (!S_ISDIR(st.st_mode)) return false;  // a symlink is S_ISLNK here
+    } else if (::mkdir(at.c_str(), 0755) != 0) {
+      return false;
+    }
+  }
+  return true;
+}
+
+// A new file holding `text`; nothing where the name is taken (a symlink
+// included: O_EXCL never follows one).
+void MakeFile(const std::string& path, std::string_view text) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0644);
+  if (fd < 0) return;
+  (void)!::write(fd, text.data(), text.size());
+  ::close(fd);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -102,8 +132,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     const char kind = line[0];
     const std::string_view rest = line.substr(line.size() > 1 ? 2 : 1);
     if (kind == 'i') {  // the index: everything after this line
-      std::ofstream(s.checkpoint + "/model.safetensors.index.json")
-          << input.substr(std::min(at, input.size()));
+      MakeFile(s.checkpoint + "/model.safetensors.index.json",
+               input.substr(std::min(at, input.size())));
       break;
     }
     std::string_view name = rest, target;
@@ -116,15 +146,26 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     const std::string inside = Confined(name);
     if (inside.empty()) continue;
+    if (!MakeParents(s.checkpoint, inside)) continue;
     const std::string path = s.checkpoint + "/" + inside;
-    fs::create_directories(fs::path(path).parent_path(), ec);  // may fail: a file is in the way
     if (kind == 'f') {
-      std::ofstream(path) << "x";
+      MakeFile(path, "x");
     } else if (kind == 'd') {
       ::mkdir(path.c_str(), 0755);
     } else if (kind == 'l') {
       (void)::symlink(std::string(target).c_str(), path.c_str());
     }
+  }
+
+  // The harness made nothing outside the checkpoint through the input's
+  // symlinks: the directories beside it hold what they were made with.
+  for (const std::string& dir : {s.root + "/outside", s.real_blobs}) {
+    size_t entries = 0;
+    for (auto it = fs::directory_iterator(dir, ec); !ec && it != fs::directory_iterator();
+         it.increment(ec)) {
+      ++entries;
+    }
+    if (ec || entries != 1) __builtin_trap();
   }
 
   auto listing = weightd::format::ListShards(weightd::io::PosixFileSystem(), s.checkpoint);
