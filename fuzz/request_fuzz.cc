@@ -117,32 +117,6 @@ void Confine(json& value, const Sandbox& s) {
   }
 }
 
-// How deep `text` nests, JSON strings skipped: the daemon refuses what
-// nests deeper than kMaxJsonDepth, and what nests deeper still would
-// recurse here.
-int Depth(std::string_view text) {
-  int depth = 0, deepest = 0;
-  bool in_string = false, escaped = false;
-  for (char c : text) {
-    if (in_string) {
-      if (escaped) {
-        escaped = false;
-      } else if (c == '\\') {
-        escaped = true;
-      } else if (c == '"') {
-        in_string = false;
-      }
-    } else if (c == '"') {
-      in_string = true;
-    } else if (c == '[' || c == '{') {
-      deepest = std::max(deepest, ++depth);
-    } else if (c == ']' || c == '}') {
-      --depth;
-    }
-  }
-  return deepest;
-}
-
 // A frame carrying `body` as it is, JSON or not.
 std::string Frame(std::string_view body) {
   return protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) + std::string(body);
@@ -159,7 +133,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     size_t end = input.find(kSeparator, at);
     if (end == std::string_view::npos) end = input.size();
     const std::string_view body = input.substr(at, end - at);
-    json request = Depth(body) > protocol::kMaxJsonDepth
+    json request = protocol::NestingDepth(body, protocol::kMaxJsonDepth) > protocol::kMaxJsonDepth
                        ? json(json::value_t::discarded)
                        : json::parse(body, nullptr, /*allow_exceptions=*/false);
     if (request.is_discarded()) {

@@ -124,8 +124,8 @@ Status ReadFull(int fd, char* dst, size_t n, std::vector<memory::UniqueFd>& fds,
   return OkStatus();
 }
 
-// How deep the arrays and objects of JSON `text` nest (strings skipped),
-// counted no further than one level past `limit`.
+}  // namespace
+
 int NestingDepth(std::string_view text, int limit) {
   int depth = 0, deepest = 0;
   bool in_string = false, escaped = false;
@@ -149,8 +149,6 @@ int NestingDepth(std::string_view text, int limit) {
   }
   return deepest;
 }
-
-}  // namespace
 
 std::string Message::type() const {
   auto it = body.find("type");

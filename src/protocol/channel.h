@@ -20,6 +20,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "memory/segment.h"
@@ -110,6 +111,11 @@ Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wai
 // order, while their JSON fits in `max_bytes`; how many more in `omitted`.
 // A reply over the frame limit would not be sent at all.
 nlohmann::json ListWithin(std::vector<nlohmann::json> entries, size_t max_bytes, uint64_t* omitted);
+
+// How deep the arrays and objects of JSON `text` nest (strings skipped),
+// counted no further than one level past `limit`: measured before a parse,
+// which builds every level it meets.
+int NestingDepth(std::string_view text, int limit);
 
 // Builds the header of a frame (for frames made ahead, and tests that send
 // broken ones).
