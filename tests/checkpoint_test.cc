@@ -4,7 +4,10 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
 #include <filesystem>
+#include <set>
 
 #include "format/rules.h"
 #include "format/writer.h"
@@ -142,6 +145,46 @@ TEST(Checkpoint, TensorInTwoShardsIsAnError) {
   WriteShardWith(dir.Join("a.safetensors"), {"w"});
   WriteShardWith(dir.Join("b.safetensors"), {"w"});
   ExpectError(dir.path(), rules::kTensorInTwoShards, "`w`");
+}
+
+// The merge takes runs of one shard at once; whatever the runs, it must give
+// every tensor once, in name order, and leave a name two shards share in
+// neighbouring places (where the check above finds it).
+TEST(Checkpoint, TensorsByNameMergesRunsOfEveryLength) {
+  std::vector<Shard> shards(4);
+  uint32_t state = 12345;
+  auto next = [&] { return state = state * 1103515245u + 12345u; };
+  for (int i = 0; i < 2000; ++i) {
+    // Runs of 1 to 40 neighbours, each in a shard drawn at random.
+    Shard& shard = shards[(next() >> 8) % shards.size()];
+    const int run = 1 + static_cast<int>((next() >> 8) % 40);
+    for (int k = 0; k < run; ++k) {
+      char name[32];
+      std::snprintf(name, sizeof name, "t.%06d.%02d", i, k);
+      shard.header.tensors.push_back({name, DType::kU8, {1}});
+    }
+  }
+  shards[3].header.tensors.push_back({"u.shared", DType::kU8, {1}});
+  shards[1].header.tensors.push_back({"u.shared", DType::kU8, {1}});
+  shards[2].header.tensors.push_back({"v.last", DType::kU8, {1}});
+
+  std::vector<std::string> expected;
+  for (const Shard& s : shards) {
+    for (const TensorInfo& t : s.header.tensors) expected.push_back(t.name);
+  }
+  std::sort(expected.begin(), expected.end());
+  const std::vector<std::pair<size_t, size_t>> merged = TensorsByName(shards);
+  std::vector<std::string> got;
+  std::set<std::pair<size_t, size_t>> seen;
+  for (const auto& [s, t] : merged) {
+    got.push_back(shards[s].header.tensors[t].name);
+    EXPECT_TRUE(seen.insert({s, t}).second) << "given twice: " << got.back();
+  }
+  EXPECT_EQ(got, expected);
+  auto shared = std::find(got.begin(), got.end(), "u.shared");
+  ASSERT_NE(shared, got.end());
+  ASSERT_NE(shared + 1, got.end());
+  EXPECT_EQ(*(shared + 1), "u.shared");
 }
 
 TEST(Checkpoint, EmptyDirectoryAndMalformedIndexAreErrors) {

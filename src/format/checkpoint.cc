@@ -335,8 +335,14 @@ std::vector<std::pair<size_t, size_t>> TensorsByName(const std::vector<Shard>& s
     std::pop_heap(heap.begin(), heap.end(), later);
     Cursor c = heap.back();
     heap.pop_back();
+    // Shards mostly hold runs of neighbouring names (a layer, an expert):
+    // the run goes out whole, one comparison a tensor, while it stays
+    // before every other shard's next name. Ties go to the heap, which
+    // orders them as the plain merge did.
+    const size_t count = shards[c.first].header.tensors.size();
     out.push_back(c);
-    if (++c.second < shards[c.first].header.tensors.size()) {
+    while (++c.second < count && (heap.empty() || later(heap.front(), c))) out.push_back(c);
+    if (c.second < count) {
       heap.push_back(c);
       std::push_heap(heap.begin(), heap.end(), later);
     }
