@@ -721,14 +721,10 @@ TEST(Channel, SaysWhenThisProcessHasNoDescriptorLeft) {
   EXPECT_EQ(status, 0);
 }
 
-void CheckLoadAgainstFiles(const format::SyntheticOptions& made) {
-  TempDir dir;
-  const std::string path = dir.Join("m");
-  ASSERT_TRUE(format::WriteSyntheticCheckpoint(path, made).ok());
-  loader::LoadOptions small_reads;
-  small_reads.max_inflight = 4;
-  small_reads.chunk_bytes = 4096;  // big tensors split into many reads
-  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, small_reads);
+// Loads the checkpoint at `path` and checks the load against its files: the
+// digest against the fingerprint's, every tensor's bytes against the file's.
+void CheckLoadOf(const std::string& path, const loader::LoadOptions& options) {
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, options);
   ASSERT_TRUE(loaded.ok()) << loaded.error().message();
   auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), path, {});
   ASSERT_TRUE(fp.ok());
@@ -759,6 +755,73 @@ void CheckLoadAgainstFiles(const format::SyntheticOptions& made) {
                             bytes.data() + shard.header.data_offset() + t.begin, t.bytes()),
                 0)
           << t.name;
+    }
+  }
+}
+
+void CheckLoadAgainstFiles(const format::SyntheticOptions& made) {
+  TempDir dir;
+  const std::string path = dir.Join("m");
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(path, made).ok());
+  loader::LoadOptions small_reads;
+  small_reads.max_inflight = 4;
+  small_reads.chunk_bytes = 4096;  // big tensors split into many reads
+  CheckLoadOf(path, small_reads);
+}
+
+// A shard of U8 tensors of the given sizes, named t0000, t0001, ... after
+// `prefix`, each byte from `seed`; laid out in the file in name order, or
+// in the reverse of it (the writer lays out in name order).
+void WriteShardOfSizes(const std::string& path, const std::string& prefix,
+                       const std::vector<uint64_t>& sizes, uint8_t seed, bool reversed) {
+  std::string json = "{";
+  std::vector<std::byte> data;
+  std::vector<uint64_t> begin(sizes.size());
+  for (size_t k = 0; k < sizes.size(); ++k) {
+    const size_t i = reversed ? sizes.size() - 1 - k : k;
+    begin[i] = data.size();
+    for (uint64_t b = 0; b < sizes[i]; ++b) data.push_back(std::byte(seed + i * 31 + b * 7));
+  }
+  for (size_t i = 0; i < sizes.size(); ++i) {
+    char name[32];
+    std::snprintf(name, sizeof name, "t%04zu", i);
+    json += (i ? "," : "") + format::JsonQuote(prefix + name) + ":{\"dtype\":\"U8\",\"shape\":[" +
+            std::to_string(sizes[i]) + "],\"data_offsets\":[" + std::to_string(begin[i]) + "," +
+            std::to_string(begin[i] + sizes[i]) + "]}";
+  }
+  json += "}";
+  std::vector<std::byte> file(8);
+  for (int b = 0; b < 8; ++b) file[b] = std::byte((json.size() >> (8 * b)) & 0xff);
+  for (char c : json) file.push_back(std::byte(c));
+  file.insert(file.end(), data.begin(), data.end());
+  testing::WriteFileBytes(path, file);
+}
+
+// Where a worker takes each shard's reads in turn and hashes samples as
+// they pass (small tensors: samples are most of the bytes), every sample is
+// still taken whole and in name order: tensors of no bytes, under and over
+// the sample's KiB, and big ones read in several jobs. The same load where
+// the files do not lie in name order, or where a read is smaller than a
+// sample, takes samples the other way.
+TEST(Loader, SamplesHashedAsTheyAreReadGiveTheFingerprint) {
+  std::vector<uint64_t> sizes = {0, 1, 1023, 1024, 1025, 5000, 0, 300000, 17, 700000, 2};
+  for (uint64_t i = 0; i < 400; ++i) sizes.push_back(i * 37 % 1500);
+  for (const bool reversed : {false, true}) {
+    TempDir dir;
+    const std::string path = dir.Join("m");
+    ASSERT_EQ(::mkdir(path.c_str(), 0755), 0);
+    for (int s = 0; s < 3; ++s) {
+      WriteShardOfSizes(path + "/model-0000" + std::to_string(s + 1) + "-of-00003.safetensors",
+                        "s" + std::to_string(s) + ".", sizes, static_cast<uint8_t>(s),
+                        reversed && s == 1);
+    }
+    for (const uint64_t chunk : {uint64_t{4096}, uint64_t{64 << 10}, uint64_t{512}}) {
+      SCOPED_TRACE((reversed ? "one shard reversed, reads of " : "reads of ") +
+                   std::to_string(chunk));
+      loader::LoadOptions o;
+      o.chunk_bytes = chunk;
+      o.max_inflight = 2;  // no more workers than shards, on any machine
+      CheckLoadOf(path, o);
     }
   }
 }

@@ -592,13 +592,16 @@ Xxh3::~Xxh3() { XXH3_freeState(state_); }
 void Xxh3::Update(const void* data, size_t n) { XXH3_128bits_update(state_, data, n); }
 std::string Xxh3::Tagged() const { return TagXxh3(XXH3_128bits_digest(state_)); }
 
+SampledShardHasher::SampledShardHasher(uint64_t file_size, std::span<const std::byte> raw_header) {
+  hash_.U64(file_size);
+  hash_.Update(raw_header.data(), raw_header.size());
+}
+
 std::string SampledShardDigest(uint64_t file_size, std::span<const std::byte> raw_header,
                                const std::vector<std::span<const std::byte>>& samples) {
-  Xxh3 h;
-  h.U64(file_size);
-  h.Update(raw_header.data(), raw_header.size());
-  for (const auto& sample : samples) h.Update(sample.data(), sample.size());
-  return h.Tagged();
+  SampledShardHasher h(file_size, raw_header);
+  for (const auto& sample : samples) h.Add(sample);
+  return h.Digest();
 }
 
 std::string CombineSampledShards(const std::vector<ShardFingerprint>& shards) {

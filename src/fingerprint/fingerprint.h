@@ -128,6 +128,19 @@ class Xxh3 {
   XXH3_state_s* state_;
 };
 
+// SampledShardDigest taken as the samples come, in the same order: for a
+// loader that holds each tensor's first bytes only while they pass through
+// its buffers.
+class SampledShardHasher {
+ public:
+  SampledShardHasher(uint64_t file_size, std::span<const std::byte> raw_header);
+  void Add(std::span<const std::byte> sample) { hash_.Update(sample.data(), sample.size()); }
+  std::string Digest() const { return hash_.Tagged(); }
+
+ private:
+  Xxh3 hash_;
+};
+
 // Errors start with "cannot fingerprint" and name the reason; a checkpoint
 // without safetensors shards is one (a cache must treat it as uncacheable,
 // never key it by path).
