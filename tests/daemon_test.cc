@@ -1576,6 +1576,41 @@ TEST_F(HugePagePoolDaemon, AModelInHugePagesIsNotWeighedAgainstTheGroupsMemory) 
   EXPECT_EQ(group.OomKills(), 0);
 }
 
+// Daemon tests that change the kernel's policy for transparent huge pages
+// in memfds: alone in their ctest, as every ShmemHugePages* test is.
+class ShmemHugePagesDaemon : public DaemonTest {};
+
+// Where the kernel fills memfds with transparent huge pages, a model is
+// resident in them (status says so), reserves whole ones, and engines get
+// its bytes; a model preloaded after the policy changed to `never` is not.
+TEST_F(ShmemHugePagesDaemon, StatusSaysWhichModelsAreInTransparentHugePages) {
+  if (testing::HugePagePool::Available() > 0) GTEST_SKIP() << "the huge page pool has pages free";
+  testing::ShmemHugePagePolicy policy;
+  if (std::string why = policy.Set("within_size"); !why.empty()) GTEST_SKIP() << why;
+  const std::string a = MakeModel("a", false, 8 << 20);
+  const std::string b = MakeModel("b", true, 8 << 20);
+  auto daemon = StartDaemon({"--budget", "host=1G"});
+  Preload(a);
+  ASSERT_EQ(policy.Set("never"), "");
+  Preload(b);
+  json models = Status()["models"];
+  ASSERT_EQ(models.size(), 2u);
+  for (const json& m : models) {
+    auto path = protocol::PathFromJson(m["path"]);
+    ASSERT_TRUE(path.ok()) << path.error().message();
+    const bool in_a = *path == a;
+    EXPECT_EQ(m["transparent_huge_pages"].get<bool>(), in_a) << m.dump();
+    EXPECT_FALSE(m["huge_pages"].get<bool>());
+    const uint64_t reserved = m["reserved_bytes"].get<uint64_t>();
+    EXPECT_EQ(reserved % (2ull << 20) == 0, in_a) << reserved;
+  }
+  for (const std::string& model : {a, b}) {
+    json j = Load(model);
+    EXPECT_EQ(j["source"], "daemon");
+    EXPECT_EQ(j["checksum"], DiskChecksum(model));
+  }
+}
+
 // Segments under a huge page are made of normal pages, and a preload
 // reserves those, pool or not: two small models share a budget of less
 // than one huge page. A refusal says the sizes in units that show them.

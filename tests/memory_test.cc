@@ -325,6 +325,109 @@ TEST(HugePagePool, OneRankInHugePagesHasTheCheckpointsDigest) {
   });
 }
 
+using testing::ShmemHugePagePolicy;
+
+// KiB of the mapping that holds `at` mapped 2 MiB at a time (its
+// ShmemPmdMapped in /proc/self/smaps); -1 where no mapping holds it.
+long PmdMappedKiB(const void* at) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto addr = reinterpret_cast<uintptr_t>(at);
+  bool holds = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long long from = 0, to = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx ", &from, &to) == 2) {
+      holds = from <= addr && addr < to;
+    } else if (holds && line.starts_with("ShmemPmdMapped:")) {
+      return std::stol(line.substr(std::strlen("ShmemPmdMapped:")));
+    }
+  }
+  return -1;
+}
+
+// Fills `segment` with `pattern` from two threads, seals it and maps it as
+// an engine would; checks the bytes there.
+std::unique_ptr<memory::Mapping> FillAndMap(memory::Segment& segment,
+                                            const std::vector<std::byte>& pattern) {
+  const size_t half = pattern.size() / 2;
+  Status first = OkStatus();
+  std::thread other([&] { first = segment.Write(0, std::span(pattern).first(half)); });
+  EXPECT_TRUE(segment.Write(half, std::span(pattern).subspan(half)).ok());
+  other.join();
+  EXPECT_TRUE(first.ok()) << first.error().message();
+  EXPECT_TRUE(segment.Seal().ok());
+  auto fd = segment.Export();
+  if (!fd.ok()) return nullptr;
+  auto map = memory::MapHostSegment(*fd, pattern.size());
+  if (!map.ok()) return nullptr;
+  EXPECT_TRUE(std::equal(pattern.begin(), pattern.end(), (*map)->bytes().begin()));
+  return std::move(map).value();
+}
+
+// Where the kernel fills memfds with transparent huge pages, a segment of
+// normal memory is whole ones: planned so, taking what it was planned to
+// take, and mapped by engines 2 MiB at a time. Where it does not (or the
+// segment is smaller than one under `within_size`), whole normal pages.
+TEST(ShmemHugePages, SegmentsAreWholeHugePagesWhereTheKernelFillsMemfdsWithThem) {
+  if (HugePagePool::Available() > 0) GTEST_SKIP() << "the huge page pool has pages free";
+  ShmemHugePagePolicy policy;
+  if (std::string why = policy.Set("within_size"); !why.empty()) GTEST_SKIP() << why;
+  constexpr uint64_t kSize = (6ull << 20) + 1;
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  const uint64_t in_pages = (kSize + page - 1) / page * page;
+  std::vector<std::byte> pattern(kSize);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<std::byte>(i * 29 + 3);
+
+  const memory::HostPlacement planned = memory::PlanHostSegments(kSize, 2);
+  EXPECT_FALSE(planned.options.try_huge_pages);
+  EXPECT_TRUE(planned.options.transparent_huge_pages);
+  EXPECT_EQ(planned.bytes, 8ull << 20);
+  auto seg = memory::CreateHostSegment(kSize, "thp-test", planned.options);
+  ASSERT_TRUE(seg.ok()) << seg.error().message();
+  EXPECT_TRUE((*seg)->transparent_huge_pages());
+  EXPECT_FALSE((*seg)->huge_pages());
+  EXPECT_EQ((*seg)->reserved_bytes(), planned.bytes);
+  auto map = FillAndMap(**seg, pattern);
+  ASSERT_NE(map, nullptr);
+  EXPECT_GE(PmdMappedKiB(map->bytes().data()), 2048);
+
+  // Planned in normal pages: the tail stays in them, as planned.
+  memory::HostSegmentOptions normal = planned.options;
+  normal.transparent_huge_pages = false;
+  auto as_planned = memory::CreateHostSegment(kSize, "thp-test-normal", normal);
+  ASSERT_TRUE(as_planned.ok()) << as_planned.error().message();
+  EXPECT_EQ((*as_planned)->reserved_bytes(), in_pages);
+
+  // Smaller than a huge page: `within_size` gives it none.
+  const memory::HostPlacement small = memory::PlanHostSegments(1 << 20);
+  EXPECT_FALSE(small.options.transparent_huge_pages);
+  EXPECT_EQ(small.bytes, 1u << 20);
+  auto small_seg = memory::CreateHostSegment(1 << 20, "thp-test-small", small.options);
+  ASSERT_TRUE(small_seg.ok()) << small_seg.error().message();
+  EXPECT_FALSE((*small_seg)->transparent_huge_pages());
+  EXPECT_EQ((*small_seg)->reserved_bytes(), 1u << 20);
+
+  // `always`: a huge page even for one byte, and that is what is planned.
+  ASSERT_EQ(policy.Set("always"), "");
+  const memory::HostPlacement tiny = memory::PlanHostSegments(1);
+  EXPECT_EQ(tiny.bytes, 2ull << 20);
+  auto tiny_seg = memory::CreateHostSegment(1, "thp-test-tiny", tiny.options);
+  ASSERT_TRUE(tiny_seg.ok()) << tiny_seg.error().message();
+  EXPECT_TRUE((*tiny_seg)->transparent_huge_pages());
+  EXPECT_EQ((*tiny_seg)->reserved_bytes(), tiny.bytes);
+
+  ASSERT_EQ(policy.Set("never"), "");
+  const memory::HostPlacement none = memory::PlanHostSegments(kSize);
+  EXPECT_FALSE(none.options.transparent_huge_pages);
+  EXPECT_EQ(none.bytes, in_pages);
+  auto plain = memory::CreateHostSegment(kSize, "thp-test-never", none.options);
+  ASSERT_TRUE(plain.ok()) << plain.error().message();
+  EXPECT_FALSE((*plain)->transparent_huge_pages());
+  EXPECT_EQ((*plain)->reserved_bytes(), in_pages);
+  auto plain_map = FillAndMap(**plain, pattern);
+  ASSERT_NE(plain_map, nullptr);
+  EXPECT_EQ(PmdMappedKiB(plain_map->bytes().data()), 0);
+}
+
 // Under a huge page, a segment is normal pages whatever the pool holds, and
 // that is what a caller reserving ahead is told.
 TEST(HostSegment, SmallSegmentsArePlannedInNormalPages) {
@@ -857,6 +960,21 @@ class UnreadableSegment final : public memory::Segment {
  private:
   std::unique_ptr<memory::Segment> inner_;
 };
+
+// A load into transparent huge pages has the checkpoint's bytes and digest.
+TEST(ShmemHugePages, ALoadIntoThemHasTheCheckpointsBytesAndDigest) {
+  if (HugePagePool::Available() > 0) GTEST_SKIP() << "the huge page pool has pages free";
+  ShmemHugePagePolicy policy;
+  if (std::string why = policy.Set("within_size"); !why.empty()) GTEST_SKIP() << why;
+  TempDir dir;
+  const std::string path = dir.Join("m");
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 8 << 20}).ok());
+  CheckLoadOf(path, {});
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message();
+  EXPECT_TRUE(loaded->ranks[0].segment->transparent_huge_pages());
+}
 
 TEST(Loader, DigestIsTheSameWhenTheSegmentCannotBeReadBack) {
   TempDir dir;

@@ -127,4 +127,45 @@ class HugePagePool {
   long old_ = -1;
 };
 
+// Sets the kernel's policy for transparent huge pages in memfds and shared
+// memory (/sys/kernel/mm/transparent_hugepage/shmem_enabled) for as long
+// as it lives, then puts back what was there. Tests that use it run alone.
+class ShmemHugePagePolicy {
+ public:
+  static constexpr const char* kKnob = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+
+  // The policy in force ("never", "within_size", ...): the bracketed one.
+  static std::string Current() {
+    std::ifstream in(kKnob);
+    std::string word;
+    while (in >> word) {
+      if (word.size() > 2 && word.front() == '[' && word.back() == ']') {
+        return word.substr(1, word.size() - 2);
+      }
+    }
+    return "";
+  }
+
+  // Why the policy could not be set (empty when it was).
+  std::string Set(const std::string& policy) {
+    if (old_.empty()) {
+      old_ = Current();
+      if (old_.empty()) return "this kernel has no shmem huge page policy";
+    }
+    std::ofstream knob(kKnob);
+    knob << policy;
+    knob.close();  // written now, not when it goes
+    if (!knob || Current() != policy) {
+      return "the shmem huge page policy cannot be set here (needs root)";
+    }
+    return "";
+  }
+  ~ShmemHugePagePolicy() {
+    if (!old_.empty()) std::ofstream(kKnob) << old_;
+  }
+
+ private:
+  std::string old_;
+};
+
 }  // namespace weightd::testing

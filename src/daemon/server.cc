@@ -79,6 +79,9 @@ constexpr auto kHeartbeat = std::chrono::seconds(5);
 // accept() holds a descriptor's place).
 constexpr int kKeptWorkers = 64;
 constexpr auto kIdleExit = std::chrono::seconds(10);
+// A segment one huge page big: what the start-up line about host pages
+// asks the kernel about.
+constexpr uint64_t kHostPagesProbeBytes = 2ull << 20;
 // A connection with no request for this long between two is parked: it
 // waits in an epoll set instead of holding a thread. With more than
 // kBusyServing threads serving, at once: a flood of peers that connect and
@@ -557,6 +560,25 @@ Status Server::Start() {
   // end (when enough others are idle too).
   const timeval accept_timeout{std::chrono::seconds(kIdleExit).count(), 0};
   ::setsockopt(s.listen_fd.get(), SOL_SOCKET, SO_RCVTIMEO, &accept_timeout, sizeof accept_timeout);
+
+  // What the host's segments will be made of, as things stand: an operator
+  // who sees normal pages learns what would let the kernel fill them 2 MiB
+  // at a time. Each preload looks again.
+  if (s.options.log) {
+    const memory::HostPlacement pages = memory::PlanHostSegments(kHostPagesProbeBytes);
+    if (pages.options.try_huge_pages) {
+      s.options.log("host segments: huge pages, from the hugetlbfs pool while it has them free");
+    } else if (pages.options.transparent_huge_pages) {
+      s.options.log(
+          "host segments: transparent huge pages (the kernel's shmem policy gives them to "
+          "memfds)");
+    } else {
+      s.options.log(
+          "host segments: normal pages; a hugetlbfs pool, or `within_size` in "
+          "/sys/kernel/mm/transparent_hugepage/shmem_enabled, lets preloads fill them 2 MiB at "
+          "a time (docs/daemon.md)");
+    }
+  }
 
   // The GPUs, asked in the background and logged once known: the host is
   // served meanwhile, and a hung driver holds up neither serving nor exit
@@ -1391,6 +1413,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
                            {"bytes", model.segment->size()},
                            {"reserved_bytes", model.segment->reserved_bytes()},
                            {"huge_pages", model.segment->huge_pages()},
+                           {"transparent_huge_pages", model.segment->transparent_huge_pages()},
                            {"tensors", model.tensors},
                            {"leases", snap.leases[i]},
                            {"idle_seconds", snap.idle_seconds[i]},

@@ -3,12 +3,15 @@
 // descriptor. A model-rank is one segment, so attaching costs one handle.
 //
 // The host backend is a memfd: filled by writes to the descriptor (normal
-// pages: a page written by pwrite is neither faulted in nor zeroed first,
-// which makes filling about a tenth faster than through a mapping; huge
-// pages take no write(2) and are filled through a mapping), then sealed (no write, grow or shrink,
-// ever again) so an importer that checks the seals knows the bytes cannot change under it. The
-// memory is freed when the last descriptor and the last mapping are gone, whichever process holds
-// them: an engine's mapping outlives the daemon that made it.
+// memory: a page written by pwrite is neither faulted in nor zeroed first,
+// which makes filling about a tenth faster than through a mapping, and
+// where the kernel's shmem policy allows, its pages are transparent huge
+// pages; the hugetlbfs pool's pages take no write(2) and are filled
+// through a mapping), then sealed (no write, grow or shrink, ever again)
+// so an importer that checks the seals knows the bytes cannot change under
+// it. The memory is freed when the last descriptor and the last mapping
+// are gone, whichever process holds them: an engine's mapping outlives the
+// daemon that made it.
 //
 // Thread safety: a Segment is filled by one owner; Mapping is immutable.
 #pragma once
@@ -69,6 +72,9 @@ class Segment {
   virtual uint64_t size() const = 0;
   virtual uint64_t reserved_bytes() const = 0;
   virtual bool huge_pages() const = 0;
+  // Normal memory the kernel fills with transparent huge pages (2 MiB
+  // folios of its shmem; not taken from the hugetlbfs pool).
+  virtual bool transparent_huge_pages() const { return false; }
   // Where a GPU's segment is mapped in this process (its device address);
   // 0 for host memory.
   virtual uint64_t device_address() const { return 0; }
@@ -103,14 +109,20 @@ struct HostSegmentOptions {
   // Try huge pages (hugetlbfs) first; fall back to normal pages when the
   // system has none to give.
   bool try_huge_pages = true;
+  // Normal pages: where the kernel fills memfds with transparent huge pages
+  // (its shmem policy), make the segment whole ones, its size rounded up
+  // to 2 MiB. False: round to the page size whatever the policy.
+  bool transparent_huge_pages = true;
 };
 
 // What `count` host segments of `size` bytes each would take if made now:
 // whole huge pages when the system's 2 MiB pool has that many free for all
-// of them, else whole normal pages. For a caller that reserves memory
-// before making segments: made with `options`, a segment never takes more
-// than `bytes` (the pool may have shrunk meanwhile, and normal pages are
-// then used; it cannot have grown into use).
+// of them, else normal memory: whole transparent huge pages where the
+// kernel fills memfds with those, else whole normal pages. For a caller
+// that reserves memory before making segments: made with `options`, a
+// segment never takes more than `bytes` (the pool may have shrunk
+// meanwhile, and normal pages are then used; it cannot have grown into
+// use), unless the kernel's shmem policy turned to `always` in between.
 struct HostPlacement {
   uint64_t bytes = 0;  // per segment
   HostSegmentOptions options;
@@ -118,7 +130,8 @@ struct HostPlacement {
 HostPlacement PlanHostSegments(uint64_t size, uint64_t count = 1);
 
 // A memfd of `size` bytes: of huge pages when the pool has them all (taken
-// now), else of normal pages, allocated as the fill touches them; a size
+// now), else of normal memory (transparent huge pages where the kernel
+// gives memfds those), allocated as the fill touches it; a size
 // beyond the memory the kernel reports available is then refused here with
 // a message. `name` shows in /proc/PID/maps, for whoever debugs.
 Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::string& name,
