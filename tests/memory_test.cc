@@ -363,41 +363,62 @@ std::unique_ptr<memory::Mapping> FillAndMap(memory::Segment& segment,
   return std::move(map).value();
 }
 
-// Where the kernel fills memfds with transparent huge pages, a segment of
-// normal memory is whole ones: planned so, taking what it was planned to
-// take, and mapped by engines 2 MiB at a time. Where it does not (or the
-// segment is smaller than one under `within_size`), whole normal pages.
-TEST(ShmemHugePages, SegmentsAreWholeHugePagesWhereTheKernelFillsMemfdsWithThem) {
-  if (HugePagePool::Available() > 0) GTEST_SKIP() << "the huge page pool has pages free";
-  ShmemHugePagePolicy policy;
-  if (std::string why = policy.Set("within_size"); !why.empty()) GTEST_SKIP() << why;
-  constexpr uint64_t kSize = (6ull << 20) + 1;
-  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-  const uint64_t in_pages = (kSize + page - 1) / page * page;
-  std::vector<std::byte> pattern(kSize);
-  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<std::byte>(i * 29 + 3);
+constexpr uint64_t kThpSize = (6ull << 20) + 1;
 
-  const memory::HostPlacement planned = memory::PlanHostSegments(kSize, 2);
-  EXPECT_FALSE(planned.options.try_huge_pages);
+uint64_t InPages(uint64_t size) {
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  return (size + page - 1) / page * page;
+}
+
+std::vector<std::byte> Pattern(uint64_t size) {
+  std::vector<std::byte> pattern(size);
+  for (size_t i = 0; i < pattern.size(); ++i) pattern[i] = static_cast<std::byte>(i * 29 + 3);
+  return pattern;
+}
+
+// Sets the shmem policy to `policy` for the test; why it cannot, where it
+// cannot (or where segments would come from the huge page pool instead).
+std::string SetPolicy(ShmemHugePagePolicy& p, const std::string& policy) {
+  if (memory::PlanHostSegments(kThpSize).options.try_huge_pages) {
+    return "the huge page pool has pages free";
+  }
+  return p.Set(policy);
+}
+
+// Where the kernel's policy lets it fill memfds with transparent huge
+// pages, a segment of normal memory is whole ones: planned so, taking what
+// it was planned to take, and mapped by engines 2 MiB at a time.
+TEST(ShmemHugePages, UnderWithinSizeASegmentIsWholeHugePagesMappedSo) {
+  ShmemHugePagePolicy policy;
+  if (std::string why = SetPolicy(policy, "within_size"); !why.empty()) GTEST_SKIP() << why;
+  const memory::HostPlacement planned = memory::PlanHostSegments(kThpSize, 2);
   EXPECT_TRUE(planned.options.transparent_huge_pages);
   EXPECT_EQ(planned.bytes, 8ull << 20);
-  auto seg = memory::CreateHostSegment(kSize, "thp-test", planned.options);
+  auto seg = memory::CreateHostSegment(kThpSize, "thp-test", planned.options);
   ASSERT_TRUE(seg.ok()) << seg.error().message();
   EXPECT_TRUE((*seg)->transparent_huge_pages());
   EXPECT_FALSE((*seg)->huge_pages());
   EXPECT_EQ((*seg)->reserved_bytes(), planned.bytes);
-  auto map = FillAndMap(**seg, pattern);
+  // Free 2 MiB blocks for the fill, which the kernel takes without
+  // compacting memory itself.
+  std::ofstream("/proc/sys/vm/compact_memory") << 1;
+  auto map = FillAndMap(**seg, Pattern(kThpSize));
   ASSERT_NE(map, nullptr);
   EXPECT_GE(PmdMappedKiB(map->bytes().data()), 2048);
+}
 
-  // Planned in normal pages: the tail stays in them, as planned.
-  memory::HostSegmentOptions normal = planned.options;
+// Planned in normal pages, a segment keeps its tail in them; smaller than
+// a huge page, it gets none under `within_size`.
+TEST(ShmemHugePages, UnderWithinSizeNormalPagesAreKeptWherePlannedAndForSmallSegments) {
+  ShmemHugePagePolicy policy;
+  if (std::string why = SetPolicy(policy, "within_size"); !why.empty()) GTEST_SKIP() << why;
+  memory::HostSegmentOptions normal;
+  normal.try_huge_pages = false;
   normal.transparent_huge_pages = false;
-  auto as_planned = memory::CreateHostSegment(kSize, "thp-test-normal", normal);
+  auto as_planned = memory::CreateHostSegment(kThpSize, "thp-test-normal", normal);
   ASSERT_TRUE(as_planned.ok()) << as_planned.error().message();
-  EXPECT_EQ((*as_planned)->reserved_bytes(), in_pages);
+  EXPECT_EQ((*as_planned)->reserved_bytes(), InPages(kThpSize));
 
-  // Smaller than a huge page: `within_size` gives it none.
   const memory::HostPlacement small = memory::PlanHostSegments(1 << 20);
   EXPECT_FALSE(small.options.transparent_huge_pages);
   EXPECT_EQ(small.bytes, 1u << 20);
@@ -405,32 +426,44 @@ TEST(ShmemHugePages, SegmentsAreWholeHugePagesWhereTheKernelFillsMemfdsWithThem)
   ASSERT_TRUE(small_seg.ok()) << small_seg.error().message();
   EXPECT_FALSE((*small_seg)->transparent_huge_pages());
   EXPECT_EQ((*small_seg)->reserved_bytes(), 1u << 20);
+}
 
-  // `always`: a huge page even for one byte, and that is what is planned.
-  ASSERT_EQ(policy.Set("always"), "");
+// Under `always` even one byte takes a huge page, and that is what is
+// planned and reserved.
+TEST(ShmemHugePages, UnderAlwaysATinySegmentReservesAWholeHugePage) {
+  ShmemHugePagePolicy policy;
+  if (std::string why = SetPolicy(policy, "always"); !why.empty()) GTEST_SKIP() << why;
   const memory::HostPlacement tiny = memory::PlanHostSegments(1);
+  EXPECT_TRUE(tiny.options.transparent_huge_pages);
   EXPECT_EQ(tiny.bytes, 2ull << 20);
-  auto tiny_seg = memory::CreateHostSegment(1, "thp-test-tiny", tiny.options);
-  ASSERT_TRUE(tiny_seg.ok()) << tiny_seg.error().message();
-  EXPECT_TRUE((*tiny_seg)->transparent_huge_pages());
-  EXPECT_EQ((*tiny_seg)->reserved_bytes(), tiny.bytes);
+  auto seg = memory::CreateHostSegment(1, "thp-test-tiny", tiny.options);
+  ASSERT_TRUE(seg.ok()) << seg.error().message();
+  EXPECT_TRUE((*seg)->transparent_huge_pages());
+  EXPECT_EQ((*seg)->reserved_bytes(), tiny.bytes);
+}
 
-  ASSERT_EQ(policy.Set("never"), "");
-  const memory::HostPlacement none = memory::PlanHostSegments(kSize);
+// Under `never`, normal pages, mapped 4 KiB at a time.
+TEST(ShmemHugePages, UnderNeverASegmentIsNormalPages) {
+  ShmemHugePagePolicy policy;
+  if (std::string why = SetPolicy(policy, "never"); !why.empty()) GTEST_SKIP() << why;
+  const memory::HostPlacement none = memory::PlanHostSegments(kThpSize);
   EXPECT_FALSE(none.options.transparent_huge_pages);
-  EXPECT_EQ(none.bytes, in_pages);
-  auto plain = memory::CreateHostSegment(kSize, "thp-test-never", none.options);
-  ASSERT_TRUE(plain.ok()) << plain.error().message();
-  EXPECT_FALSE((*plain)->transparent_huge_pages());
-  EXPECT_EQ((*plain)->reserved_bytes(), in_pages);
-  auto plain_map = FillAndMap(**plain, pattern);
-  ASSERT_NE(plain_map, nullptr);
-  EXPECT_EQ(PmdMappedKiB(plain_map->bytes().data()), 0);
+  EXPECT_EQ(none.bytes, InPages(kThpSize));
+  auto seg = memory::CreateHostSegment(kThpSize, "thp-test-never", none.options);
+  ASSERT_TRUE(seg.ok()) << seg.error().message();
+  EXPECT_FALSE((*seg)->transparent_huge_pages());
+  EXPECT_EQ((*seg)->reserved_bytes(), InPages(kThpSize));
+  auto map = FillAndMap(**seg, Pattern(kThpSize));
+  ASSERT_NE(map, nullptr);
+  EXPECT_EQ(PmdMappedKiB(map->bytes().data()), 0);
 }
 
 // Under a huge page, a segment is normal pages whatever the pool holds, and
 // that is what a caller reserving ahead is told.
 TEST(HostSegment, SmallSegmentsArePlannedInNormalPages) {
+  if (const std::string p = memory::ShmemHugePagePolicy(); p == "always" || p == "force") {
+    GTEST_SKIP() << "this machine's shmem policy gives every memfd a huge page";
+  }
   const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   for (uint64_t size : std::vector<uint64_t>{0, 1, page, page + 1, (2ull << 20) - 1}) {
     const memory::HostPlacement planned = memory::PlanHostSegments(size, 3);
@@ -963,9 +996,8 @@ class UnreadableSegment final : public memory::Segment {
 
 // A load into transparent huge pages has the checkpoint's bytes and digest.
 TEST(ShmemHugePages, ALoadIntoThemHasTheCheckpointsBytesAndDigest) {
-  if (HugePagePool::Available() > 0) GTEST_SKIP() << "the huge page pool has pages free";
   ShmemHugePagePolicy policy;
-  if (std::string why = policy.Set("within_size"); !why.empty()) GTEST_SKIP() << why;
+  if (std::string why = SetPolicy(policy, "within_size"); !why.empty()) GTEST_SKIP() << why;
   TempDir dir;
   const std::string path = dir.Join("m");
   ASSERT_TRUE(

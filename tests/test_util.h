@@ -7,10 +7,13 @@
 #include <unistd.h>
 
 #include <cstddef>
+#include <cstdio>
 #include <fstream>
 #include <functional>
 #include <string>
 #include <vector>
+
+#include "memory/segment.h"
 
 namespace weightd::testing {
 
@@ -128,44 +131,53 @@ class HugePagePool {
 };
 
 // Sets the kernel's policy for transparent huge pages in memfds and shared
-// memory (/sys/kernel/mm/transparent_hugepage/shmem_enabled) for as long
-// as it lives, then puts back what was there. Tests that use it run alone.
+// memory for as long as it lives, then puts back what was there. Tests that
+// use it run alone in ctest; against other processes (a second test run,
+// the bench) it holds a lock they take too, and gives up where one holds it.
 class ShmemHugePagePolicy {
  public:
-  static constexpr const char* kKnob = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+  ShmemHugePagePolicy() = default;
+  ShmemHugePagePolicy(const ShmemHugePagePolicy&) = delete;
+  ShmemHugePagePolicy& operator=(const ShmemHugePagePolicy&) = delete;
 
-  // The policy in force ("never", "within_size", ...): the bracketed one.
-  static std::string Current() {
-    std::ifstream in(kKnob);
-    std::string word;
-    while (in >> word) {
-      if (word.size() > 2 && word.front() == '[' && word.back() == ']') {
-        return word.substr(1, word.size() - 2);
-      }
-    }
-    return "";
-  }
+  static std::string Current() { return memory::ShmemHugePagePolicy(); }
 
   // Why the policy could not be set (empty when it was).
   std::string Set(const std::string& policy) {
     if (old_.empty()) {
       old_ = Current();
       if (old_.empty()) return "this kernel has no shmem huge page policy";
+      lock_fd_ = ::open(kLock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+      if (lock_fd_ < 0 || ::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+        old_.clear();
+        return "another process is changing the shmem huge page policy";
+      }
     }
-    std::ofstream knob(kKnob);
-    knob << policy;
-    knob.close();  // written now, not when it goes
-    if (!knob || Current() != policy) {
+    if (!Write(policy) || Current() != policy) {
       return "the shmem huge page policy cannot be set here (needs root)";
     }
     return "";
   }
   ~ShmemHugePagePolicy() {
-    if (!old_.empty()) std::ofstream(kKnob) << old_;
+    if (!old_.empty() && !Write(old_)) {
+      std::fprintf(stderr, "could not put the shmem huge page policy back to %s\n", old_.c_str());
+    }
+    if (lock_fd_ >= 0) ::close(lock_fd_);
   }
 
+  // Taken by whoever changes the policy: these tests and the bench.
+  static constexpr const char* kLock = "/tmp/weightd-shmem-policy.lock";
+
  private:
+  static bool Write(const std::string& policy) {
+    std::ofstream knob(memory::kShmemHugePagePolicyPath);
+    knob << policy;
+    knob.close();  // written now, not when it goes
+    return static_cast<bool>(knob);
+  }
+
   std::string old_;
+  int lock_fd_ = -1;
 };
 
 }  // namespace weightd::testing

@@ -564,20 +564,18 @@ Status Server::Start() {
   // What the host's segments will be made of, as things stand: an operator
   // who sees normal pages learns what would let the kernel fill them 2 MiB
   // at a time. Each preload looks again.
-  if (s.options.log) {
-    const memory::HostPlacement pages = memory::PlanHostSegments(kHostPagesProbeBytes);
-    if (pages.options.try_huge_pages) {
-      s.options.log("host segments: huge pages, from the hugetlbfs pool while it has them free");
-    } else if (pages.options.transparent_huge_pages) {
-      s.options.log(
-          "host segments: transparent huge pages (the kernel's shmem policy gives them to "
-          "memfds)");
-    } else {
-      s.options.log(
-          "host segments: normal pages; a hugetlbfs pool, or `within_size` in "
-          "/sys/kernel/mm/transparent_hugepage/shmem_enabled, lets preloads fill them 2 MiB at "
-          "a time (docs/daemon.md)");
-    }
+  const memory::HostPlacement pages = memory::PlanHostSegments(kHostPagesProbeBytes);
+  if (pages.options.try_huge_pages) {
+    s.Log("host segments: huge pages, from the hugetlbfs pool while it has them free");
+  } else if (pages.options.transparent_huge_pages) {
+    s.Log(
+        "host segments: transparent huge pages, where the kernel has free 2 MiB blocks (its "
+        "shmem policy is `" +
+        memory::ShmemHugePagePolicy() + "`)");
+  } else {
+    s.Log("host segments: normal pages; a hugetlbfs pool, or `within_size` in " +
+          std::string(memory::kShmemHugePagePolicyPath) +
+          ", lets preloads fill them 2 MiB at a time (docs/daemon.md)");
   }
 
   // The GPUs, asked in the background and logged once known: the host is

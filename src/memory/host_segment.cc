@@ -189,30 +189,21 @@ Result<UniqueFd> MakeMemfd(const std::string& name, uint64_t bytes, bool huge) {
   return fd;
 }
 
-// Whether the kernel fills the memfd `fd`, of `size` bytes, with
-// transparent huge pages: its shmem policy
-// (/sys/kernel/mm/transparent_hugepage/shmem_enabled) is `always` (or
-// `force`), or `within_size` and the memfd holds whole huge pages. The
-// memfd's block size says whether the policy gives it any; under
-// `within_size` a memfd smaller than a huge page gets none, though its
-// block size may say so (where smaller folios are enabled).
-bool FilledWithHugePages(int fd, uint64_t size) {
-  struct stat st;
-  if (::fstat(fd, &st) != 0 || static_cast<uint64_t>(st.st_blksize) < kHugePageBytes) return false;
-  if (size >= kHugePageBytes) return true;
-  std::ifstream knob("/sys/kernel/mm/transparent_hugepage/shmem_enabled");
-  for (std::string word; knob >> word;) {
-    if (word == "[always]" || word == "[force]") return true;
-  }
-  return false;
-}
-
-// Whether a memfd of `size` bytes, rounded to pages of `page` bytes, would
-// be filled with transparent huge pages now.
-bool WouldFillWithHugePages(uint64_t size, uint64_t page) {
-  UniqueFd probe(::memfd_create("weightd:probe", MFD_CLOEXEC));
-  return probe.valid() && ::ftruncate(probe.get(), static_cast<off_t>(RoundUp(size, page))) == 0 &&
-         FilledWithHugePages(probe.get(), size);
+// Whether the kernel may fill a memfd of `size` bytes with transparent
+// huge pages of 2 MiB: its policy for shared memory says so (`always` or
+// `force`; `within_size` where the memfd holds a whole one), and its huge
+// pages are 2 MiB (not so on arm64 with 16 or 64 KiB pages, where they
+// are 32 or 512 MiB: segments there stay rounded to pages). Where the
+// policy allows them, the kernel still falls back to normal pages while
+// it has no free 2 MiB block.
+bool TakesTransparentHugePages(uint64_t size) {
+  std::ifstream pmd("/sys/kernel/mm/transparent_hugepage/hpage_pmd_size");
+  uint64_t huge = 0;
+  if (!(pmd >> huge) || huge != kHugePageBytes) return false;
+  const std::string policy = ShmemHugePagePolicy();
+  if (policy == "always" || policy == "force") return true;
+  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  return policy == "within_size" && RoundUp(size, page) >= kHugePageBytes;
 }
 
 // Takes every page of a new huge-page mapping now, several threads each
@@ -340,11 +331,22 @@ HostPlacement PlanHostSegments(uint64_t size, uint64_t count) {
       return out;
     }
   }
-  const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
   out.options.try_huge_pages = false;
-  out.options.transparent_huge_pages = WouldFillWithHugePages(size, page);
-  out.bytes = RoundUp(size, out.options.transparent_huge_pages ? kHugePageBytes : page);
+  out.options.transparent_huge_pages = TakesTransparentHugePages(size);
+  out.bytes = RoundUp(size, out.options.transparent_huge_pages
+                                ? kHugePageBytes
+                                : static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)));
   return out;
+}
+
+std::string ShmemHugePagePolicy() {
+  std::ifstream knob(kShmemHugePagePolicyPath);
+  for (std::string word; knob >> word;) {
+    if (word.size() > 2 && word.front() == '[' && word.back() == ']') {
+      return word.substr(1, word.size() - 2);
+    }
+  }
+  return "";
 }
 
 Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::string& name,
@@ -379,20 +381,19 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
     return Error("cannot create a host segment of " + std::to_string(size) +
                  " bytes: " + fd.error().message());
   }
-  // Where the kernel gives memfds transparent huge pages, the segment is
-  // whole ones: a page is allocated, charged and listed per 2 MiB written
-  // instead of per 4 KiB (a fill several times faster), engines map it
-  // with a page table entry per 2 MiB, and the memory it takes is the size
-  // it has, under either policy (`always` would take a whole huge page for
-  // the tail anyway). Not where the caller planned for normal pages: then
-  // `within_size` keeps the tail in normal pages (`always` may not, if the
-  // policy changed since the plan).
-  const bool thp = FilledWithHugePages(fd->get(), size);
+  // Where the kernel may fill the memfd with transparent huge pages, the
+  // segment is whole ones: a page is allocated, charged and listed per
+  // 2 MiB written instead of per 4 KiB (the 1 GB model's reads up to
+  // several times faster), engines map it with a page table entry per
+  // 2 MiB, and what it takes is the size it has under either policy
+  // (`always` would take the tail's whole huge page anyway). Not where the
+  // caller planned for normal pages: `within_size` then keeps the tail in
+  // them (`always` may not, if the policy changed since the plan). Where
+  // the memfd cannot grow, it keeps its size.
+  const bool thp = TakesTransparentHugePages(size);
   if (thp && options.transparent_huge_pages) {
-    reserved = RoundUp(size, kHugePageBytes);
-    if (::ftruncate(fd->get(), static_cast<off_t>(reserved)) != 0) {
-      return Error(Errno("cannot create a host segment of " + std::to_string(size) + " bytes"));
-    }
+    const uint64_t whole = RoundUp(size, kHugePageBytes);
+    if (::ftruncate(fd->get(), static_cast<off_t>(whole)) == 0) reserved = whole;
   }
   // Mapped read-only now, where it can be, so that what is written can be
   // read back before the seal; it costs nothing until read.

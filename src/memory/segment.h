@@ -3,11 +3,11 @@
 // descriptor. A model-rank is one segment, so attaching costs one handle.
 //
 // The host backend is a memfd: filled by writes to the descriptor (normal
-// memory: a page written by pwrite is neither faulted in nor zeroed first,
-// which makes filling about a tenth faster than through a mapping, and
-// where the kernel's shmem policy allows, its pages are transparent huge
-// pages; the hugetlbfs pool's pages take no write(2) and are filled
-// through a mapping), then sealed (no write, grow or shrink, ever again)
+// memory: a page written by pwrite is not faulted in first, which makes
+// filling about a tenth faster than through a mapping, and where the
+// kernel's shmem policy allows, its pages are transparent huge pages; the
+// hugetlbfs pool's pages take no write(2) and are filled through a
+// mapping), then sealed (no write, grow or shrink, ever again)
 // so an importer that checks the seals knows the bytes cannot change under
 // it. The memory is freed when the last descriptor and the last mapping
 // are gone, whichever process holds them: an engine's mapping outlives the
@@ -72,8 +72,9 @@ class Segment {
   virtual uint64_t size() const = 0;
   virtual uint64_t reserved_bytes() const = 0;
   virtual bool huge_pages() const = 0;
-  // Normal memory the kernel fills with transparent huge pages (2 MiB
-  // folios of its shmem; not taken from the hugetlbfs pool).
+  // Normal memory that the kernel's policy lets it fill with transparent
+  // huge pages (2 MiB folios, where it has free 2 MiB blocks; not from the
+  // hugetlbfs pool).
   virtual bool transparent_huge_pages() const { return false; }
   // Where a GPU's segment is mapped in this process (its device address);
   // 0 for host memory.
@@ -109,25 +110,36 @@ struct HostSegmentOptions {
   // Try huge pages (hugetlbfs) first; fall back to normal pages when the
   // system has none to give.
   bool try_huge_pages = true;
-  // Normal pages: where the kernel fills memfds with transparent huge pages
-  // (its shmem policy), make the segment whole ones, its size rounded up
-  // to 2 MiB. False: round to the page size whatever the policy.
+  // Normal memory: where the kernel's shmem policy lets it fill memfds
+  // with transparent huge pages, make the segment whole ones, its size
+  // rounded up to 2 MiB. False: round to the page size whatever the
+  // policy.
   bool transparent_huge_pages = true;
 };
 
 // What `count` host segments of `size` bytes each would take if made now:
 // whole huge pages when the system's 2 MiB pool has that many free for all
 // of them, else normal memory: whole transparent huge pages where the
-// kernel fills memfds with those, else whole normal pages. For a caller
+// kernel's policy lets it fill memfds with those, else whole normal pages.
+// For a caller
 // that reserves memory before making segments: made with `options`, a
 // segment never takes more than `bytes` (the pool may have shrunk
 // meanwhile, and normal pages are then used; it cannot have grown into
-// use), unless the kernel's shmem policy turned to `always` in between.
+// use), unless the kernel's shmem policy turned to `always` between the
+// plan and the end of the fill.
 struct HostPlacement {
   uint64_t bytes = 0;  // per segment
   HostSegmentOptions options;
 };
 HostPlacement PlanHostSegments(uint64_t size, uint64_t count = 1);
+
+// The kernel's policy for transparent huge pages in shared memory, memfds
+// among it, as the file below names it ("never", "within_size", "always",
+// "advise", "deny", "force"); empty where the kernel has none. The machine's
+// to set: weightd only reads it.
+inline constexpr const char* kShmemHugePagePolicyPath =
+    "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+std::string ShmemHugePagePolicy();
 
 // A memfd of `size` bytes: of huge pages when the pool has them all (taken
 // now), else of normal memory (transparent huge pages where the kernel
