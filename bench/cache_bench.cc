@@ -21,6 +21,7 @@
 // of weightd's numbers and included in cp's and dd's (about a millisecond).
 #include <fcntl.h>
 #include <signal.h>
+#include <sys/file.h>
 #include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
@@ -28,10 +29,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
@@ -40,6 +41,7 @@
 #include "bench_util.h"
 #include "fingerprint/stat_cache.h"
 #include "format/synthetic.h"
+#include "memory/segment.h"
 
 namespace {
 
@@ -119,35 +121,56 @@ double ChildrenCpuSeconds() {
   return seconds(r.ru_utime) + seconds(r.ru_stime);
 }
 
-// The kernel's policy for transparent huge pages in memfds, and a way to
-// set it around one preload: the daemon's segments are memfds, and where
-// the policy gives them huge pages it makes them of whole ones.
-constexpr const char* kShmemPolicy = "/sys/kernel/mm/transparent_hugepage/shmem_enabled";
+// The kernel's policy for transparent huge pages in memfds, set to
+// `within_size` around some preloads: the daemon's segments are memfds, and
+// where the policy gives them huge pages it makes them of whole ones. The
+// machine's own policy is put back after each, and at any exit or signal
+// meanwhile; the tests that change it take the same lock.
+char saved_policy[32] = "";
 
-std::string ShmemPolicy() {
-  std::ifstream in(kShmemPolicy);
-  for (std::string word; in >> word;) {
-    if (word.size() > 2 && word.front() == '[' && word.back() == ']') {
-      return word.substr(1, word.size() - 2);
-    }
-  }
-  return "";
+bool WritePolicy(const char* policy) {
+  const int fd = ::open(memory::kShmemHugePagePolicyPath, O_WRONLY | O_CLOEXEC);
+  if (fd < 0) return false;
+  const auto n = static_cast<ssize_t>(std::strlen(policy));
+  const bool written = ::write(fd, policy, static_cast<size_t>(n)) == n;
+  ::close(fd);
+  return written;
 }
 
-bool SetShmemPolicy(const std::string& policy) {
-  std::ofstream out(kShmemPolicy);
-  out << policy;
-  out.close();
-  return out && ShmemPolicy() == policy;
+void PutPolicyBack() {
+  if (saved_policy[0] != 0) WritePolicy(saved_policy);
 }
 
-// Runs `f` with the policy `within_size`, then puts back `before`.
+void PutPolicyBackAndDie(int sig) {
+  PutPolicyBack();  // open, write and close only: safe in a handler
+  ::signal(sig, SIG_DFL);
+  ::raise(sig);
+}
+
+// Runs `f` with the policy `within_size`, then puts the machine's back.
 template <typename F>
-auto WithHugePageMemfds(const std::string& before, F&& f) {
-  if (!SetShmemPolicy("within_size")) Die("cannot set " + std::string(kShmemPolicy));
-  auto result = f();
-  if (!SetShmemPolicy(before)) Die("cannot set " + std::string(kShmemPolicy) + " back");
-  return result;
+void WithHugePageMemfds(const std::string& machines, F&& f) {
+  static const int lock = [] {
+    const int fd = ::open("/tmp/weightd-shmem-policy.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd < 0) Die("cannot open the shmem policy's lock file");
+    return fd;
+  }();
+  if (::flock(lock, LOCK_EX) != 0) Die("cannot lock the shmem policy");
+  std::snprintf(saved_policy, sizeof saved_policy, "%s", machines.c_str());
+  if (!WritePolicy("within_size") || memory::ShmemHugePagePolicy() != "within_size") {
+    Die("cannot set " + std::string(memory::kShmemHugePagePolicyPath));
+  }
+  f();
+  if (!WritePolicy(machines.c_str())) Die("cannot set the shmem policy back to " + machines);
+  saved_policy[0] = 0;
+  ::flock(lock, LOCK_UN);
+}
+
+// Whether the model resident now is in transparent huge pages.
+bool ResidentInTransparentHugePages() {
+  const json models = Weightd({"status", "--json", "--socket-dir", socket_dir})["models"];
+  if (models.size() != 1) Die("expected one resident model, status has " + models.dump());
+  return models[0].at("transparent_huge_pages").get<bool>();
 }
 
 double CopyToShm(const std::string& model) {
@@ -361,12 +384,18 @@ int main(int argc, char** argv) {
     // The same preloads into transparent huge pages, where they were measured.
     double thp_warm = 0, thp_cold = 0;
   };
-  // The policy to measure preloads into transparent huge pages beside the
-  // machine's own: `within_size`, set for each such preload alone, where
-  // this process may set it (root) and the machine's is not that already.
-  const std::string policy = ShmemPolicy();
-  const bool measure_thp = !policy.empty() && policy != "within_size" && policy != "always" &&
-                           ::access(kShmemPolicy, W_OK) == 0 && SetShmemPolicy(policy);
+  // Preloads into transparent huge pages are measured beside the others
+  // where the machine's segments are normal pages (no hugetlbfs pages free,
+  // a policy that gives memfds none) and this process may set the policy.
+  const std::string policy = memory::ShmemHugePagePolicy();
+  const memory::HostPlacement pages = memory::PlanHostSegments(1ull << 30);
+  const bool measure_thp = !pages.options.try_huge_pages && !pages.options.transparent_huge_pages &&
+                           !policy.empty() && ::access(memory::kShmemHugePagePolicyPath, W_OK) == 0;
+  if (measure_thp) {
+    std::atexit(PutPolicyBack);
+    ::signal(SIGINT, PutPolicyBackAndDie);
+    ::signal(SIGTERM, PutPolicyBackAndDie);
+  }
   std::vector<Throughput> throughput;
   double attach_small_cache = 0, attach_full_cache = 0;  // the 1 GB model's
   // 64 engines at once on the 1 GB model: started first, then released
@@ -398,18 +427,23 @@ int main(int argc, char** argv) {
     std::vector<double> cp_warm, cp_cold, dd_cold, disk_warm_v, disk_cold_v, pre_warm, pre_cold;
     std::vector<double> headers_warm, plan_warm, read_warm, finish_warm, thp_warm, thp_cold;
     double preload_cpu = 0, cp_cpu = 0;
-    // Every timed copy and preload takes memory that a copy or preload
-    // freed just before it (cp is run once untimed first, and the preloads
-    // follow a copy): this VM hands memory idle for a few seconds back to
-    // its host, and taking it again costs more than the copy itself (up to
-    // 3 s per GB), which would otherwise decide every figure here.
+    // Every timed copy and preload takes memory that the same copy or
+    // preload, run untimed just before, freed: this VM hands memory idle
+    // for a few seconds back to its host, and taking it again costs more
+    // than the copy itself (up to 3 s per GB), which would otherwise decide
+    // every figure here.
     for (int i = 0; i < n; ++i) {
       CopyToShm(m.path);
       const double children_before = ChildrenCpuSeconds();
       cp_warm.push_back(CopyToShm(m.path));
       cp_cpu += ChildrenCpuSeconds() - children_before;
-      // Emptied first, so that freeing the last round's segment is not in
-      // this preload's CPU time (cp's time has no removal in it either).
+      // A first preload, not timed, as for cp; then emptied, so that
+      // freeing its segment is not in the timed preload's CPU time (cp's
+      // time has no removal in it either).
+      PreloadSeconds(m.path);
+      if (measure_thp && ResidentInTransparentHugePages()) {
+        Die("a preload meant for normal pages is in transparent huge pages");
+      }
       Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
       const double daemon_before = bench::ProcessCpuSeconds(daemon.pid);
       const PreloadTimes warm = Preload(m.path);
@@ -438,7 +472,9 @@ int main(int argc, char** argv) {
           Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
           EvictPageCache(m.path);
           thp_cold.push_back(PreloadSeconds(m.path));
-          return 0;
+          if (!ResidentInTransparentHugePages()) {
+            Die("a preload meant for transparent huge pages is not in them");
+          }
         });
       }
     }
@@ -488,28 +524,30 @@ int main(int argc, char** argv) {
                 Gbps(t.bytes, t.dd_cold).c_str());
   }
 
-  std::printf(
-      "\nThis machine's policy for transparent huge pages in memfds (%s) is `%s`: the\n"
-      "segments above are in %s.\n",
-      kShmemPolicy, policy.c_str(),
-      policy == "always" || policy == "within_size" ? "transparent huge pages"
-                                                    : "normal 4 KiB pages");
+  std::printf("\nThe segments above are %s.\n",
+              pages.options.try_huge_pages ? "huge pages from the hugetlbfs pool"
+              : pages.options.transparent_huge_pages
+                  ? "transparent huge pages (the machine's shmem policy gives memfds those)"
+                  : "normal pages (no hugetlbfs pages free, and a shmem policy that gives "
+                    "memfds none)");
   if (measure_thp) {
     std::printf(
         "\n#### Preload into transparent huge pages\n\n"
-        "The same preloads, in the same rounds, with the policy set to `within_size` for\n"
-        "them alone (and put back after): the daemon then makes each segment of whole 2 MiB\n"
-        "pages, which the kernel allocates, charges and lists once per 2 MiB written instead\n"
-        "of once per 4 KiB. Each round's first preload into them is not timed, so that the\n"
-        "timed ones take the huge pages it freed, as the preloads above take the pages cp\n"
-        "freed just before them. cp's figures are those above (its files in /dev/shm follow\n"
-        "that mount's own `huge=` option, not this policy).\n\n");
+        "The same preloads, in the same rounds, with the kernel's policy for transparent huge\n"
+        "pages in shared memory (%s, `%s` on this machine) set to `within_size` for them\n"
+        "alone (and put back after): the daemon then makes each segment of whole 2 MiB pages,\n"
+        "which the kernel allocates, charges and lists once per 2 MiB written instead of once\n"
+        "per page. As above, a first preload in each round is not timed. cp's figures are\n"
+        "those above (its files in /dev/shm follow that mount's own `huge=` option, not this\n"
+        "policy). Memory that sat free for seconds on this VM costs far more to take again\n"
+        "in huge pages than in normal ones (docs/daemon.md, \"Transparent huge pages\").\n\n",
+        memory::kShmemHugePagePolicyPath, policy.c_str());
     std::printf(
-        "| model | preload, cache warm | preload vs cp (warm) | vs 4 KiB pages (warm) | "
-        "preload, cache evicted | preload vs cp (evicted) |\n");
+        "| model | preload, cache warm | preload vs cp (warm) | normal pages / huge pages "
+        "(warm) | preload, cache evicted | preload vs cp (evicted) |\n");
     std::printf("| --- | ---: | ---: | ---: | ---: | ---: |\n");
     for (const Throughput& t : throughput) {
-      std::printf("| %s | %s | %.2fx | %.2fx faster | %s | %.2fx |\n", t.label.c_str(),
+      std::printf("| %s | %s | %.2fx | %.2fx | %s | %.2fx |\n", t.label.c_str(),
                   Gbps(t.bytes, t.thp_warm).c_str(), t.cp_warm / t.thp_warm,
                   t.preload_warm / t.thp_warm, Gbps(t.bytes, t.thp_cold).c_str(),
                   t.cp_cold / t.thp_cold);
