@@ -147,6 +147,10 @@ class ShmemHugePagePolicy {
     if (old_.empty()) {
       old_ = Current();
       if (old_.empty()) return "this kernel has no shmem huge page policy";
+      if (::access(memory::kShmemHugePagePolicyPath, W_OK) != 0) {
+        old_.clear();
+        return "the shmem huge page policy cannot be set here (needs root)";
+      }
       lock_fd_ = ::open(kLock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
       if (lock_fd_ < 0 || ::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
         old_.clear();
@@ -156,10 +160,11 @@ class ShmemHugePagePolicy {
     if (!Write(policy) || Current() != policy) {
       return "the shmem huge page policy cannot be set here (needs root)";
     }
+    changed_ = true;
     return "";
   }
   ~ShmemHugePagePolicy() {
-    if (!old_.empty() && !Write(old_)) {
+    if (changed_ && !Write(old_)) {
       std::fprintf(stderr, "could not put the shmem huge page policy back to %s\n", old_.c_str());
     }
     if (lock_fd_ >= 0) ::close(lock_fd_);
@@ -177,6 +182,7 @@ class ShmemHugePagePolicy {
   }
 
   std::string old_;
+  bool changed_ = false;  // put old_ back: some Set wrote the policy
   int lock_fd_ = -1;
 };
 

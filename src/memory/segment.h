@@ -121,12 +121,11 @@ struct HostSegmentOptions {
 // whole huge pages when the system's 2 MiB pool has that many free for all
 // of them, else normal memory: whole transparent huge pages where the
 // kernel's policy lets it fill memfds with those, else whole normal pages.
-// For a caller
-// that reserves memory before making segments: made with `options`, a
-// segment never takes more than `bytes` (the pool may have shrunk
-// meanwhile, and normal pages are then used; it cannot have grown into
-// use), unless the kernel's shmem policy turned to `always` between the
-// plan and the end of the fill.
+// For a caller that reserves memory before making segments: made with
+// `options`, a segment never takes more than `bytes` (the pool may have
+// shrunk meanwhile, and normal pages are then used; it cannot have grown
+// into use), unless the kernel's shmem policy turned to `always` between
+// the plan and the end of the fill.
 struct HostPlacement {
   uint64_t bytes = 0;  // per segment
   HostSegmentOptions options;
