@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <sys/sysmacros.h>
 #include <unistd.h>
 
@@ -14,11 +15,32 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <optional>
 
 namespace weightd::io {
 namespace {
 
 std::string ErrnoText(int err) { return std::strerror(err); }
+
+// The pages of a file in the page cache, by cachestat(2); nullopt where the
+// kernel has no such call (before 6.5) or refuses it. Its structures are
+// spelled here: older kernel headers lack them.
+std::optional<uint64_t> CachedPages(int fd) {
+#if defined(__x86_64__) || defined(__aarch64__)
+  constexpr long kCachestat = 451;  // the same number in both tables
+  struct {
+    uint64_t offset;
+    uint64_t length;  // 0: to the end of the file
+  } range{0, 0};
+  struct {
+    uint64_t cache, dirty, writeback, evicted, recently_evicted;
+  } stat{};
+  if (::syscall(kCachestat, static_cast<unsigned>(fd), &range, &stat, 0u) == 0) return stat.cache;
+#else
+  (void)fd;
+#endif
+  return std::nullopt;
+}
 
 // A loop device's disk sequence number (Linux 5.15:
 // /sys/dev/block/7:N/diskseq), new at every attach; 0 for any other device.
@@ -133,11 +155,18 @@ class PosixFile final : public RandomAccessFile {
 
   Result<StatSignature> Stat() const override { return SignatureAt(fd_, "", AT_EMPTY_PATH, path_); }
 
-  // mincore(2) over a read-only mapping, a window at a time (its vector is
-  // a byte per page), up to the first page not resident.
+  // cachestat(2) (Linux 6.5) counts the file's pages in the cache without
+  // touching the address space; where it is missing, mincore(2) over a
+  // read-only mapping, a window at a time (its vector is a byte per page),
+  // up to the first page not resident. A mapping and its unmapping take
+  // the process's memory map for writing: threads that fault pages in (a
+  // parser allocating) wait for each, so the mapping is only the fallback.
   bool InPageCache() const override {
-    constexpr uint64_t kWindow = 1ull << 30;
     const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+    if (std::optional<uint64_t> cached = CachedPages(fd_)) {
+      return *cached >= (size_ + page - 1) / page;
+    }
+    constexpr uint64_t kWindow = 1ull << 30;
     std::vector<unsigned char> resident;
     for (uint64_t at = 0; at < size_; at += kWindow) {
       const auto length = static_cast<size_t>(std::min(kWindow, size_ - at));
