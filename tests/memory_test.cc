@@ -25,6 +25,7 @@
 
 #include "fingerprint/fingerprint.h"
 #include "format/checkpoint.h"
+#include "format/rules.h"
 #include "format/synthetic.h"
 #include "io/file.h"
 #include "loader/loader.h"
@@ -526,6 +527,36 @@ TEST(Manifest, RoundTripsAndAlignsEveryTensor) {
   EXPECT_FALSE(memory::PlanSegment({{"x", "F32", {}, 4, 0}, {"x", "F32", {}, 4, 0}}).ok());
 }
 
+// Tensors placed by the caller keep their offsets; the plan says how big
+// the manifest before them is, and refuses names out of order, a name
+// twice, and a tensor before the data, off the alignment or past the end.
+TEST(Manifest, TensorsPlacedByTheCallerKeepTheirPlaces) {
+  const uint64_t data = memory::DataOffsetAfter(memory::ManifestBytes(2, 1, 2));
+  EXPECT_EQ(data, 4096u);
+  const std::vector<uint64_t> shape = {3};
+  auto plan = memory::PlanPlacedSegment(
+      {{"a", "F32", shape, 12, data + 256}, {"b", "U8", {}, 1, data}}, data + 512);
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  EXPECT_EQ(plan->data_offset, data);
+  EXPECT_EQ(plan->manifest_bytes, memory::ManifestBytes(2, 1, 2));
+  std::vector<uint64_t> words(plan->total_bytes / 8);
+  std::span<std::byte> seg(reinterpret_cast<std::byte*>(words.data()), plan->total_bytes);
+  memory::WriteManifest(*plan, seg);
+  auto m = memory::ReadManifest(seg);
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  EXPECT_EQ(m->tensors[0].offset, data + 256);
+  EXPECT_EQ(m->tensors[1].offset, data);
+  EXPECT_FALSE(memory::PlanPlacedSegment({{"b", "U8", {}, 1, data}, {"a", "U8", {}, 1, data + 256}},
+                                         data + 512)
+                   .ok());
+  EXPECT_FALSE(memory::PlanPlacedSegment({{"a", "U8", {}, 1, data}, {"a", "U8", {}, 1, data + 256}},
+                                         data + 512)
+                   .ok());
+  for (const uint64_t at : {uint64_t{0}, data + 8, data + 512, ~uint64_t{0} - 255}) {
+    EXPECT_FALSE(memory::PlanPlacedSegment({{"a", "U8", {}, 1, at}}, data + 512).ok()) << at;
+  }
+}
+
 TEST(Manifest, CorruptTablesAreErrorsNotCrashes) {
   const std::vector<uint64_t> shape = {2};
   auto plan = memory::PlanSegment({{"w", "F32", shape, 8, 0}});
@@ -959,6 +990,84 @@ TEST(Loader, SamplesHashedAsTheyAreReadGiveTheFingerprint) {
       o.max_inflight = 2;  // no more workers than shards, on any machine
       CheckLoadOf(path, o);
     }
+  }
+}
+
+// Tensors kept as stored lie shard by shard, each shard's in its file's
+// order (the reversed shard too), each at the next multiple of the
+// alignment: so every shard is laid out from its own header alone.
+TEST(Loader, TensorsKeptAsStoredLieShardByShardInFileOrder) {
+  const std::vector<uint64_t> sizes = {5, 0, 300, 256, 1, 70000, 2};
+  TempDir dir;
+  const std::string path = dir.Join("m");
+  ASSERT_EQ(::mkdir(path.c_str(), 0755), 0);
+  for (int s = 0; s < 3; ++s) {
+    WriteShardOfSizes(path + "/model-0000" + std::to_string(s + 1) + "-of-00003.safetensors",
+                      "s" + std::to_string(2 - s) + ".", sizes, static_cast<uint8_t>(s), s == 1);
+  }
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path);
+  ASSERT_TRUE(loaded.ok()) << loaded.error().message();
+  auto m = memory::ReadManifest(loaded->ranks[0].segment->readable());
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  ASSERT_EQ(m->tensors.size(), 3 * sizes.size());
+  std::vector<memory::TensorRecord> by_offset = m->tensors;
+  std::sort(by_offset.begin(), by_offset.end(),
+            [](const auto& a, const auto& b) {  // a tensor of no bytes shares its place
+              return std::pair(a.offset, a.bytes) < std::pair(b.offset, b.bytes);
+            });
+  // Shard 1's names start "s2.", shard 2's "s1." (reversed in its file),
+  // shard 3's "s0.": name order is neither shard nor file order.
+  std::vector<std::string> expected;
+  for (int s = 0; s < 3; ++s) {
+    for (size_t k = 0; k < sizes.size(); ++k) {
+      const size_t i = s == 1 ? sizes.size() - 1 - k : k;
+      char name[32];
+      std::snprintf(name, sizeof name, "s%d.t%04zu", 2 - s, i);
+      expected.push_back(name);
+    }
+  }
+  uint64_t end = m->data_offset;
+  for (size_t i = 0; i < by_offset.size(); ++i) {
+    EXPECT_EQ(by_offset[i].name, expected[i]) << "at " << i;
+    EXPECT_EQ(by_offset[i].offset % memory::kTensorAlignment, 0u);
+    EXPECT_EQ(by_offset[i].offset, (end + memory::kTensorAlignment - 1) / memory::kTensorAlignment *
+                                       memory::kTensorAlignment)
+        << by_offset[i].name << ": padded no more than to the next multiple";
+    end = by_offset[i].offset + by_offset[i].bytes;
+  }
+  CheckLoadOf(path, {});
+}
+
+// The checks across shards run while the weights are read: a tensor the
+// index puts in another shard, or one in two shards, still fails the load.
+TEST(Loader, ShardsThatDisagreeFailTheLoad) {
+  const std::vector<uint64_t> sizes(300, 1000);
+  for (const bool twice : {false, true}) {
+    SCOPED_TRACE(twice ? "a tensor in two shards" : "the index names another shard");
+    TempDir dir;
+    const std::string path = dir.Join("m");
+    ASSERT_EQ(::mkdir(path.c_str(), 0755), 0);
+    WriteShardOfSizes(path + "/a.safetensors", "a.", sizes, 1, false);
+    WriteShardOfSizes(path + "/b.safetensors", twice ? "a." : "b.", sizes, 2, false);
+    if (!twice) {
+      std::string index = "{\"weight_map\":{";
+      for (size_t i = 0; i < sizes.size(); ++i) {
+        char name[32];
+        std::snprintf(name, sizeof name, "t%04zu", i);
+        index += std::string(i ? "," : "") + "\"a." + name + "\":\"a.safetensors\",\"b." + name +
+                 "\":\"" + (i == 123 ? "a" : "b") + ".safetensors\"";
+      }
+      testing::WriteFileText(path + "/model.safetensors.index.json", index + "}}");
+    }
+    auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path);
+    ASSERT_FALSE(loaded.ok());
+    EXPECT_NE(loaded.error().message().find(twice ? "t0000" : "b.t0123"), std::string::npos)
+        << loaded.error().message();
+    EXPECT_NE(
+        loaded.error().message().find(twice ? std::string(format::rules::kTensorInTwoShards)
+                                            : std::string(format::rules::kIndexTensorMissing)),
+        std::string::npos)
+        << loaded.error().message();
   }
 }
 

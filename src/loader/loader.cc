@@ -44,6 +44,7 @@ struct OpenShard {
   std::unique_ptr<io::RandomAccessFile> file;
   io::StatSignature signature;
   std::string raw_header;  // length prefix and JSON, as in the file
+  bool in_page_cache = false;
 };
 
 // Opens one shard and reads its header, keeping the raw bytes for the digest.
@@ -121,6 +122,99 @@ struct Target {
   int rank;
   memory::Segment* segment;
 };
+
+// A tensor copied whole and unchanged, as its copy jobs see it.
+struct WholeTensor {
+  uint64_t file_offset;
+  uint64_t bytes;
+  uint64_t dst_offset;
+  size_t source;
+};
+
+// The jobs that copy one shard's `tensors` (in file order) to `targets`:
+// a big tensor in chunks, small neighbours in runs read at once.
+void AppendCopies(size_t shard, std::span<const WholeTensor> tensors, uint64_t chunk_bytes,
+                  const std::vector<size_t>& targets, std::vector<CopyJob>& copies) {
+  for (size_t k = 0; k < tensors.size();) {
+    const WholeTensor& big = tensors[k];
+    if (big.bytes >= kStepBytes) {
+      for (uint64_t at = 0; at < big.bytes; at += chunk_bytes) {
+        const uint64_t n = std::min(chunk_bytes, big.bytes - at);
+        copies.push_back({shard,
+                          big.file_offset + at,
+                          n,
+                          {{0, n, big.dst_offset + at, big.source, at}},
+                          targets});
+      }
+      ++k;
+      continue;
+    }
+    CopyJob run{shard, big.file_offset, 0, {}, targets};
+    while (k < tensors.size()) {
+      const WholeTensor& small = tensors[k];
+      const uint64_t end = small.file_offset + small.bytes;
+      if (small.bytes >= kStepBytes || end - run.file_offset > kStepBytes) break;
+      run.pieces.push_back(
+          {small.file_offset - run.file_offset, small.bytes, small.dst_offset, small.source, 0});
+      run.bytes = end - run.file_offset;
+      ++k;
+    }
+    copies.push_back(std::move(run));
+  }
+}
+
+// A shard laid out as its file has it, for loads that keep every tensor as
+// stored: its tensors in file order, each at the next multiple of
+// kTensorAlignment, and the jobs that copy them there. It needs that
+// shard's header alone, so each shard is laid out as soon as its header is
+// parsed, many at once, and the reads start once all are; the manifest,
+// which needs every shard's tensors by name, is made while they run.
+// Offsets count from the start of the shard's run, and sources from its
+// first tensor, until the runs are placed.
+struct ShardRun {
+  std::vector<uint64_t> offsets;  // of each tensor, in the header's order (by name)
+  uint64_t bytes = 0;             // every tensor padded
+  uint64_t dims = 0;
+  uint64_t name_bytes = 0;
+  bool file_order_is_name_order = true;
+  std::vector<CopyJob> copies;
+};
+
+Result<ShardRun> LayOutShard(const format::Shard& shard, size_t s, uint64_t chunk_bytes) {
+  const format::ShardHeader& h = shard.header;
+  const std::vector<format::TensorInfo>& tensors = h.tensors;
+  std::vector<size_t> order(tensors.size());
+  for (size_t t = 0; t < order.size(); ++t) order[t] = t;
+  ShardRun run;
+  const auto in_file_order = [&](size_t a, size_t b) {  // a tensor of no bytes first
+    return std::pair(tensors[a].begin, tensors[a].end) <
+           std::pair(tensors[b].begin, tensors[b].end);
+  };
+  if (!std::is_sorted(order.begin(), order.end(), in_file_order)) {
+    run.file_order_is_name_order = false;
+    std::sort(order.begin(), order.end(), in_file_order);
+  }
+  run.offsets.resize(tensors.size());
+  std::vector<WholeTensor> placed;
+  placed.reserve(tensors.size());
+  uint64_t at = 0;
+  for (size_t t : order) {
+    const format::TensorInfo& info = tensors[t];
+    run.offsets[t] = at;
+    placed.push_back({h.data_offset() + info.begin, info.bytes(), at, t});
+    // Sizes come from files: sparse ones can claim more than fits in 64 bits.
+    if (__builtin_add_overflow(at, info.bytes(), &at) ||
+        __builtin_add_overflow(at, memory::kTensorAlignment - 1, &at)) {
+      return Error(shard.path + ": the tensors' sizes add up to more than a segment can hold");
+    }
+    at = at / memory::kTensorAlignment * memory::kTensorAlignment;
+    run.dims += info.shape.size();
+    run.name_bytes += info.name.size();
+  }
+  run.bytes = at;
+  AppendCopies(s, placed, chunk_bytes, {0}, run.copies);  // one rank
+  return run;
+}
 
 // Writes a run's pieces. Those that are neighbours in the segment too are
 // laid out there in `staging`, with their alignment padding, and written
@@ -301,16 +395,27 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   LoadedModel model;
   WEIGHTD_ASSIGN_OR_RETURN(format::ShardListing listing, format::ListShards(fs, path));
 
-  // Headers: every shard open, many at once.
+  // Headers: every shard open, many at once; where every tensor is kept as
+  // it is stored, each shard laid out as soon as its header is parsed.
   std::vector<OpenShard> shards(listing.shards.size());
   std::vector<format::Shard> headers(shards.size());
+  std::vector<ShardRun> runs(identity ? shards.size() : 0);
   std::vector<std::optional<Error>> errors(shards.size());
   std::atomic<size_t> next{0};
   io::RunTeam(static_cast<int>(std::min<size_t>(shards.size(), kParallelHeaderReads)), [&](int) {
     for (size_t i; (i = next.fetch_add(1)) < shards.size();) {
       if (Status s = ReadHead(fs, listing.shards[i], shards[i], headers[i]); !s.ok()) {
         errors[i] = s.error();
+        continue;
       }
+      shards[i].in_page_cache = shards[i].file->InPageCache();
+      if (!identity) continue;
+      auto run = LayOutShard(headers[i], i, options.chunk_bytes);
+      if (!run.ok()) {
+        errors[i] = run.error();
+        continue;
+      }
+      runs[i] = std::move(run).value();
     }
   });
   for (auto& e : errors) {
@@ -319,12 +424,54 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   const auto planning = std::chrono::steady_clock::now();
   model.phases.headers = std::chrono::duration<double>(planning - start).count();
 
-  // Every tensor of every shard, by name: the sources of the plan.
-  std::vector<transform::SourceTensor> source_tensors;
+  // Every tensor of every shard: the sources of the plan.
   std::vector<Source> sources;
   std::vector<format::DType> source_dtypes;
   std::vector<std::vector<size_t>> index_of(shards.size());  // shard's tensor -> source
-  {
+  transform::TensorPlan plan;
+  std::vector<uint64_t> offsets;  // of each output
+  // Where tensors are kept as they are stored, the shards' runs back to back
+  // after the manifest, which is planned by the worker that writes it;
+  // else the segment planned here, each output by name.
+  std::optional<memory::SegmentPlan> segment_plan;
+  std::vector<uint64_t> run_at(runs.size());
+  uint64_t total_bytes = 0, tensor_count = 0;
+  std::vector<CopyJob> copies;
+  if (identity) {
+    uint64_t dims = 0, name_bytes = 0;
+    for (const ShardRun& r : runs) {
+      tensor_count += r.offsets.size();
+      dims += r.dims;
+      name_bytes += r.name_bytes;
+    }
+    total_bytes = memory::DataOffsetAfter(memory::ManifestBytes(tensor_count, dims, name_bytes));
+    sources.reserve(tensor_count);
+    for (size_t s = 0; s < runs.size(); ++s) {
+      run_at[s] = total_bytes;
+      if (__builtin_add_overflow(total_bytes, runs[s].bytes, &total_bytes)) {
+        return Error(path + ": the tensors' sizes add up to more than a segment can hold");
+      }
+      const format::ShardHeader& h = headers[s].header;
+      const size_t first = sources.size();
+      index_of[s].resize(h.tensors.size());
+      for (size_t t = 0; t < h.tensors.size(); ++t) {
+        const format::TensorInfo& info = h.tensors[t];
+        index_of[s][t] = sources.size();
+        const uint64_t sample = std::min(kSampleBytes, info.bytes());
+        sources.push_back({s, h.data_offset() + info.begin, info.bytes(), 0, sample});
+        sources.back().whole_at = run_at[s] + runs[s].offsets[t];
+      }
+      for (CopyJob& job : runs[s].copies) {
+        for (CopyJob::Piece& p : job.pieces) {
+          p.dst_offset += run_at[s];
+          p.source += first;
+        }
+        copies.push_back(std::move(job));
+      }
+      runs[s].copies = {};
+    }
+  } else {
+    std::vector<transform::SourceTensor> source_tensors;
     const std::vector<std::pair<size_t, size_t>> by_name = format::TensorsByName(headers);
     WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map, by_name));
     source_tensors.reserve(by_name.size());
@@ -339,21 +486,22 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       const uint64_t sample = std::min(kSampleBytes, info.bytes());
       sources.push_back({s, h.data_offset() + info.begin, info.bytes(), 0, sample});
     }
+    // The processing, checked against the headers before any weight byte.
+    auto planned = transform::PlanTensors(source_tensors, processing);
+    if (!planned.ok()) return Error(path + ": " + planned.error().message());
+    plan = std::move(planned).value();
+    source_tensors.clear();
+    std::vector<memory::TensorLayout> layout;
+    layout.reserve(plan.outputs.size());
+    for (const transform::OutputTensor& o : plan.outputs) {
+      layout.push_back({o.name, format::DTypeName(o.dtype), o.shape, o.bytes, 0});
+    }
+    WEIGHTD_ASSIGN_OR_RETURN(segment_plan, memory::PlanSegment(std::move(layout)));
+    offsets.resize(plan.outputs.size());
+    for (size_t i = 0; i < offsets.size(); ++i) offsets[i] = segment_plan->tensors[i].offset;
+    total_bytes = segment_plan->total_bytes;
+    tensor_count = plan.outputs.size();
   }
-  // The processing, checked against the headers before any weight byte.
-  auto planned = transform::PlanTensors(source_tensors, processing);
-  if (!planned.ok()) return Error(path + ": " + planned.error().message());
-  transform::TensorPlan plan = std::move(planned).value();
-  source_tensors.clear();
-  std::vector<memory::TensorLayout> layout;
-  layout.reserve(plan.outputs.size());
-  for (const transform::OutputTensor& o : plan.outputs) {
-    layout.push_back({o.name, format::DTypeName(o.dtype), o.shape, o.bytes, 0});
-  }
-  WEIGHTD_ASSIGN_OR_RETURN(memory::SegmentPlan segment_plan,
-                           memory::PlanSegment(std::move(layout)));
-  std::vector<uint64_t> offsets(plan.outputs.size());
-  for (size_t i = 0; i < offsets.size(); ++i) offsets[i] = segment_plan.tensors[i].offset;
 
   // Every rank's segment. Its manifest (the same for all ranks) is written
   // by the first worker, while the others read.
@@ -362,12 +510,12 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     for (int r : ranks) {
       auto allocated =
           options.allocate
-              ? options.allocate(segment_plan.total_bytes, r)
-              : DefaultAllocate(segment_plan.total_bytes,
+              ? options.allocate(total_bytes, r)
+              : DefaultAllocate(total_bytes,
                                 options.segment_name +
                                     (processing.tp_size > 1 ? "-rank" + std::to_string(r) : ""));
       if (!allocated.ok()) return allocated.error();
-      if ((*allocated)->size() < segment_plan.total_bytes) {
+      if ((*allocated)->size() < total_bytes) {
         return Error("the segment allocated is too small");
       }
       model.ranks.push_back({r, std::move(allocated).value()});
@@ -382,12 +530,14 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   // one: `wholes` is taken again then, for the shards hashed after it.)
   const std::byte* wholes = targets.front().segment->readable().data();
   const bool hash_from_segment =
-      wholes != nullptr && targets.front().segment->readable().size() >= segment_plan.total_bytes;
+      wholes != nullptr && targets.front().segment->readable().size() >= total_bytes;
+  if (identity) {
+    for (Source& s : sources) s.whole = hash_from_segment;
+  }
 
   // The jobs. Bytes kept as they are go by runs of small neighbours (in
   // file order) and chunks of big tensors; whatever is cut by columns,
   // cast or quantized goes by bands of rows.
-  std::vector<CopyJob> copies;
   std::vector<BandJob> bands;
   std::vector<std::pair<size_t, std::pair<uint64_t, uint64_t>>> zeros;  // target, [offset, bytes)
   const std::vector<size_t> all_targets = AllTargets(targets.size());
@@ -455,33 +605,13 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     if (!std::is_sorted(outs.begin(), outs.end(), in_file_order)) {
       std::sort(outs.begin(), outs.end(), in_file_order);
     }
-    for (size_t k = 0; k < outs.size();) {
-      const transform::OutputTensor& o = plan.outputs[outs[k]];
-      const Source& src = sources[o.source];
-      if (src.bytes >= kStepBytes) {
-        for (uint64_t at = 0; at < src.bytes; at += options.chunk_bytes) {
-          const uint64_t n = std::min(options.chunk_bytes, src.bytes - at);
-          copies.push_back({s,
-                            src.file_offset + at,
-                            n,
-                            {{0, n, offsets[outs[k]] + at, o.source, at}},
-                            all_targets});
-        }
-        ++k;
-        continue;
-      }
-      CopyJob run{s, src.file_offset, 0, {}, all_targets};
-      while (k < outs.size()) {
-        const Source& small = sources[plan.outputs[outs[k]].source];
-        const uint64_t end = small.file_offset + small.bytes;
-        if (small.bytes >= kStepBytes || end - run.file_offset > kStepBytes) break;
-        run.pieces.push_back({small.file_offset - run.file_offset, small.bytes, offsets[outs[k]],
-                              plan.outputs[outs[k]].source, 0});
-        run.bytes = end - run.file_offset;
-        ++k;
-      }
-      copies.push_back(std::move(run));
+    std::vector<WholeTensor> wholes_of_shard;
+    wholes_of_shard.reserve(outs.size());
+    for (size_t i : outs) {
+      const Source& src = sources[plan.outputs[i].source];
+      wholes_of_shard.push_back({src.file_offset, src.bytes, offsets[i], plan.outputs[i].source});
     }
+    AppendCopies(s, wholes_of_shard, options.chunk_bytes, all_targets, copies);
   }
 
   // The bands' buffers, all workers together, stay within kBufferBudget:
@@ -513,8 +643,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   // buffers out of the CPUs' caches (on 2 cores, 2 workers preload a
   // 70,000-tensor model 12% faster than 32). Reads from storage keep many
   // in flight.
-  const bool cached = std::all_of(shards.begin(), shards.end(),
-                                  [](const OpenShard& s) { return s.file->InPageCache(); });
+  const bool cached =
+      std::all_of(shards.begin(), shards.end(), [](const OpenShard& s) { return s.in_page_cache; });
   if (cached) max_inflight = std::min(max_inflight, memory::HostCpus());
   const size_t jobs = 1 + copies.size() + bands.size();  // the manifests first
   const int workers = static_cast<int>(std::min<size_t>(jobs, static_cast<size_t>(max_inflight)));
@@ -587,9 +717,32 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   const Context context{
       options.cancel, &advanced, shards,  sources, source_dtypes,
       plan,           offsets,   targets, samples, stream ? streams.data() : nullptr};
+  // The manifest of runs placed already: every shard's tensors by name,
+  // checked across shards and against the index as they would have been
+  // before the reads (an error still publishes nothing).
+  auto plan_placed = [&]() -> Result<memory::SegmentPlan> {
+    const std::vector<std::pair<size_t, size_t>> by_name = format::TensorsByName(headers);
+    WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map, by_name));
+    std::vector<memory::TensorLayout> layout;
+    layout.reserve(by_name.size());
+    for (const auto& [s, t] : by_name) {
+      const format::TensorInfo& info = headers[s].header.tensors[t];
+      layout.push_back({info.name, format::DTypeName(info.dtype), info.shape, info.bytes(),
+                        run_at[s] + runs[s].offsets[t]});
+    }
+    WEIGHTD_ASSIGN_OR_RETURN(memory::SegmentPlan placed,
+                             memory::PlanPlacedSegment(std::move(layout), total_bytes));
+    if (!runs.empty() && placed.data_offset != run_at[0]) {
+      return Error("the manifest planned does not fit before the tensors placed");
+    }
+    return placed;
+  };
   auto write_manifests = [&]() -> Status {
-    std::vector<std::byte> manifest(static_cast<size_t>(segment_plan.manifest_bytes));
-    memory::WriteManifest(segment_plan, manifest);
+    if (!segment_plan) {
+      WEIGHTD_ASSIGN_OR_RETURN(segment_plan, plan_placed());
+    }
+    std::vector<std::byte> manifest(static_cast<size_t>(segment_plan->manifest_bytes));
+    memory::WriteManifest(*segment_plan, manifest);
     for (const Target& t : targets) WEIGHTD_RETURN_IF_ERROR(t.segment->Write(0, manifest));
     const bool all_readable = std::all_of(
         targets.begin(), targets.end(), [](const Target& t) { return t.segment->readable_here(); });
@@ -741,8 +894,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   for (LoadedRank& r : model.ranks) WEIGHTD_RETURN_IF_ERROR(r.segment->Seal());
   if (hash_from_segment) {
     wholes = targets.front().segment->readable().data();
-    if (wholes == nullptr ||
-        targets.front().segment->readable().size() < segment_plan.total_bytes) {
+    if (wholes == nullptr || targets.front().segment->readable().size() < total_bytes) {
       return Error("the sealed segment cannot be read back");
     }
   }
@@ -765,7 +917,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   });
   model.checkpoint_digest = fingerprint::CombineSampledShards(digests);
   model.shards = shards.size();
-  model.tensors = plan.outputs.size();
+  model.tensors = tensor_count;
   model.data_bytes = done;
   model.reads = reads + 2 * shards.size();
   model.phases.read = std::chrono::duration<double>(finishing - reading).count();

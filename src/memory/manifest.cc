@@ -63,6 +63,42 @@ Error Corrupt(const std::string& why) { return Error("segment manifest is corrup
 
 }  // namespace
 
+uint64_t ManifestBytes(uint64_t tensors, uint64_t dims, uint64_t name_bytes) {
+  return RoundUp(kHeaderBytes + tensors * kRecordBytes + dims * 8 + name_bytes, 8);
+}
+
+uint64_t DataOffsetAfter(uint64_t manifest_bytes) { return RoundUp(manifest_bytes, kPageBytes); }
+
+Result<SegmentPlan> PlanPlacedSegment(std::vector<TensorLayout> tensors, uint64_t total_bytes) {
+  SegmentPlan plan;
+  uint64_t dims = 0, strings = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (i > 0 && !(tensors[i - 1].name < tensors[i].name)) {
+      return Error("tensor `" + std::string(tensors[i].name) +
+                   (tensors[i - 1].name == tensors[i].name ? "` twice in one segment"
+                                                           : "` out of order by name"));
+    }
+    if (tensors[i].dtype.size() >= kDTypeField) {
+      return Error("dtype name `" + std::string(tensors[i].dtype) +
+                   "` is too long for a segment manifest");
+    }
+    dims += tensors[i].shape.size();
+    strings += tensors[i].name.size();
+  }
+  plan.manifest_bytes = ManifestBytes(tensors.size(), dims, strings);
+  plan.data_offset = DataOffsetAfter(plan.manifest_bytes);
+  for (const TensorLayout& t : tensors) {
+    uint64_t end;
+    if (t.offset < plan.data_offset || t.offset % kTensorAlignment != 0 ||
+        !Add(t.offset, t.bytes, &end) || end > total_bytes) {
+      return Error("tensor `" + std::string(t.name) + "` is placed outside the segment's data");
+    }
+  }
+  plan.total_bytes = total_bytes;
+  plan.tensors = std::move(tensors);
+  return plan;
+}
+
 Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors) {
   auto by_name = [](const TensorLayout& a, const TensorLayout& b) { return a.name < b.name; };
   if (!std::is_sorted(tensors.begin(), tensors.end(), by_name)) {
@@ -81,9 +117,8 @@ Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors) {
     dims += tensors[i].shape.size();
     strings += tensors[i].name.size();
   }
-  plan.manifest_bytes =
-      RoundUp(kHeaderBytes + tensors.size() * kRecordBytes + dims * 8 + strings, 8);
-  plan.data_offset = RoundUp(plan.manifest_bytes, kPageBytes);
+  plan.manifest_bytes = ManifestBytes(tensors.size(), dims, strings);
+  plan.data_offset = DataOffsetAfter(plan.manifest_bytes);
   uint64_t at = plan.data_offset;
   for (TensorLayout& t : tensors) {
     t.offset = at;

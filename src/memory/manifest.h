@@ -53,6 +53,18 @@ struct SegmentPlan {
 // names shorter than 16 bytes) and sizes the segment.
 Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors);
 
+// The bytes of a manifest of `tensors` records, `dims` dimensions in all and
+// `name_bytes` of names, and where the data after one of `manifest_bytes`
+// starts: what PlanSegment reserves, for a caller that places the tensors
+// itself.
+uint64_t ManifestBytes(uint64_t tensors, uint64_t dims, uint64_t name_bytes);
+uint64_t DataOffsetAfter(uint64_t manifest_bytes);
+
+// A plan of tensors placed already (sorted by name, each `offset` set, at a
+// multiple of kTensorAlignment after the manifest) in a segment of
+// `total_bytes`: checks them and sizes the manifest.
+Result<SegmentPlan> PlanPlacedSegment(std::vector<TensorLayout> tensors, uint64_t total_bytes);
+
 // Writes the manifest of `plan` into the start of `segment` (at least
 // plan.manifest_bytes long).
 void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment);
