@@ -1,13 +1,17 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <linux/magic.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
 #include <sys/statfs.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
+#include <cstring>
 #include <mutex>
 #include <new>
 #include <numeric>
@@ -106,6 +110,47 @@ TEST(PosixFile, InPageCacheSaysWhetherEveryPageIsThere) {
   auto empty = PosixFileSystem().Open(dir.Join("empty"));
   ASSERT_TRUE(empty.ok());
   EXPECT_TRUE((*empty)->InPageCache());  // nothing to wait for
+}
+
+// On overlayfs (a container's image) the pages are the file's below: the
+// overlay's own page cache holds none of them, and the answer must still
+// be yes once the file is read, and no once its pages are dropped.
+TEST(PosixFile, InPageCacheSeesThroughAnOverlay) {
+  TempDir dir;
+  for (const char* d : {"lower", "upper", "work", "merged"}) {
+    ASSERT_EQ(::mkdir(dir.Join(d).c_str(), 0755), 0);
+  }
+  struct statfs lower_fs;
+  ASSERT_EQ(::statfs(dir.path().c_str(), &lower_fs), 0);
+  if (lower_fs.f_type == TMPFS_MAGIC) GTEST_SKIP() << "tmpfs pages are never dropped";
+  testing::WriteFileBytes(dir.Join("lower/f"), Pattern(3 << 20));
+  {
+    const int fd = ::open(dir.Join("lower/f").c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::fsync(fd), 0);
+    ::close(fd);
+  }
+  const std::string options = "lowerdir=" + dir.Join("lower") + ",upperdir=" + dir.Join("upper") +
+                              ",workdir=" + dir.Join("work");
+  if (::mount("overlay", dir.Join("merged").c_str(), "overlay", 0, options.c_str()) != 0) {
+    GTEST_SKIP() << "cannot mount an overlay here: " << std::strerror(errno);
+  }
+  struct Unmount {
+    std::string at;
+    ~Unmount() { ::umount2(at.c_str(), MNT_DETACH); }
+  } unmount{dir.Join("merged")};
+  {
+    auto file = PosixFileSystem().Open(dir.Join("merged/f"));
+    ASSERT_TRUE(file.ok()) << file.error().message();
+    std::vector<std::byte> all((*file)->size());
+    ASSERT_TRUE((*file)->ReadExactly(0, all).ok());
+    EXPECT_TRUE((*file)->InPageCache());
+    const int fd = ::open(dir.Join("lower/f").c_str(), O_RDONLY);
+    ASSERT_GE(fd, 0);
+    ASSERT_EQ(::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED), 0);
+    ::close(fd);
+    EXPECT_FALSE((*file)->InPageCache());
+  }
 }
 
 class ReadManyTest : public ::testing::TestWithParam<int> {};

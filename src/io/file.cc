@@ -22,22 +22,24 @@ namespace {
 
 std::string ErrnoText(int err) { return std::strerror(err); }
 
-// The pages of a file in the page cache, by cachestat(2); nullopt where the
-// kernel has no such call (before 6.5) or refuses it. Its structures are
-// spelled here: older kernel headers lack them.
-std::optional<uint64_t> CachedPages(int fd) {
+// The pages of a file's first `size` bytes in the page cache, by
+// cachestat(2); nullopt where the kernel has no such call (before 6.5) or
+// refuses it. Its structures are spelled here: older kernel headers lack
+// them.
+std::optional<uint64_t> CachedPages(int fd, uint64_t size) {
 #if defined(__x86_64__) || defined(__aarch64__)
   constexpr long kCachestat = 451;  // the same number in both tables
   struct {
     uint64_t offset;
-    uint64_t length;  // 0: to the end of the file
-  } range{0, 0};
+    uint64_t length;
+  } range{0, size};
   struct {
     uint64_t cache, dirty, writeback, evicted, recently_evicted;
   } stat{};
   if (::syscall(kCachestat, static_cast<unsigned>(fd), &range, &stat, 0u) == 0) return stat.cache;
 #else
   (void)fd;
+  (void)size;
 #endif
   return std::nullopt;
 }
@@ -156,15 +158,19 @@ class PosixFile final : public RandomAccessFile {
   Result<StatSignature> Stat() const override { return SignatureAt(fd_, "", AT_EMPTY_PATH, path_); }
 
   // cachestat(2) (Linux 6.5) counts the file's pages in the cache without
-  // touching the address space; where it is missing, mincore(2) over a
-  // read-only mapping, a window at a time (its vector is a byte per page),
-  // up to the first page not resident. A mapping and its unmapping take
-  // the process's memory map for writing: threads that fault pages in (a
-  // parser allocating) wait for each, so the mapping is only the fallback.
+  // touching the address space; where it is missing, or counts none at
+  // all, mincore(2) over a read-only mapping, a window at a time (its
+  // vector is a byte per page), up to the first page not resident. A
+  // mapping and its unmapping take the process's memory map for writing:
+  // threads that fault pages in (a parser allocating) wait for each, so
+  // the mapping is only the fallback. (A file on overlayfs, as in a
+  // container's image, keeps its pages under the file below it, which a
+  // mapping reaches and cachestat does not: it counts none.)
   bool InPageCache() const override {
     const auto page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
-    if (std::optional<uint64_t> cached = CachedPages(fd_)) {
-      return *cached >= (size_ + page - 1) / page;
+    if (std::optional<uint64_t> cached = CachedPages(fd_, size_)) {
+      if (*cached >= (size_ + page - 1) / page) return true;
+      if (*cached > 0) return false;
     }
     constexpr uint64_t kWindow = 1ull << 30;
     std::vector<unsigned char> resident;
