@@ -555,6 +555,7 @@ TEST(Manifest, TensorsPlacedByTheCallerKeepTheirPlaces) {
   for (const uint64_t at : {uint64_t{0}, data + 8, data + 512, ~uint64_t{0} - 255}) {
     EXPECT_FALSE(memory::PlanPlacedSegment({{"a", "U8", {}, 1, at}}, data + 512).ok()) << at;
   }
+  EXPECT_FALSE(memory::PlanPlacedSegment({}, 64).ok());  // no room for the manifest
 }
 
 TEST(Manifest, CorruptTablesAreErrorsNotCrashes) {
@@ -1036,6 +1037,44 @@ TEST(Loader, TensorsKeptAsStoredLieShardByShardInFileOrder) {
     end = by_offset[i].offset + by_offset[i].bytes;
   }
   CheckLoadOf(path, {});
+}
+
+// A tensor of no bytes at the offset of the one before it, last of a run of
+// small neighbours (the reference's rules let it lie there): the run is
+// still read to the end of the one before, kept as stored or replicated to
+// two ranks.
+TEST(Loader, ATensorOfNoBytesLastInARunDoesNotShortenIt) {
+  TempDir dir;
+  const std::string path = dir.Join("m");
+  ASSERT_EQ(::mkdir(path.c_str(), 0755), 0);
+  const std::string json = R"({"a":{"dtype":"U8","shape":[5],"data_offsets":[0,5]},)"
+                           R"("b":{"dtype":"U8","shape":[0],"data_offsets":[0,0]}})";
+  std::vector<std::byte> file(8);
+  for (int b = 0; b < 8; ++b) file[b] = std::byte((json.size() >> (8 * b)) & 0xff);
+  for (char c : json) file.push_back(std::byte(c));
+  for (int v = 1; v <= 5; ++v) file.push_back(std::byte(v));
+  testing::WriteFileBytes(path + "/model.safetensors", file);
+  auto replicated = transform::ResolveProcessing(2, "keep", "none", "replicate");
+  ASSERT_TRUE(replicated.ok()) << replicated.error().message();
+  for (const bool split : {false, true}) {
+    SCOPED_TRACE(split ? "replicated to two ranks" : "kept as stored");
+    loader::LoadOptions o;
+    if (split) o.processing = *replicated;
+    auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
+    ASSERT_TRUE(loaded.ok()) << loaded.error().message();
+    ASSERT_EQ(loaded->ranks.size(), split ? 2u : 1u);
+    for (const loader::LoadedRank& rank : loaded->ranks) {
+      const auto segment = rank.segment->readable();
+      auto m = memory::ReadManifest(segment);
+      ASSERT_TRUE(m.ok()) << m.error().message();
+      ASSERT_EQ(m->tensors.size(), 2u);
+      ASSERT_EQ(m->tensors[0].name, "a");
+      ASSERT_EQ(m->tensors[0].bytes, 5u);
+      for (int v = 0; v < 5; ++v) {
+        EXPECT_EQ(segment[m->tensors[0].offset + v], std::byte(v + 1)) << "rank " << rank.rank;
+      }
+    }
+  }
 }
 
 // The checks across shards run while the weights are read: a tensor the

@@ -131,10 +131,14 @@ struct WholeTensor {
   size_t source;
 };
 
-// The jobs that copy one shard's `tensors` (in file order) to `targets`:
-// a big tensor in chunks, small neighbours in runs read at once.
-void AppendCopies(size_t shard, std::span<const WholeTensor> tensors, uint64_t chunk_bytes,
-                  const std::vector<size_t>& targets, std::vector<CopyJob>& copies) {
+// The jobs that copy one shard's `tensors` (in file order: by first byte;
+// a tensor of no bytes may share its offset with a neighbour, before or
+// after it) to `targets`: a big tensor in chunks, small neighbours in runs
+// read at once. Each tensor's place in the segment and its source are
+// `dst_base` and `source_base` on from what `tensors` say.
+void AppendCopies(size_t shard, std::span<const WholeTensor> tensors, uint64_t dst_base,
+                  size_t source_base, uint64_t chunk_bytes, const std::vector<size_t>& targets,
+                  std::vector<CopyJob>& copies) {
   for (size_t k = 0; k < tensors.size();) {
     const WholeTensor& big = tensors[k];
     if (big.bytes >= kStepBytes) {
@@ -143,7 +147,7 @@ void AppendCopies(size_t shard, std::span<const WholeTensor> tensors, uint64_t c
         copies.push_back({shard,
                           big.file_offset + at,
                           n,
-                          {{0, n, big.dst_offset + at, big.source, at}},
+                          {{0, n, dst_base + big.dst_offset + at, source_base + big.source, at}},
                           targets});
       }
       ++k;
@@ -154,9 +158,9 @@ void AppendCopies(size_t shard, std::span<const WholeTensor> tensors, uint64_t c
       const WholeTensor& small = tensors[k];
       const uint64_t end = small.file_offset + small.bytes;
       if (small.bytes >= kStepBytes || end - run.file_offset > kStepBytes) break;
-      run.pieces.push_back(
-          {small.file_offset - run.file_offset, small.bytes, small.dst_offset, small.source, 0});
-      run.bytes = end - run.file_offset;
+      run.pieces.push_back({small.file_offset - run.file_offset, small.bytes,
+                            dst_base + small.dst_offset, source_base + small.source, 0});
+      run.bytes = std::max(run.bytes, end - run.file_offset);  // one of no bytes may come last
       ++k;
     }
     copies.push_back(std::move(run));
@@ -165,22 +169,24 @@ void AppendCopies(size_t shard, std::span<const WholeTensor> tensors, uint64_t c
 
 // A shard laid out as its file has it, for loads that keep every tensor as
 // stored: its tensors in file order, each at the next multiple of
-// kTensorAlignment, and the jobs that copy them there. It needs that
-// shard's header alone, so each shard is laid out as soon as its header is
-// parsed, many at once, and the reads start once all are; the manifest,
-// which needs every shard's tensors by name, is made while they run.
-// Offsets count from the start of the shard's run, and sources from its
-// first tensor, until the runs are placed.
+// kTensorAlignment. It needs that shard's header alone, so each shard is
+// laid out as soon as its header is parsed, many at once; the manifest,
+// which needs every shard's tensors by name, is made while the weights
+// are read. Offsets count from the start of the shard's run, and sources
+// from its first tensor, until the runs are placed. (The jobs are made
+// only once the segment is: sizes from a sparse file could claim more
+// jobs than memory holds, and the allocation refuses such sizes first.)
 struct ShardRun {
-  std::vector<uint64_t> offsets;  // of each tensor, in the header's order (by name)
-  uint64_t bytes = 0;             // every tensor padded
+  std::vector<uint64_t> offsets;    // of each tensor, in the header's order (by name)
+  std::vector<WholeTensor> placed;  // in file order
+  uint64_t bytes = 0;               // every tensor padded
   uint64_t dims = 0;
   uint64_t name_bytes = 0;
+  // Samples can be hashed in name order as the reads pass.
   bool file_order_is_name_order = true;
-  std::vector<CopyJob> copies;
 };
 
-Result<ShardRun> LayOutShard(const format::Shard& shard, size_t s, uint64_t chunk_bytes) {
+Result<ShardRun> LayOutShard(const format::Shard& shard) {
   const format::ShardHeader& h = shard.header;
   const std::vector<format::TensorInfo>& tensors = h.tensors;
   std::vector<size_t> order(tensors.size());
@@ -195,13 +201,20 @@ Result<ShardRun> LayOutShard(const format::Shard& shard, size_t s, uint64_t chun
     std::sort(order.begin(), order.end(), in_file_order);
   }
   run.offsets.resize(tensors.size());
-  std::vector<WholeTensor> placed;
-  placed.reserve(tensors.size());
+  run.placed.reserve(tensors.size());
   uint64_t at = 0;
   for (size_t t : order) {
     const format::TensorInfo& info = tensors[t];
+    // What a processing plan refuses of any tensor: rows too long to count
+    // (a first dimension of 0 lets the file's rules pass any others).
+    uint64_t row = 1;
+    for (size_t d = 1; d < info.shape.size(); ++d) {
+      if (__builtin_mul_overflow(row, info.shape[d], &row)) {
+        return Error(shard.path + ": tensor `" + info.name + "`: too many elements");
+      }
+    }
     run.offsets[t] = at;
-    placed.push_back({h.data_offset() + info.begin, info.bytes(), at, t});
+    run.placed.push_back({h.data_offset() + info.begin, info.bytes(), at, t});
     // Sizes come from files: sparse ones can claim more than fits in 64 bits.
     if (__builtin_add_overflow(at, info.bytes(), &at) ||
         __builtin_add_overflow(at, memory::kTensorAlignment - 1, &at)) {
@@ -212,7 +225,6 @@ Result<ShardRun> LayOutShard(const format::Shard& shard, size_t s, uint64_t chun
     run.name_bytes += info.name.size();
   }
   run.bytes = at;
-  AppendCopies(s, placed, chunk_bytes, {0}, run.copies);  // one rank
   return run;
 }
 
@@ -392,6 +404,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
                    std::to_string(processing.tp_size));
     }
   }
+  if (options.chunk_bytes == 0) return Error("reads of no bytes");
   LoadedModel model;
   WEIGHTD_ASSIGN_OR_RETURN(format::ShardListing listing, format::ListShards(fs, path));
 
@@ -402,15 +415,19 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   std::vector<ShardRun> runs(identity ? shards.size() : 0);
   std::vector<std::optional<Error>> errors(shards.size());
   std::atomic<size_t> next{0};
+  std::atomic<bool> any_uncached{false};
   io::RunTeam(static_cast<int>(std::min<size_t>(shards.size(), kParallelHeaderReads)), [&](int) {
     for (size_t i; (i = next.fetch_add(1)) < shards.size();) {
       if (Status s = ReadHead(fs, listing.shards[i], shards[i], headers[i]); !s.ok()) {
         errors[i] = s.error();
         continue;
       }
-      shards[i].in_page_cache = shards[i].file->InPageCache();
+      // Once one shard is not, none needs asking (on kernels without
+      // cachestat, each is a mapping).
+      shards[i].in_page_cache = !any_uncached.load() && shards[i].file->InPageCache();
+      if (!shards[i].in_page_cache) any_uncached.store(true);
       if (!identity) continue;
-      auto run = LayOutShard(headers[i], i, options.chunk_bytes);
+      auto run = LayOutShard(headers[i]);
       if (!run.ok()) {
         errors[i] = run.error();
         continue;
@@ -437,6 +454,12 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   std::vector<uint64_t> run_at(runs.size());
   uint64_t total_bytes = 0, tensor_count = 0;
   std::vector<CopyJob> copies;
+  // The checks across shards (a tensor in one shard only, the index),
+  // before any room is made for the load: a daemon would evict idle models
+  // for one that cannot finish. Where tensors are kept as stored, the
+  // manifest is made of the same merge while the weights are read.
+  const std::vector<std::pair<size_t, size_t>> by_name = format::TensorsByName(headers);
+  WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map, by_name));
   if (identity) {
     uint64_t dims = 0, name_bytes = 0;
     for (const ShardRun& r : runs) {
@@ -452,7 +475,6 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
         return Error(path + ": the tensors' sizes add up to more than a segment can hold");
       }
       const format::ShardHeader& h = headers[s].header;
-      const size_t first = sources.size();
       index_of[s].resize(h.tensors.size());
       for (size_t t = 0; t < h.tensors.size(); ++t) {
         const format::TensorInfo& info = h.tensors[t];
@@ -461,19 +483,9 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
         sources.push_back({s, h.data_offset() + info.begin, info.bytes(), 0, sample});
         sources.back().whole_at = run_at[s] + runs[s].offsets[t];
       }
-      for (CopyJob& job : runs[s].copies) {
-        for (CopyJob::Piece& p : job.pieces) {
-          p.dst_offset += run_at[s];
-          p.source += first;
-        }
-        copies.push_back(std::move(job));
-      }
-      runs[s].copies = {};
     }
   } else {
     std::vector<transform::SourceTensor> source_tensors;
-    const std::vector<std::pair<size_t, size_t>> by_name = format::TensorsByName(headers);
-    WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map, by_name));
     source_tensors.reserve(by_name.size());
     sources.reserve(by_name.size());
     for (size_t s = 0; s < shards.size(); ++s) index_of[s].resize(headers[s].header.tensors.size());
@@ -533,6 +545,13 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       wholes != nullptr && targets.front().segment->readable().size() >= total_bytes;
   if (identity) {
     for (Source& s : sources) s.whole = hash_from_segment;
+    size_t first = 0;  // each shard's first source
+    for (size_t s = 0; s < runs.size(); ++s) {
+      AppendCopies(s, runs[s].placed, run_at[s], first, options.chunk_bytes,
+                   AllTargets(targets.size()), copies);
+      first += runs[s].offsets.size();
+      runs[s].placed = {};
+    }
   }
 
   // The jobs. Bytes kept as they are go by runs of small neighbours (in
@@ -611,7 +630,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       const Source& src = sources[plan.outputs[i].source];
       wholes_of_shard.push_back({src.file_offset, src.bytes, offsets[i], plan.outputs[i].source});
     }
-    AppendCopies(s, wholes_of_shard, options.chunk_bytes, all_targets, copies);
+    AppendCopies(s, wholes_of_shard, 0, 0, options.chunk_bytes, all_targets, copies);
   }
 
   // The bands' buffers, all workers together, stay within kBufferBudget:
@@ -673,6 +692,10 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       std::is_sorted(copies.begin(), copies.end(),
                      [](const CopyJob& a, const CopyJob& b) { return a.shard < b.shard; });
   for (size_t s = 0; stream && s < shards.size(); ++s) {
+    if (identity) {
+      stream = runs[s].file_order_is_name_order;
+      continue;
+    }
     for (size_t t = 1; t < index_of[s].size(); ++t) {
       if (sources[index_of[s][t]].file_offset < sources[index_of[s][t - 1]].file_offset) {
         stream = false;
@@ -718,11 +741,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       options.cancel, &advanced, shards,  sources, source_dtypes,
       plan,           offsets,   targets, samples, stream ? streams.data() : nullptr};
   // The manifest of runs placed already: every shard's tensors by name,
-  // checked across shards and against the index as they would have been
-  // before the reads (an error still publishes nothing).
+  // made while the others read (an error still publishes nothing).
   auto plan_placed = [&]() -> Result<memory::SegmentPlan> {
-    const std::vector<std::pair<size_t, size_t>> by_name = format::TensorsByName(headers);
-    WEIGHTD_RETURN_IF_ERROR(format::CheckAcrossShards(path, headers, listing.weight_map, by_name));
     std::vector<memory::TensorLayout> layout;
     layout.reserve(by_name.size());
     for (const auto& [s, t] : by_name) {
@@ -730,10 +750,10 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       layout.push_back({info.name, format::DTypeName(info.dtype), info.shape, info.bytes(),
                         run_at[s] + runs[s].offsets[t]});
     }
-    WEIGHTD_ASSIGN_OR_RETURN(memory::SegmentPlan placed,
-                             memory::PlanPlacedSegment(std::move(layout), total_bytes));
-    if (!runs.empty() && placed.data_offset != run_at[0]) {
-      return Error("the manifest planned does not fit before the tensors placed");
+    auto placed = memory::PlanPlacedSegment(std::move(layout), total_bytes);
+    if (!placed.ok()) return Error(path + ": " + placed.error().message());
+    if (!runs.empty() && placed->data_offset != run_at[0]) {
+      return Error(path + ": the manifest planned does not fit before the tensors placed");
     }
     return placed;
   };

@@ -4,17 +4,17 @@
 // fallback (its own rank, reading only what that rank needs) alike, so both
 // get the same bytes at the same offsets.
 //
-// Every header is read and checked first, then the processing is planned
+// Every header is read and checked first (each shard's alone, then across
+// shards and against the index), then the processing is planned
 // (transform::PlanTensors: every check that needs no weight bytes, so a
 // checkpoint the plan cannot serve fails before any are read); then each
-// rank's segment is sized, allocated (by the caller: the daemon checks its
-// budget there), its outputs laid out by name; then every tensor's bytes are
-// read and written into place. A load that keeps every tensor as stored (one rank, no
-// processing) lays each shard out as its file has it, from that header
-// alone, as soon as it is parsed: shard by shard, each in file order. Its
-// manifest, which takes every tensor by name (checked across shards and
-// against the index), is then made by one worker while the others read,
-// and its reads start as soon as the last header is parsed. Either way,
+// rank's segment is sized, its outputs laid out by name, and allocated (by
+// the caller: the daemon checks its budget there); then every tensor's
+// bytes are read and written into place. A load that keeps every tensor as
+// stored (one rank, no processing) plans nothing: it lays each shard out as
+// its file has it, from that header alone, as soon as it is parsed (shard
+// by shard, each in file order), and its manifest, every tensor by name, is
+// made by one worker while the others read. Either way,
 // many reads in flight, each through a small per-thread buffer (never a copy
 // of the whole model), processed on the way where the plan says so, while
 // one worker writes the manifest. Each source byte is read once however
@@ -88,9 +88,9 @@ struct LoadedModel {
   // Where `seconds` went: the shards listed (the index parsed) and every
   // header read and parsed (and laid out, where tensors are kept as
   // stored); the headers checked across shards, the processing planned and
-  // the segments made, by `allocate` (before any weight byte is read; where
-  // tensors are kept as stored, the checks and the manifest are made while
-  // they are read); the weights read into place, and the fingerprint
+  // the segments made, by `allocate` (before any weight byte is read); the
+  // weights read into place (and the manifest made, where tensors are kept
+  // as stored), and the fingerprint
   // of each shard whose samples were all caught as it was read; the
   // vocabulary padding and the samples no read passed by, the files checked
   // unchanged, the segments sealed and the rest of the fingerprint.

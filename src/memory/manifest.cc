@@ -87,6 +87,7 @@ Result<SegmentPlan> PlanPlacedSegment(std::vector<TensorLayout> tensors, uint64_
   }
   plan.manifest_bytes = ManifestBytes(tensors.size(), dims, strings);
   plan.data_offset = DataOffsetAfter(plan.manifest_bytes);
+  if (total_bytes < plan.data_offset) return Error("the segment is too small for its manifest");
   for (const TensorLayout& t : tensors) {
     uint64_t end;
     if (t.offset < plan.data_offset || t.offset % kTensorAlignment != 0 ||

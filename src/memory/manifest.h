@@ -39,7 +39,7 @@ struct TensorLayout {
   std::string_view dtype;  // safetensors spelling, e.g. "BF16"
   std::span<const uint64_t> shape;
   uint64_t bytes = 0;
-  uint64_t offset = 0;  // set by PlanSegment
+  uint64_t offset = 0;  // set by PlanSegment; given to PlanPlacedSegment
 };
 
 struct SegmentPlan {
@@ -62,7 +62,9 @@ uint64_t DataOffsetAfter(uint64_t manifest_bytes);
 
 // A plan of tensors placed already (sorted by name, each `offset` set, at a
 // multiple of kTensorAlignment after the manifest) in a segment of
-// `total_bytes`: checks them and sizes the manifest.
+// `total_bytes`: checks that names are unique and in order, dtype names
+// fit, and each tensor lies within the data (not that tensors do not
+// overlap: the caller placed them), and sizes the manifest.
 Result<SegmentPlan> PlanPlacedSegment(std::vector<TensorLayout> tensors, uint64_t total_bytes);
 
 // Writes the manifest of `plan` into the start of `segment` (at least
