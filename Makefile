@@ -39,10 +39,10 @@ bench: release
 	scripts/bench $(RELEASE)
 
 fuzz: asan
-	for t in header index segment frame plan stat_cache config request shard_paths; do mkdir -p $(ASAN)/fuzz/long-$$t || exit 1; done
+	for t in header index segment frame plan stat_cache config request shard_paths load; do mkdir -p $(ASAN)/fuzz/long-$$t || exit 1; done
 	$(ASAN)/fuzz/header_fuzz -max_total_time=$(FUZZ_SECONDS) -max_len=65536 $(ASAN)/fuzz/long-header \
 	  ../shared/conformance/rules ../shared/conformance/safetensors-samples
-	for t in index segment frame plan stat_cache config request shard_paths; do \
+	for t in index segment frame plan stat_cache config request shard_paths load; do \
 	  $(ASAN)/fuzz/$${t}_fuzz -max_total_time=$(FUZZ_SECONDS) -max_len=65536 $(ASAN)/fuzz/long-$$t \
 	    fuzz/corpus/$$t || exit 1; \
 	done
