@@ -69,8 +69,11 @@ uint64_t ManifestBytes(uint64_t tensors, uint64_t dims, uint64_t name_bytes) {
 
 uint64_t DataOffsetAfter(uint64_t manifest_bytes) { return RoundUp(manifest_bytes, kPageBytes); }
 
-Result<SegmentPlan> PlanPlacedSegment(std::vector<TensorLayout> tensors, uint64_t total_bytes) {
-  SegmentPlan plan;
+namespace {
+
+// Checks the names (each after the one before: sorted and unique) and the
+// dtype names of `tensors`, and sizes their manifest in `plan`.
+Status SizeManifest(const std::vector<TensorLayout>& tensors, SegmentPlan& plan) {
   uint64_t dims = 0, strings = 0;
   for (size_t i = 0; i < tensors.size(); ++i) {
     if (i > 0 && !(tensors[i - 1].name < tensors[i].name)) {
@@ -87,6 +90,14 @@ Result<SegmentPlan> PlanPlacedSegment(std::vector<TensorLayout> tensors, uint64_
   }
   plan.manifest_bytes = ManifestBytes(tensors.size(), dims, strings);
   plan.data_offset = DataOffsetAfter(plan.manifest_bytes);
+  return OkStatus();
+}
+
+}  // namespace
+
+Result<SegmentPlan> PlanPlacedSegment(std::vector<TensorLayout> tensors, uint64_t total_bytes) {
+  SegmentPlan plan;
+  WEIGHTD_RETURN_IF_ERROR(SizeManifest(tensors, plan));
   if (total_bytes < plan.data_offset) return Error("the segment is too small for its manifest");
   for (const TensorLayout& t : tensors) {
     uint64_t end;
@@ -106,20 +117,7 @@ Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors) {
     std::sort(tensors.begin(), tensors.end(), by_name);
   }
   SegmentPlan plan;
-  uint64_t dims = 0, strings = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) {
-    if (i > 0 && tensors[i].name == tensors[i - 1].name) {
-      return Error("tensor `" + std::string(tensors[i].name) + "` twice in one segment");
-    }
-    if (tensors[i].dtype.size() >= kDTypeField) {
-      return Error("dtype name `" + std::string(tensors[i].dtype) +
-                   "` is too long for a segment manifest");
-    }
-    dims += tensors[i].shape.size();
-    strings += tensors[i].name.size();
-  }
-  plan.manifest_bytes = ManifestBytes(tensors.size(), dims, strings);
-  plan.data_offset = DataOffsetAfter(plan.manifest_bytes);
+  WEIGHTD_RETURN_IF_ERROR(SizeManifest(tensors, plan));
   uint64_t at = plan.data_offset;
   for (TensorLayout& t : tensors) {
     t.offset = at;
