@@ -1,11 +1,14 @@
 // libFuzzer target: a checkpoint of one shard whose bytes are the input,
 // loaded as a preload and an engine's fallback load it
-// (loader::LoadCheckpoint): kept as stored, and replicated to two ranks
-// (the processed path). A file the format's rules refuse fails the load;
-// one they accept loads, and every tensor's bytes, in every segment, are
-// the file's. The layout and the copy jobs are made from the header alone
-// (untrusted), and a run of small tensors read at once must cover each of
-// them whatever their order and sizes (tensors of no bytes included).
+// (loader::LoadCheckpoint): kept as stored by one worker (samples hashed
+// as they are read, where the file's order allows) and by two (hashed from
+// the segment), and replicated to two ranks (the processed path). A file
+// the format's rules refuse fails the load; one they accept loads, every
+// tensor's bytes, in every segment, are the file's, and the load's digest
+// is the fingerprint's. The layout and the copy jobs are made from the
+// header alone (untrusted), and a run of small tensors read at once must
+// cover each of them whatever their order and sizes (tensors of no bytes
+// included).
 #include <unistd.h>
 
 #include <cstddef>
@@ -17,6 +20,7 @@
 #include <string>
 #include <system_error>
 
+#include "fingerprint/fingerprint.h"
 #include "format/checkpoint.h"
 #include "io/file.h"
 #include "loader/loader.h"
@@ -54,11 +58,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   }
   io::FileSystem& files = io::PosixFileSystem();
   auto checkpoint = format::OpenCheckpoint(files, Dir());
+  auto fingerprint = fingerprint::FingerprintCheckpoint(files, Dir(), {});
   static const auto replicated = transform::ResolveProcessing(2, "keep", "none", "replicate");
   if (!replicated.ok()) __builtin_trap();
-  for (const bool split : {false, true}) {
+  for (const int way : {0, 1, 2}) {
+    const bool split = way == 2;
     loader::LoadOptions options;
-    options.max_inflight = 2;
+    options.max_inflight = way == 0 ? 1 : 2;
     options.chunk_bytes = 4096;  // big tensors in many jobs
     if (split) options.processing = *replicated;
     auto loaded = loader::LoadCheckpoint(files, Dir(), options);
@@ -67,6 +73,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       continue;
     }
     if (!loaded.ok()) continue;  // e.g. a tensor the plan cannot count
+    if (!fingerprint.ok() || loaded->checkpoint_digest != fingerprint->digest) __builtin_trap();
     const format::ShardHeader& header = checkpoint->shards[0].header;
     for (const loader::LoadedRank& rank : loaded->ranks) {
       const auto segment = rank.segment->readable();
