@@ -1077,8 +1077,8 @@ TEST(Loader, ATensorOfNoBytesLastInARunDoesNotShortenIt) {
   }
 }
 
-// The checks across shards run while the weights are read: a tensor the
-// index puts in another shard, or one in two shards, still fails the load.
+// A tensor the index puts in another shard, or one in two shards, fails
+// the load before its segment is made, however the load lays it out.
 TEST(Loader, ShardsThatDisagreeFailTheLoad) {
   const std::vector<uint64_t> sizes(300, 1000);
   for (const bool twice : {false, true}) {
@@ -1098,8 +1098,17 @@ TEST(Loader, ShardsThatDisagreeFailTheLoad) {
       }
       testing::WriteFileText(path + "/model.safetensors.index.json", index + "}}");
     }
-    auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path);
+    // Refused before any room is asked for: a daemon would evict idle
+    // models for it.
+    int allocations = 0;
+    loader::LoadOptions o;
+    o.allocate = [&](uint64_t bytes, int) {
+      ++allocations;
+      return memory::CreateHostSegment(bytes, "disagreeing");
+    };
+    auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
     ASSERT_FALSE(loaded.ok());
+    EXPECT_EQ(allocations, 0);
     EXPECT_NE(loaded.error().message().find(twice ? "t0000" : "b.t0123"), std::string::npos)
         << loaded.error().message();
     EXPECT_NE(

@@ -543,16 +543,6 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   const std::byte* wholes = targets.front().segment->readable().data();
   const bool hash_from_segment =
       wholes != nullptr && targets.front().segment->readable().size() >= total_bytes;
-  if (identity) {
-    for (Source& s : sources) s.whole = hash_from_segment;
-    size_t first = 0;  // each shard's first source
-    for (size_t s = 0; s < runs.size(); ++s) {
-      AppendCopies(s, runs[s].placed, run_at[s], first, options.chunk_bytes,
-                   AllTargets(targets.size()), copies);
-      first += runs[s].offsets.size();
-      runs[s].placed = {};
-    }
-  }
 
   // The jobs. Bytes kept as they are go by runs of small neighbours (in
   // file order) and chunks of big tensors; whatever is cut by columns,
@@ -560,6 +550,15 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   std::vector<BandJob> bands;
   std::vector<std::pair<size_t, std::pair<uint64_t, uint64_t>>> zeros;  // target, [offset, bytes)
   const std::vector<size_t> all_targets = AllTargets(targets.size());
+  if (identity) {  // every tensor copied whole, shard by shard as laid out
+    for (Source& s : sources) s.whole = hash_from_segment;
+    size_t first = 0;  // each shard's first source
+    for (size_t s = 0; s < runs.size(); ++s) {
+      AppendCopies(s, runs[s].placed, run_at[s], first, options.chunk_bytes, all_targets, copies);
+      first += runs[s].offsets.size();
+      runs[s].placed = {};
+    }
+  }
   std::vector<std::vector<size_t>> replicated_by_shard(shards.size());  // outputs copied whole
   for (size_t i = 0; i < plan.outputs.size(); ++i) {
     const transform::OutputTensor& o = plan.outputs[i];
