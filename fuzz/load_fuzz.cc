@@ -1,12 +1,15 @@
 // libFuzzer target: a checkpoint made of the input, loaded as a preload and an engine's fallback
 // load it (loader::LoadCheckpoint): kept as stored by one worker (samples hashed as they are read,
-// where the file's order allows) and by two (hashed from the segment), and replicated to two ranks
-// (the processed path). A file the format's rules refuse fails the load; one they accept loads,
-// every tensor's bytes, in every segment, are the file's, and the load's digest is the
-// fingerprint's. The layout and the copy jobs are made from the header alone (untrusted), and a run
-// of small tensors read at once must cover each of them whatever their order and sizes (tensors of
-// no bytes included), and the manifest, made while the reads run, takes every shard's tensors by
-// name.
+// where the file's order allows) and by two (hashed from the segment); replicated to two ranks;
+// split across two ranks by name (`c...` by columns, `r...` by rows, `v...` as a vocabulary);
+// cast to BF16; and split and quantized to FP8 blocks. A file the format's rules refuse fails the
+// load; one they accept loads or fails with an error (a shape a split cannot cut). A load that
+// succeeds has the fingerprint's digest, a manifest with every tensor the plan makes, and every
+// tensor kept in its dtype holds, in every rank's segment, the file's bytes cut as the split says
+// (cut again here, with zero rows for a vocabulary's padding). The layout and the copy jobs are
+// made from the header alone (untrusted), and a run of small tensors read at once must cover each
+// of them whatever their order and sizes (tensors of no bytes included), and the manifest, made
+// while the reads run, takes every shard's tensors by name.
 //
 // The input is up to four pieces, split at kSeparator: each piece a shard
 // (model-0000I-of-0000N.safetensors), except one that starts with `{`,
@@ -21,6 +24,7 @@
 #include <fstream>
 #include <iterator>
 #include <map>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -28,6 +32,7 @@
 
 #include "fingerprint/fingerprint.h"
 #include "format/checkpoint.h"
+#include "format/dtype.h"
 #include "io/file.h"
 #include "loader/loader.h"
 #include "memory/manifest.h"
@@ -53,6 +58,59 @@ const std::string& Dir() {
     return s;
   }();
   return *dir;
+}
+
+using weightd::transform::Split;
+
+// The split a plan of `rules` gives a tensor of `name`, as PlanTensors
+// decides it: block scales of a pre-quantized weight are cut as their
+// weight is.
+Split SplitOf(const weightd::transform::ShardPlan& plan, std::string_view name,
+              const weightd::format::Checkpoint& checkpoint) {
+  constexpr std::string_view kScale = "_scale_inv";
+  if (name.ends_with(kScale)) {
+    const std::string weight(name.substr(0, name.size() - kScale.size()));
+    for (const weightd::format::Shard& shard : checkpoint.shards) {
+      if (shard.header.Find(weight) != nullptr) return plan.SplitOf(weight);
+    }
+  }
+  return plan.SplitOf(std::string(name));
+}
+
+// What rank `rank` of `ranks` holds of tensor `t` kept in its dtype, whose
+// bytes in the file are `bytes`: the cut done again, on its own terms.
+std::string Cut(const weightd::format::TensorInfo& t, std::string_view bytes, Split split, int rank,
+                int ranks) {
+  using u128 = unsigned __int128;
+  const u128 bits = weightd::format::DTypeBits(t.dtype);
+  const u128 rows = t.shape.empty() ? 1 : t.shape[0];
+  u128 rest = 1;
+  for (size_t d = 1; d < t.shape.size(); ++d) rest = rest * t.shape[d];  // the load checked
+  auto at = [&](u128 elements) { return static_cast<size_t>(elements * bits / 8); };
+  const u128 r = static_cast<u128>(rank), n = static_cast<u128>(ranks);
+  switch (split) {
+    case Split::kReplicate:
+      return std::string(bytes);
+    case Split::kColumn: {
+      const u128 per = rows / n;
+      return std::string(bytes.substr(at(r * per * rest), at(per * rest)));
+    }
+    case Split::kVocab: {
+      const u128 per = (rows + n - 1) / n;
+      const u128 first = std::min(r * per, rows), last = std::min((r + 1) * per, rows);
+      std::string out(bytes.substr(at(first * rest), at((last - first) * rest)));
+      out.resize(at(per * rest), '\0');
+      return out;
+    }
+    case Split::kRow: {
+      const u128 per = rest / n;
+      std::string out;
+      if (at(per) == 0) return out;
+      for (u128 i = 0; i < rows; ++i) out += bytes.substr(at(i * rest + r * per), at(per));
+      return out;
+    }
+  }
+  __builtin_trap();
 }
 
 }  // namespace
@@ -90,32 +148,54 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   io::FileSystem& files = io::PosixFileSystem();
   auto checkpoint = format::OpenCheckpoint(files, Dir());
   auto fingerprint = fingerprint::FingerprintCheckpoint(files, Dir(), {});
-  static const auto replicated = transform::ResolveProcessing(2, "keep", "none", "replicate");
-  if (!replicated.ok()) __builtin_trap();
-  for (const int way : {0, 1, 2}) {
-    const bool split = way == 2;
-    loader::LoadOptions options;
-    options.max_inflight = way == 0 ? 1 : 2;
-    options.chunk_bytes = 4096;  // big tensors in many jobs
-    if (split) options.processing = *replicated;
-    auto loaded = loader::LoadCheckpoint(files, Dir(), options);
-    if (!checkpoint.ok()) {
-      if (loaded.ok()) __builtin_trap();  // a file the rules refuse is never loaded
-      continue;
-    }
-    if (!loaded.ok()) continue;  // e.g. a tensor the plan cannot count
-    if (!fingerprint.ok() || loaded->checkpoint_digest != fingerprint->digest) __builtin_trap();
-    size_t tensors = 0;
-    std::map<std::string, std::string> shard_bytes;  // each shard listed, as the file holds it
+  static const auto ways = [] {
+    using weightd::transform::Processing;
+    using weightd::transform::ResolveProcessing;
+    using weightd::transform::ShardPlan;
+    auto by_name = ShardPlan::FromRules(
+        "file", {{"^c", Split::kColumn}, {"^r", Split::kRow}, {"^v", Split::kVocab}});
+    auto replicated = ResolveProcessing(2, "keep", "none", "replicate");
+    auto cast = ResolveProcessing(1, "bf16", "none", "");
+    auto quantized = ResolveProcessing(2, "keep", "fp8-block", "replicate");
+    if (!by_name.ok() || !replicated.ok() || !cast.ok() || !quantized.ok()) __builtin_trap();
+    Processing split = *replicated;
+    split.plan = *by_name;
+    quantized->plan = *by_name;
+    //       as stored, 1 and 2 workers; replicated; split; cast; split and quantized
+    return std::vector<Processing>{{}, {}, *replicated, split, *cast, *quantized};
+  }();
+  std::map<std::string, std::string> shard_bytes;  // each shard listed, as the file holds it
+  size_t tensors = 0;
+  if (checkpoint.ok()) {
     for (const format::Shard& shard : checkpoint->shards) {
       tensors += shard.header.tensors.size();
       std::ifstream in(shard.path, std::ios::binary);
       shard_bytes[shard.name].assign(std::istreambuf_iterator<char>(in), {});
     }
+  }
+  for (size_t way = 0; way < ways.size(); ++way) {
+    const transform::Processing& processing = ways[way];
+    loader::LoadOptions options;
+    options.max_inflight = way == 0 ? 1 : 2;
+    options.chunk_bytes = 4096;  // big tensors in many jobs
+    options.processing = processing;
+    auto loaded = loader::LoadCheckpoint(files, Dir(), options);
+    if (!checkpoint.ok()) {
+      if (loaded.ok()) __builtin_trap();  // a file the rules refuse is never loaded
+      continue;
+    }
+    if (!loaded.ok()) continue;  // e.g. a tensor the plan cannot count or cut
+    if (!fingerprint.ok() || loaded->checkpoint_digest != fingerprint->digest) __builtin_trap();
+    if (loaded->ranks.size() != static_cast<size_t>(processing.tp_size)) __builtin_trap();
+    // Every tensor (and a new scale for each quantized one), in every rank.
+    std::optional<size_t> planned;
     for (const loader::LoadedRank& rank : loaded->ranks) {
       const auto segment = rank.segment->readable();
       auto manifest = memory::ReadManifest(segment);
-      if (!manifest.ok() || manifest->tensors.size() != tensors) __builtin_trap();
+      if (!manifest.ok() || manifest->tensors.size() < tensors) __builtin_trap();
+      if (planned.value_or(manifest->tensors.size()) != manifest->tensors.size()) __builtin_trap();
+      planned = manifest->tensors.size();
+      size_t sources_seen = 0;
       for (const memory::TensorRecord& t : manifest->tensors) {
         const format::TensorInfo* info = nullptr;
         std::string_view file;
@@ -123,16 +203,31 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           if ((info = shard.header.Find(t.name)) != nullptr) {
             file = shard_bytes[shard.name];
             if (file.size() < shard.header.data_offset() + info->end) __builtin_trap();
-            file.remove_prefix(static_cast<size_t>(shard.header.data_offset() + info->begin));
+            file = file.substr(static_cast<size_t>(shard.header.data_offset() + info->begin),
+                               static_cast<size_t>(info->bytes()));
             break;
           }
         }
-        if (info == nullptr || info->bytes() != t.bytes ||
-            std::memcmp(segment.data() + t.offset, file.data(), static_cast<size_t>(t.bytes)) !=
-                0) {
+        if (info == nullptr) {  // a quantized weight's new scales
+          if (!processing.fp8_block) __builtin_trap();
+          continue;
+        }
+        ++sources_seen;
+        // Cast or quantized: the values are the converters' tests' to check.
+        if (t.dtype != format::DTypeName(info->dtype)) {
+          if (!processing.dtype && !processing.fp8_block) __builtin_trap();
+          continue;
+        }
+        const Split split = processing.tp_size == 1
+                                ? Split::kReplicate
+                                : SplitOf(*processing.plan, t.name, *checkpoint);
+        const std::string want = Cut(*info, file, split, rank.rank, processing.tp_size);
+        if (want.size() != t.bytes ||
+            std::memcmp(segment.data() + t.offset, want.data(), want.size()) != 0) {
           __builtin_trap();
         }
       }
+      if (sources_seen != tensors) __builtin_trap();
     }
   }
   return 0;
