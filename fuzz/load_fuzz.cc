@@ -62,9 +62,8 @@ const std::string& Dir() {
 
 using weightd::transform::Split;
 
-// The split a plan of `rules` gives a tensor of `name`, as PlanTensors
-// decides it: block scales of a pre-quantized weight are cut as their
-// weight is.
+// The split `plan` gives the tensor `name`, as PlanTensors decides it:
+// block scales of a pre-quantized weight are cut as their weight is.
 Split SplitOf(const weightd::transform::ShardPlan& plan, std::string_view name,
               const weightd::format::Checkpoint& checkpoint) {
   constexpr std::string_view kScale = "_scale_inv";
