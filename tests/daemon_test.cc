@@ -20,6 +20,7 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 #include <set>
+#include <sstream>
 #include <thread>
 
 #include "daemon/server.h"
@@ -957,6 +958,42 @@ TEST_F(DaemonTest, QuietConnectionsHoldNoThreadAndThoseWithoutLeasesAreClosed) {
   // A parked engine's close is seen: its lease goes back.
   views.clear();
   EXPECT_TRUE(Eventually([&] { return TotalLeases() == 0; })) << Status().dump();
+}
+
+// With --json, what a supervisor or a log shipper reads is JSON: the ready
+// line one object naming the socket, the pid and the budget, and every log
+// line one object, acquires and the stop among them.
+TEST_F(DaemonTest, WithJsonTheReadyLineAndEveryLogLineAreObjects) {
+  const std::string model = MakeModel("a");
+  Process daemon({"serve", "--json", "--socket-dir", sock_, "--budget", "host=1G"});
+  ASSERT_TRUE(daemon.WaitForOutput("\n")) << daemon.err();
+  const nlohmann::json ready = nlohmann::json::parse(daemon.out());
+  EXPECT_EQ(ready["event"], "ready");
+  EXPECT_EQ(ready["socket"], sock_ + "/weightd.sock");
+  EXPECT_EQ(ready["pid"], daemon.pid());
+  EXPECT_EQ(ready["host_budget"], uint64_t{1} << 30);
+  EXPECT_EQ(Load(model)["source"], "disk");
+  Preload(model);
+  EXPECT_EQ(Load(model)["source"], "daemon");
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0);
+
+  std::istringstream log(daemon.err());
+  std::vector<std::string> messages;
+  for (std::string line; std::getline(log, line);) {
+    const nlohmann::json entry = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    ASSERT_TRUE(entry.is_object()) << line;
+    ASSERT_TRUE(entry["time"].is_string()) << line;
+    ASSERT_TRUE(entry["message"].is_string()) << line;
+    messages.push_back(entry["message"]);
+  }
+  auto logged = [&](const std::string& start) {
+    return std::any_of(messages.begin(), messages.end(),
+                       [&](const std::string& m) { return m.starts_with(start); });
+  };
+  EXPECT_TRUE(logged("acquire miss from ")) << daemon.err();
+  EXPECT_TRUE(logged("acquire hit from ")) << daemon.err();
+  EXPECT_TRUE(logged("stopped")) << daemon.err();
 }
 
 // The `ready` line names the socket so that a script can use it from any

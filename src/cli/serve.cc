@@ -66,6 +66,7 @@ struct ServeOptions {
   std::string config;
   bool no_cache = false;
   bool budget_only = false;
+  bool json = false;  // the ready line and the log as JSON objects, one a line
   double stop_timeout = 10;
   double idle_seconds = 60;
 };
@@ -201,9 +202,13 @@ int RunServe(ServeOptions o) {
     }
   }
   auto log_mu = std::make_shared<std::mutex>();
-  so.log = [log_mu](const std::string& line) {
+  so.log = [log_mu, json = o.json](const std::string& line) {
     std::lock_guard lock(*log_mu);
-    std::cerr << Now() << " weightd: " << Printable(line) << std::endl;
+    if (json) {
+      std::cerr << DumpJson({{"time", Now()}, {"message", line}}) << std::endl;
+    } else {
+      std::cerr << Now() << " weightd: " << Printable(line) << std::endl;
+    }
   };
   // What the budgets mean, said once the directory is the daemon's: a
   // daemon refused at start (another serves there) says only why.
@@ -288,8 +293,17 @@ int RunServe(ServeOptions o) {
   // A stop asked for while it started: not ready, stopping (Run says so).
   if (!server.stopping()) {
     errno = 0;
-    std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid " << ::getpid()
-              << ", host budget " << FormatBytes(so.host_budget) << ")" << std::endl;
+    if (o.json) {
+      std::cout << DumpJson({{"event", "ready"},
+                             {"socket", protocol::PathToJson(protocol::SocketPath(so.socket_dir))},
+                             {"pid", ::getpid()},
+                             {"host_budget", so.host_budget}})
+                << std::endl;
+    } else {
+      std::cout << "ready: serving " << protocol::SocketPath(so.socket_dir) << " (pid "
+                << ::getpid() << ", host budget " << FormatBytes(so.host_budget) << ")"
+                << std::endl;
+    }
     // Whoever waits for that line (a supervisor, a script) will not see it.
     if (!std::cout) {
       so.log("ready, but the ready line could not be written to stdout: " +
@@ -401,6 +415,10 @@ Command AddServeCommand(CLI::App& root) {
                   "control group's limit where lower; " +
                       std::to_string(daemon::kDefaultGpuBudgetPercent) + "% of each GPU's memory)");
   app->add_flag("--no-cache", o->no_cache, "preloads do not use the fingerprint's stat cache");
+  app->add_flag("--json", o->json,
+                "the ready line as one JSON object on stdout ({\"event\": \"ready\", \"socket\", "
+                "\"pid\", \"host_budget\" in bytes}), and each log line as one on stderr "
+                "({\"time\", \"message\"}): for a supervisor or a log shipper");
   app->add_flag("--budget-only", o->budget_only,
                 "weigh host preloads against the budget alone, not also against what the kernel "
                 "would still give (MemAvailable, the control group's room): where memory it does "
