@@ -983,8 +983,8 @@ TEST_F(DaemonTest, WithJsonTheReadyLineAndEveryLogLineAreObjects) {
   for (std::string line; std::getline(log, line);) {
     const nlohmann::json entry = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     ASSERT_TRUE(entry.is_object()) << line;
-    ASSERT_TRUE(entry["time"].is_string()) << line;
-    ASSERT_TRUE(entry["message"].is_string()) << line;
+    ASSERT_TRUE(entry.contains("time") && entry["time"].is_string()) << line;
+    ASSERT_TRUE(entry.contains("message") && entry["message"].is_string()) << line;
     messages.push_back(entry["message"]);
   }
   auto logged = [&](const std::string& start) {

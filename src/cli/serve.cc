@@ -205,7 +205,10 @@ int RunServe(ServeOptions o) {
   so.log = [log_mu, json = o.json](const std::string& line) {
     std::lock_guard lock(*log_mu);
     if (json) {
-      std::cerr << DumpJson({{"time", Now()}, {"message", line}}) << std::endl;
+      // A line that quotes bytes that are not UTF-8 (a path a client sent)
+      // comes through as {"hex": ...}, as paths do in every --json output.
+      std::cerr << DumpJson({{"time", Now()}, {"message", protocol::PathToJson(line)}})
+                << std::endl;
     } else {
       std::cerr << Now() << " weightd: " << Printable(line) << std::endl;
     }
