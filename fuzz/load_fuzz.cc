@@ -16,6 +16,7 @@
 // which is the index (model.safetensors.index.json).
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <cstdlib>
@@ -25,6 +26,7 @@
 #include <iterator>
 #include <map>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <system_error>
@@ -112,6 +114,22 @@ std::string Cut(const weightd::format::TensorInfo& t, std::string_view bytes, Sp
   __builtin_trap();
 }
 
+// The shape rank `rank` of `ranks` gets of one of `shape`.
+std::vector<uint64_t> CutShape(std::vector<uint64_t> shape, Split split, int ranks) {
+  const auto n = static_cast<uint64_t>(ranks);
+  if (split == Split::kColumn) shape[0] /= n;
+  if (split == Split::kVocab) shape[0] = shape[0] / n + (shape[0] % n != 0);
+  if (split == Split::kRow) shape[1] /= n;
+  return shape;
+}
+
+// The bytes of a tensor of `shape` and `dtype`.
+uint64_t BytesOf(std::span<const uint64_t> shape, weightd::format::DType dtype) {
+  unsigned __int128 bits = weightd::format::DTypeBits(dtype);
+  for (uint64_t d : shape) bits *= d;  // the load checked it fits
+  return static_cast<uint64_t>(bits / 8);
+}
+
 }  // namespace
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
@@ -151,8 +169,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     using weightd::transform::Processing;
     using weightd::transform::ResolveProcessing;
     using weightd::transform::ShardPlan;
-    auto by_name = ShardPlan::FromRules(
-        "file", {{"^c", Split::kColumn}, {"^r", Split::kRow}, {"^v", Split::kVocab}});
+    // Block scales of a pre-quantized weight also match a rule of their
+    // own (`inv$`), which the plan does not follow: it cuts them as it
+    // cuts their weight, and so does SplitOf.
+    auto by_name = ShardPlan::FromRules("file", {{"inv$", Split::kRow},
+                                                 {"^c", Split::kColumn},
+                                                 {"^r", Split::kRow},
+                                                 {"^v", Split::kVocab}});
     auto replicated = ResolveProcessing(2, "keep", "none", "replicate");
     auto cast = ResolveProcessing(1, "bf16", "none", "");
     auto quantized = ResolveProcessing(2, "keep", "fp8-block", "replicate");
@@ -183,7 +206,13 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (loaded.ok()) __builtin_trap();  // a file the rules refuse is never loaded
       continue;
     }
-    if (!loaded.ok()) continue;  // e.g. a tensor the plan cannot count or cut
+    // Whatever the plan refuses (a shape a split cannot cut) fails the
+    // load, and nothing else does: inputs of 16 KiB need no more memory
+    // than there is.
+    const bool plannable =
+        transform::PlanTensors(transform::SourcesOf(checkpoint->shards), processing).ok();
+    if (loaded.ok() != plannable) __builtin_trap();
+    if (!loaded.ok()) continue;
     if (!fingerprint.ok() || loaded->checkpoint_digest != fingerprint->digest) __builtin_trap();
     if (loaded->ranks.size() != static_cast<size_t>(processing.tp_size)) __builtin_trap();
     // Every tensor (and a new scale for each quantized one), in every rank.
@@ -207,19 +236,39 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
             break;
           }
         }
-        if (info == nullptr) {  // a quantized weight's new scales
-          if (!processing.fp8_block) __builtin_trap();
+        if (info == nullptr) {  // a quantized weight's new scales, after it by name
+          constexpr std::string_view kScale = "_scale_inv";
+          if (!processing.fp8_block || !t.name.ends_with(kScale)) __builtin_trap();
+          const std::string_view weight = t.name.substr(0, t.name.size() - kScale.size());
+          auto w = std::lower_bound(
+              manifest->tensors.begin(), manifest->tensors.end(), weight,
+              [](const memory::TensorRecord& r, std::string_view name) { return r.name < name; });
+          if (w == manifest->tensors.end() || w->name != weight || w->dtype != "F8_E4M3" ||
+              w->shape.size() != 2 || t.dtype != "F32" || t.shape.size() != 2 ||
+              t.shape[0] != (w->shape[0] + 127) / 128 || t.shape[1] != (w->shape[1] + 127) / 128 ||
+              t.bytes != BytesOf(t.shape, format::DType::kF32)) {
+            __builtin_trap();
+          }
           continue;
         }
         ++sources_seen;
-        // Cast or quantized: the values are the converters' tests' to check.
-        if (t.dtype != format::DTypeName(info->dtype)) {
-          if (!processing.dtype && !processing.fp8_block) __builtin_trap();
-          continue;
-        }
         const Split split = processing.tp_size == 1
                                 ? Split::kReplicate
                                 : SplitOf(*processing.plan, t.name, *checkpoint);
+        const std::vector<uint64_t> shape = CutShape(info->shape, split, processing.tp_size);
+        const auto dtype = format::ParseDType(t.dtype);
+        if (!std::equal(t.shape.begin(), t.shape.end(), shape.begin(), shape.end()) || !dtype ||
+            t.bytes != BytesOf(shape, *dtype)) {
+          __builtin_trap();
+        }
+        // Cast or quantized: the values are the converters' tests' to check.
+        if (*dtype != info->dtype) {
+          if (processing.dtype ? *dtype != *processing.dtype
+                               : !processing.fp8_block || *dtype != format::DType::kF8_E4M3) {
+            __builtin_trap();
+          }
+          continue;
+        }
         const std::string want = Cut(*info, file, split, rank.rank, processing.tp_size);
         if (want.size() != t.bytes ||
             std::memcmp(segment.data() + t.offset, want.data(), want.size()) != 0) {
