@@ -64,13 +64,15 @@ const std::string& Dir() {
 
 using weightd::transform::Split;
 
+// What names a weight's FP8 block scales: `<weight>_scale_inv`.
+constexpr std::string_view kScaleSuffix = "_scale_inv";
+
 // The split `plan` gives the tensor `name`, as PlanTensors decides it:
 // block scales of a pre-quantized weight are cut as their weight is.
 Split SplitOf(const weightd::transform::ShardPlan& plan, std::string_view name,
               const weightd::format::Checkpoint& checkpoint) {
-  constexpr std::string_view kScale = "_scale_inv";
-  if (name.ends_with(kScale)) {
-    const std::string weight(name.substr(0, name.size() - kScale.size()));
+  if (name.ends_with(kScaleSuffix)) {
+    const std::string weight(name.substr(0, name.size() - kScaleSuffix.size()));
     for (const weightd::format::Shard& shard : checkpoint.shards) {
       if (shard.header.Find(weight) != nullptr) return plan.SplitOf(weight);
     }
@@ -114,7 +116,7 @@ std::string Cut(const weightd::format::TensorInfo& t, std::string_view bytes, Sp
   __builtin_trap();
 }
 
-// The shape rank `rank` of `ranks` gets of one of `shape`.
+// The shape each of `ranks` ranks gets of a tensor of `shape`.
 std::vector<uint64_t> CutShape(std::vector<uint64_t> shape, Split split, int ranks) {
   const auto n = static_cast<uint64_t>(ranks);
   if (split == Split::kColumn) shape[0] /= n;
@@ -237,9 +239,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           }
         }
         if (info == nullptr) {  // a quantized weight's new scales, after it by name
-          constexpr std::string_view kScale = "_scale_inv";
-          if (!processing.fp8_block || !t.name.ends_with(kScale)) __builtin_trap();
-          const std::string_view weight = t.name.substr(0, t.name.size() - kScale.size());
+          if (!processing.fp8_block || !t.name.ends_with(kScaleSuffix)) __builtin_trap();
+          const std::string_view weight = t.name.substr(0, t.name.size() - kScaleSuffix.size());
           auto w = std::lower_bound(
               manifest->tensors.begin(), manifest->tensors.end(), weight,
               [](const memory::TensorRecord& r, std::string_view name) { return r.name < name; });
