@@ -1801,6 +1801,36 @@ TEST_F(DaemonTest, AdminCommandsGiveUpOnASilentDaemon) {
   daemon->Signal(SIGCONT);
 }
 
+// An engine whose daemon accepts but does not answer falls back to disk
+// after the reply timeout it chose, not the default 30 s, and says so; the
+// daemon serves again once it runs.
+TEST_F(DaemonTest, AnEngineGivesUpOnASilentDaemonAfterItsReplyTimeout) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  Preload(a);
+  const json warm = Load(a);
+  ASSERT_EQ(warm["source"], "daemon") << warm.dump();
+  daemon->Stop();
+  const json fell_back = Load(a, {"--reply-timeout", "0.25"});
+  EXPECT_EQ(fell_back["source"], "disk") << fell_back.dump();
+  EXPECT_EQ(fell_back["miss_kind"], "failed");
+  EXPECT_NE(fell_back["reason"].get<std::string>().find("did not answer within 0.25 s"),
+            std::string::npos)
+      << fell_back.dump();
+  EXPECT_EQ(fell_back["checksum"], warm["checksum"]);
+  CommandResult strict = Run({"load", a, "--reply-timeout", "0.25", "--no-fallback"});
+  EXPECT_EQ(strict.exit_code, 1);
+  EXPECT_NE(strict.err.find("did not answer within 0.25 s"), std::string::npos) << strict.err;
+  daemon->Signal(SIGCONT);
+  // The requests sent while it was stopped are answered to closed
+  // connections; the daemon goes on serving.
+  EXPECT_EQ(Load(a, {"--reply-timeout", "0.25"})["source"], "daemon");
+  for (const char* bad : {"0", "-1", "nan", "3601"}) {
+    CommandResult r = Run({"load", a, "--reply-timeout", bad});
+    EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.err;
+  }
+}
+
 TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   const std::string a = MakeModel("a"), b = MakeModel("b", true);
   auto daemon = StartDaemon();

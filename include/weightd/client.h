@@ -101,9 +101,15 @@ struct AcquireOptions {
   // yet), and for a load of exactly this model that the daemon has in
   // flight (its config's preloads at start, another engine's --populate):
   // once for the whole call, however many requests it sends (an hour at
-  // most). Besides it, each request waits up to 30 s for an answer from a
-  // daemon that has stopped answering.
+  // most). Besides it, each request waits up to reply_timeout_seconds for
+  // an answer from a daemon that has stopped answering.
   double wait_for_daemon_seconds = 0;
+  // How long a request waits for the daemon's answer before the call gives
+  // up on the daemon (and falls back, with fallback): a daemon stopped
+  // (SIGSTOP) or hung accepts connections and never answers. Not a bound
+  // on a load the engine was told to wait for, which comes on top. Above
+  // 0 and at most an hour; anything else (0, nan) means the default.
+  double reply_timeout_seconds = 30;
   // After a miss, ask the daemon to preload the checkpoint for next time.
   bool populate = false;
   // Trust the resident model pinned under this name without comparing its

@@ -34,7 +34,7 @@ struct LoadCommandOptions {
   std::string mode = "zero_copy";
   std::string trust, socket_dir, save;
   bool no_fallback = false, checksum = false, json = false, populate = false, no_cache = false;
-  double hold = 0, wait = 0;
+  double hold = 0, wait = 0, reply_timeout = AcquireOptions{}.reply_timeout_seconds;
 };
 
 // Writes what the engine received as one safetensors file.
@@ -94,6 +94,7 @@ int RunLoad(LoadCommandOptions& o) {
   ao.mode = o.mode == "copy" ? AcquireMode::kCopy : AcquireMode::kZeroCopy;
   ao.fallback = !o.no_fallback;
   ao.wait_for_daemon_seconds = o.wait;
+  ao.reply_timeout_seconds = o.reply_timeout;
   double waited = 0;
   ao.waited_seconds = &waited;
   ao.populate = o.populate;
@@ -271,6 +272,11 @@ Command AddLoadCommand(CLI::App& root) {
                    "seconds to wait for a daemon that is starting, or for its load of this very "
                    "model in flight",
                    protocol::kMaxAcquireWaitSeconds);
+  AddSecondsOption(*app, "--reply-timeout", o->reply_timeout,
+                   "seconds to wait for each answer from a daemon that accepts but does not "
+                   "answer (stopped, hung) before falling back (default 30; not a bound on "
+                   "--wait-for-daemon)",
+                   3600, /*above_zero=*/true);
   app->add_flag("--populate", o->populate, "after a miss, ask the daemon to preload for next time");
   app->add_option("--trust", o->trust,
                   "accept the model pinned under NAME without checking its content (loud)")

@@ -52,10 +52,10 @@ CLI::Validator NotEmpty() {
 }
 
 void AddSecondsOption(CLI::App& app, const std::string& name, double& value,
-                      const std::string& help, double max) {
+                      const std::string& help, double max, bool above_zero) {
   app.add_option(name, value, help)
       ->check(CLI::Validator(
-          [max](std::string& text) -> std::string {
+          [max, above_zero](std::string& text) -> std::string {
             double v = 0;
             try {
               size_t used = 0;
@@ -64,10 +64,11 @@ void AddSecondsOption(CLI::App& app, const std::string& name, double& value,
             } catch (const std::exception&) {
               return "`" + text + "` is not a number of seconds";
             }
-            if (!std::isfinite(v) || v < 0 || v > max) {
+            if (!std::isfinite(v) || v < 0 || v > max || (above_zero && v == 0)) {
               char limit[32];
               std::snprintf(limit, sizeof limit, "%g", max);
-              return "`" + text + "` is not between 0 and " + limit + " seconds";
+              return "`" + text + "` is not " +
+                     (above_zero ? "above 0 and at most " : "between 0 and ") + limit + " seconds";
             }
             return "";
           },

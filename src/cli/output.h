@@ -69,10 +69,11 @@ Command AddLoadCommand(CLI::App& root);
 // script) must not quietly mean the default.
 CLI::Validator NotEmpty();
 
-// An option of seconds: a finite number in [0, max] (nan and inf are usage
-// errors, as CLI11's Range lets nan through).
+// An option of seconds: a finite number in [0, max], or (0, max] with
+// `above_zero` (nan and inf are usage errors, as CLI11's Range lets nan
+// through).
 void AddSecondsOption(CLI::App& app, const std::string& name, double& value,
-                      const std::string& help, double max);
+                      const std::string& help, double max, bool above_zero = false);
 
 // The processing flags `preload` and `load` share (--tp-size, --tp-rank,
 // --dtype, --quant, --shard-plan, --device). Without `placement` (inspect,

@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
@@ -29,7 +30,14 @@ namespace {
 
 using nlohmann::json;
 
-constexpr int kReplyTimeoutMs = 30'000;
+constexpr double kDefaultReplyTimeoutSeconds = 30;
+constexpr double kMaxReplyTimeoutSeconds = 3600;
+
+// AcquireOptions::reply_timeout_seconds as this call uses it.
+double ReplyTimeoutSeconds(const AcquireOptions& o) {
+  const double t = o.reply_timeout_seconds;
+  return t > 0 && t <= kMaxReplyTimeoutSeconds ? t : kDefaultReplyTimeoutSeconds;
+}
 
 // Private, page-aligned memory for `copy` mode.
 class OwnedBytes {
@@ -213,10 +221,13 @@ struct Miss {
   double waited = 0;
 };
 
+// Waits for the answer to a `want` request: `reply_seconds` for a daemon
+// that answers at all, plus `extra_seconds` it was told it may take.
 Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
-                                 double extra_seconds = 0) {
-  const int timeout_ms = static_cast<int>(
-      std::min<double>(kReplyTimeoutMs + extra_seconds * 1000, std::numeric_limits<int>::max()));
+                                 double reply_seconds, double extra_seconds = 0) {
+  // At least a millisecond: poll's 0 would not wait at all.
+  const int timeout_ms = static_cast<int>(std::clamp<double>(
+      std::ceil((reply_seconds + extra_seconds) * 1000), 1, std::numeric_limits<int>::max()));
   auto received = ch.Receive(timeout_ms);
   if (!received.ok() && received.error().message() == protocol::Channel::kTimedOut) {
     char waited[32];
@@ -298,8 +309,11 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     return send_failed(s.error());
   }
   if (Status s = ch->Send(request); !s.ok()) return send_failed(s.error());
-  if (auto hello = Expect(*ch, "hello"); !hello.ok()) return fail("protocol error", hello.error());
-  auto reply = Expect(*ch, "acquired", wait_left);
+  const double reply_seconds = ReplyTimeoutSeconds(o);
+  if (auto hello = Expect(*ch, "hello", reply_seconds); !hello.ok()) {
+    return fail("protocol error", hello.error());
+  }
+  auto reply = Expect(*ch, "acquired", reply_seconds, wait_left);
   count_wait.Stop();
   if (!reply.ok()) return fail("protocol error", reply.error());
   const json& body = reply->body;
