@@ -44,6 +44,7 @@ namespace {
 using nlohmann::json;
 using testing::CommandResult;
 using testing::Eventually;
+using testing::MemoryGroup;
 using testing::Process;
 using testing::RunWeightd;
 using testing::TempDir;
@@ -1419,67 +1420,6 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
 // In a container with a memory limit (here a control group made for the
 // test), the default host budget is half of that limit, not of the
 // machine's memory: preloads up to it would have the kernel kill for memory.
-// A control group under this test's own in the v1 memory hierarchy
-// (mounted whole, as on this project's machines), so that its limit is
-// found through an ancestor walk and its use stays within the runner's;
-// removed when it goes, once the processes in it are gone. `skip` says why
-// none could be made here, `error` what went wrong.
-struct MemoryGroup {
-  std::string path, skip, error;
-  explicit MemoryGroup(uint64_t limit) {
-    if (::geteuid() != 0) {
-      skip = "needs root to make a control group";
-      return;
-    }
-    std::string own;
-    std::ifstream in("/proc/self/cgroup");
-    for (std::string line; std::getline(in, line);) {
-      const size_t at = line.find(":memory:");
-      if (at != std::string::npos) own = line.substr(at + 8);
-    }
-    if (own.empty()) {
-      skip = "no cgroup v1 memory hierarchy";
-      return;
-    }
-    if (own == "/") own.clear();
-    static int made = 0;
-    const std::string dir = "/sys/fs/cgroup/memory" + own + "/weightd-test-" +
-                            std::to_string(::getpid()) + "-" + std::to_string(made++);
-    if (::mkdir(dir.c_str(), 0755) != 0) {
-      const int e = errno;
-      (e == ENOENT || e == EROFS || e == EACCES || e == EPERM ? skip : error) =
-          "cannot make a control group " + dir + ": " + std::strerror(e);
-      return;
-    }
-    path = dir;
-    testing::WriteFileText(path + "/memory.limit_in_bytes", std::to_string(limit));
-  }
-  ~MemoryGroup() {
-    if (!path.empty()) ::rmdir(path.c_str());
-  }
-  // What runs a command in the group. Under AddressSanitizer, with a small
-  // quarantine and no leak check at exit: freed memory the sanitizer holds
-  // back, and the leak checker's own at exit, count against the limit too,
-  // and under a parallel test run pushed these processes over it (an
-  // engine killed after it had refused its copy). The limits are for
-  // weightd's memory; a build without the sanitizer ignores the variable.
-  std::vector<std::string> Prefix() const {
-    return {"sh", "-c",
-            "echo $$ > " + path +
-                "/cgroup.procs && export ASAN_OPTIONS=\"${ASAN_OPTIONS:+$ASAN_OPTIONS:}"
-                "quarantine_size_mb=8:detect_leaks=0\" && exec \"$@\"",
-            "sh"};
-  }
-  // How many processes the kernel killed for the group's memory.
-  int OomKills() const {
-    std::ifstream in(path + "/memory.oom_control");
-    for (std::string key, value; in >> key >> value;) {
-      if (key == "oom_kill") return std::stoi(value);
-    }
-    return -1;
-  }
-};
-
 TEST_F(DaemonTest, TheDefaultHostBudgetIsHalfOfTheControlGroupsLimit) {
   MemoryGroup group(3ull << 30);
   if (!group.skip.empty()) GTEST_SKIP() << group.skip;

@@ -261,6 +261,48 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }
 
+// Two preloads at once, in a control group with room for both: the second
+// is weighed against what the first has still to take, not against all of
+// its reservation again, since the pages it has written are out of the
+// kernel's figure already. (In a group of 512 MiB, of which 64 are kept
+// for the daemon: once the first, of 240 MiB, has written 60% of it, its
+// pages counted twice would leave 64 MiB at most for the second, of 110
+// MiB, however little the daemon itself held.)
+TEST(Latencyfs, APreloadBesideAnotherInProgressCountsItsWrittenPagesOnce) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  testing::MemoryGroup group(512ull << 20);
+  if (!group.skip.empty()) GTEST_SKIP() << group.skip;
+  ASSERT_EQ(group.error, "");
+  // 240 MiB through at 30 MB/s: a load of some eight seconds.
+  SlowCheckpoint slow("0", "30M", {.preset = "llama", .size_bytes = 235 << 20});
+  ASSERT_TRUE(slow.ready());
+  const std::string second_model = slow.Join("second"), sock = slow.sock();
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(
+                  second_model, {.preset = "llama", .seed = 2, .size_bytes = 108 << 20})
+                  .ok());
+  // A budget above the group's limit: only the kernel's figure can refuse.
+  testing::Process daemon({"serve", "--socket-dir", sock, "--budget", "host=2G"}, group.Prefix());
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  testing::Process first({"preload", slow.mnt() + "/m", "--socket-dir", sock});
+  auto loading = [&] {
+    auto r = testing::RunWeightd({"status", "--json", "--socket-dir", sock});
+    return r.exit_code == 0 ? nlohmann::json::parse(r.out).value("loading", nlohmann::json())
+                            : nlohmann::json();
+  };
+  ASSERT_TRUE(testing::Eventually([&] {
+    const nlohmann::json l = loading();
+    return l.is_array() && !l.empty() && l[0].value("total", 0ull) > 0 &&
+           l[0].value("done", 0ull) * 10 >= l[0].value("total", 0ull) * 6;
+  })) << daemon.err();
+  auto second = testing::RunWeightd({"preload", second_model, "--socket-dir", sock});
+  EXPECT_EQ(second.exit_code, 0) << second.err << daemon.err();
+  EXPECT_FALSE(loading().empty()) << "the first load ended first: the test proves nothing";
+  EXPECT_EQ(first.Wait(), 0) << first.err();
+  EXPECT_EQ(group.OomKills(), 0);
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+}
+
 // An engine that waits for a load and is killed meanwhile frees the
 // daemon's thread at once, not when the load ends (up to an hour of wait).
 TEST(Latencyfs, AnEngineKilledWhileItWaitsForALoadEndsItsWait) {

@@ -211,6 +211,31 @@ TEST(HostSegment, GatheredWritesLandInOrder) {
   }
 }
 
+// What a daemon weighs its reservations against: the memory a segment
+// holds so far, read from any thread, after the segment is gone too.
+TEST(HostSegment, HeldProbeReadsThePagesWrittenSoFar) {
+  constexpr uint64_t kMiB = 1 << 20;
+  auto seg = memory::CreateHostSegment(8 * kMiB, "test",
+                                       {.try_huge_pages = false, .transparent_huge_pages = false});
+  ASSERT_TRUE(seg.ok());
+  auto held = (*seg)->HeldProbe();
+  EXPECT_EQ(held(), 0u);
+  std::vector<std::byte> bytes(3 * kMiB, std::byte{1});
+  ASSERT_TRUE((*seg)->Write(kMiB, bytes).ok());
+  // Whole 2 MiB folios where the kernel's policy for shared memory puts
+  // them in anyway.
+  const std::string policy = memory::ShmemHugePagePolicy();
+  if (policy == "always" || policy == "force" || policy == "within_size") {
+    EXPECT_GE(held(), 3 * kMiB);
+    EXPECT_LE(held(), 8 * kMiB);
+  } else {
+    EXPECT_EQ(held(), 3 * kMiB);
+  }
+  const uint64_t before = held();
+  seg->reset();
+  EXPECT_EQ(held(), before);
+}
+
 using testing::HugePagePool;
 
 // In the child: a segment from the pool, filled from two threads, holes

@@ -158,6 +158,38 @@ TEST(Registry, IdleModelsAreEvictedForRoomTheKernelLacksAndThenItRefuses) {
   EXPECT_TRUE(r.Reserve("host", 8 * kMiB, &evicted).ok());
 }
 
+// What a load in progress has written is out of the kernel's figure
+// already: only the rest of its reservation is counted as still to come,
+// not the whole of it again.
+TEST(Registry, PagesALoadInProgressHoldsAreNotCountedTwice) {
+  Registry::Room room{100 * kMiB, 10 * kMiB, "the control group's limit of 1.00 GiB in F"};
+  Registry r(1024 * kMiB, [&] { return std::optional(room); });
+  ASSERT_TRUE(r.Reserve("host", 60 * kMiB, nullptr).ok());
+  // It has written 50 of its 60 MiB: the kernel gives 50 more, of which
+  // 10 are kept and 10 still to come: 30 usable.
+  room.free = 50 * kMiB;
+  room.filled = 50 * kMiB;
+  EXPECT_TRUE(r.Reserve("host", 30 * kMiB, nullptr).ok());
+  r.Unreserve("host", 30 * kMiB);
+  auto refused = r.Reserve("host", 31 * kMiB, nullptr);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find(
+                "and 10.00 MiB are counted for loads in progress (preload again when they end)"),
+            std::string::npos)
+      << refused.error().message();
+  // Unknown (no probe): the whole reservation is still to come.
+  room.filled = 0;
+  EXPECT_FALSE(r.Reserve("host", 30 * kMiB, nullptr).ok());
+  // A figure above the reservations (a load that published meanwhile)
+  // leaves nothing to come, never less: 50 - 10 kept leave 40.
+  room.filled = 80 * kMiB;
+  EXPECT_FALSE(r.Reserve("host", 41 * kMiB, nullptr).ok());
+  ASSERT_TRUE(r.Reserve("host", 40 * kMiB, nullptr).ok());
+  // 100 MiB reserved, 80 held: 20 to come.
+  EXPECT_FALSE(r.Reserve("host", 21 * kMiB, nullptr).ok());
+  EXPECT_TRUE(r.Reserve("host", 20 * kMiB, nullptr).ok());
+}
+
 // Room taken by a load still in progress is named as such: evicting
 // cannot help, that load's end can.
 TEST(Registry, ARefusalNamesLoadsInProgressApart) {

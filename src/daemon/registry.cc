@@ -146,11 +146,14 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
     }
     if (device != "host" || !host_room) continue;
     const Room& room = *host_room;
-    // Loads in progress may not have taken their reservations' pages yet:
-    // counted as taken (they may have, in part: then twice).
+    // Loads in progress take the rest of their reservations' pages as
+    // they go: counted as taken, less what the kernel's figure showed them
+    // holding already. One that ended since gave its pages back or
+    // published them (counted in `since`).
     const uint64_t since = a.published_bytes - published_before;
+    const uint64_t to_come = a.reserved - std::min(a.reserved, room.filled);
     uint64_t spoken_for = 0;
-    if (__builtin_add_overflow(a.reserved, room.keep, &spoken_for) ||
+    if (__builtin_add_overflow(to_come, room.keep, &spoken_for) ||
         __builtin_add_overflow(spoken_for, since, &spoken_for)) {
       spoken_for = UINT64_MAX;
     }
@@ -163,8 +166,8 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
                         ", within the budget, but the kernel would give " +
                         protocol::FormatBytes(room.free) + " more (" + room.what + "), of which " +
                         protocol::FormatBytes(room.keep) + " are kept for the daemon itself";
-      if (a.reserved > 0) {
-        why += " and " + protocol::FormatBytes(a.reserved) +
+      if (to_come > 0) {
+        why += " and " + protocol::FormatBytes(to_come) +
                " are counted for loads in progress (preload again when they end)";
       }
       if (idle_room > 0) why += "; idle models would free only " + protocol::FormatBytes(idle_room);

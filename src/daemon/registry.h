@@ -80,6 +80,10 @@ class Registry {
     uint64_t free = 0;
     uint64_t keep = 0;
     std::string what;
+    // Of the reservations of loads in progress, the bytes their segments
+    // hold already, read before `free` (which then lacks them): not counted
+    // as still to come.
+    uint64_t filled = 0;
   };
   using RoomProbe = std::function<std::optional<Room>()>;
 

@@ -182,8 +182,9 @@ std::optional<Registry::Room> HostRoom() {
 struct Server::State {
   explicit State(ServerOptions o)
       : options(std::move(o)),
-        registry(options.host_budget,
-                 options.check_host_room ? Registry::RoomProbe(HostRoom) : Registry::RoomProbe()) {}
+        registry(options.host_budget, options.check_host_room
+                                          ? Registry::RoomProbe([this] { return HostRoomNow(); })
+                                          : Registry::RoomProbe()) {}
 
   // A connection, between its requests and while one is handled.
   struct Connection {
@@ -241,6 +242,9 @@ struct Server::State {
     std::chrono::steady_clock::time_point since;
     uint64_t done = 0;
     uint64_t total = 0;
+    // By rank, until it is published: what its host segment holds so far,
+    // and at most (its reservation).
+    std::map<int, std::pair<std::function<uint64_t()>, uint64_t>> held = {};
   };
   std::mutex loads_mu;  // guards loads_under_way and next_load
   std::map<uint64_t, Loading> loads_under_way;
@@ -265,11 +269,43 @@ struct Server::State {
       l.done = done;
       l.total = total;
     }
+    // Rank `rank` fills `segment`, made within its reservation.
+    void Fills(int rank, const memory::Segment& segment) {
+      auto probe = segment.HeldProbe();
+      std::lock_guard lock(s_.loads_mu);
+      s_.loads_under_way.at(id_).held[rank] = {std::move(probe), segment.reserved_bytes()};
+    }
+    // Before rank `rank`'s reservation goes to Publish.
+    void Publishing(int rank) {
+      std::lock_guard lock(s_.loads_mu);
+      s_.loads_under_way.at(id_).held.erase(rank);
+    }
 
    private:
     State& s_;
     uint64_t id_ = 0;
   };
+  // What loads in progress hold of their reservations' host memory now.
+  uint64_t FilledByLoads() {
+    std::lock_guard lock(loads_mu);
+    uint64_t filled = 0;
+    for (const auto& [id, load] : loads_under_way) {
+      for (const auto& [rank, probe] : load.held) {
+        // Within the reservations, whose sum the registry holds: no overflow.
+        filled += std::min(probe.first(), probe.second);
+      }
+    }
+    return filled;
+  }
+  // The kernel's figure as a reservation is weighed against it: what
+  // loads in progress hold is read first, so that the figure lacks all of
+  // it (it may lack more: pages taken between the two reads count twice).
+  std::optional<Registry::Room> HostRoomNow() {
+    const uint64_t filled = FilledByLoads();
+    std::optional<Registry::Room> room = HostRoom();
+    if (room) room->filled = filled;
+    return room;
+  }
   // Run gave up waiting for some connection: its thread may still use the
   // state, which is then never freed.
   bool abandoned = false;
@@ -1715,6 +1751,10 @@ Result<json> Server::State::PreloadUnguarded(
   lo.segment_name = io::BaseName(path);
   lo.processing = resolved;
   lo.ranks = missing;
+  // Listed in `status` while it reads, however the load ends; until each
+  // segment is published, what it holds is known to every reservation's
+  // room check (HostRoomNow).
+  ListedLoad listed(*this, path, asked_by);
   // Every rank is the same size. On the first rank, room for all of them is
   // reserved, on each device, or for none (no idle model evicted for a load
   // that cannot finish): on a GPU in its allocation granularity, as the
@@ -1753,11 +1793,11 @@ Result<json> Server::State::PreloadUnguarded(
     if (device.kind == memory::DeviceKind::kCuda) {
       return memory::CreateCudaSegment(bytes, device.uuid);
     }
-    return memory::CreateHostSegment(
+    auto made = memory::CreateHostSegment(
         bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""), host.options);
+    if (made.ok()) listed.Fills(rank, **made);
+    return made;
   };
-  // Listed in `status` while it reads, however the load ends.
-  ListedLoad listed(*this, path, asked_by);
   lo.progress = [&](uint64_t done, uint64_t total) {
     listed.Progress(done, total);
     if (progress) progress(done, total);
@@ -1840,6 +1880,7 @@ Result<json> Server::State::PreloadUnguarded(
     const bool on_gpu = devices[static_cast<size_t>(rank.rank)].kind == memory::DeviceKind::kCuda;
     if (on_gpu) model->manifest = manifest_copy;
     bytes += model->segment->size();
+    listed.Publishing(rank.rank);
     auto published = registry.Publish(std::move(model), reserved.ranks[i].second, group,
                                       &taken_from, /*inherit_name=*/pin.empty());
     reserved.Take(i);

@@ -11,6 +11,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <system_error>
 #include <thread>
@@ -120,6 +121,17 @@ class HostSegment final : public Segment {
   Result<UniqueFd> Export() const override {
     if (!sealed_) return Error("segment exported before it was sealed");
     return fd_.Duplicate();
+  }
+
+  std::function<uint64_t()> HeldProbe() const override {
+    if (huge_) return Segment::HeldProbe();
+    auto fd = fd_.Duplicate();
+    if (!fd.ok()) return Segment::HeldProbe();  // none counted: as if nothing were written
+    return [fd = std::make_shared<UniqueFd>(std::move(fd).value())] {
+      struct stat st;
+      // st_blocks counts 512-byte units of the pages a memfd holds.
+      return ::fstat(fd->get(), &st) == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : 0;
+    };
   }
 
  private:

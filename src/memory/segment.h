@@ -18,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -79,6 +80,14 @@ class Segment {
   // Where a GPU's segment is mapped in this process (its device address);
   // 0 for host memory.
   virtual uint64_t device_address() const { return 0; }
+  // Reads how many bytes of memory the segment takes so far (normal host
+  // memory: the pages written, which the kernel's figure of free memory
+  // already lacks; 0 where no such figure counts them: a GPU's, the
+  // huge-page pool's). Safe to call from any thread, after the segment is
+  // gone too (it keeps the memory it reads alive while it lives).
+  virtual std::function<uint64_t()> HeldProbe() const {
+    return [] { return uint64_t{0}; };
+  }
 
   // Copies `pieces`, one after another, into the segment from `offset`.
   // Calls on disjoint ranges may run at once, from many threads. An error
