@@ -1764,8 +1764,8 @@ TEST_F(DaemonTest, AnEngineGivesUpOnASilentDaemonAfterItsReplyTimeout) {
   daemon->Signal(SIGCONT);
   // The requests sent while it was stopped are answered to closed
   // connections; the daemon goes on serving.
-  EXPECT_EQ(Load(a, {"--reply-timeout", "0.25"})["source"], "daemon");
-  for (const char* bad : {"0", "-1", "nan", "3601"}) {
+  EXPECT_EQ(Load(a)["source"], "daemon");
+  for (const char* bad : {"0", "-1", "nan", "inf", "3601"}) {
     CommandResult r = Run({"load", a, "--reply-timeout", bad});
     EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.err;
   }

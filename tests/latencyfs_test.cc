@@ -266,19 +266,21 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
 // its reservation again, since the pages it has written are out of the
 // kernel's figure already. (In a group of 512 MiB, of which 64 are kept
 // for the daemon: once the first, of 240 MiB, has written 60% of it, its
-// pages counted twice would leave 64 MiB at most for the second, of 110
-// MiB, however little the daemon itself held.)
+// pages counted twice would leave 64 MiB at most for the second, of 80
+// MiB, however little the daemon itself held; counted once, 208 MiB less
+// the daemon's own memory, about 80 MiB under AddressSanitizer.)
 TEST(Latencyfs, APreloadBesideAnotherInProgressCountsItsWrittenPagesOnce) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
   testing::MemoryGroup group(512ull << 20);
   if (!group.skip.empty()) GTEST_SKIP() << group.skip;
   ASSERT_EQ(group.error, "");
-  // 240 MiB through at 30 MB/s: a load of some eight seconds.
-  SlowCheckpoint slow("0", "30M", {.preset = "llama", .size_bytes = 235 << 20});
+  // 240 MiB through at 24 MB/s: a load of some ten seconds, four of them
+  // left for the second preload.
+  SlowCheckpoint slow("0", "24M", {.preset = "llama", .size_bytes = 235 << 20});
   ASSERT_TRUE(slow.ready());
   const std::string second_model = slow.Join("second"), sock = slow.sock();
   ASSERT_TRUE(format::WriteSyntheticCheckpoint(
-                  second_model, {.preset = "llama", .seed = 2, .size_bytes = 108 << 20})
+                  second_model, {.preset = "llama", .seed = 2, .size_bytes = 78 << 20})
                   .ok());
   // A budget above the group's limit: only the kernel's figure can refuse.
   testing::Process daemon({"serve", "--socket-dir", sock, "--budget", "host=2G"}, group.Prefix());

@@ -4,7 +4,9 @@
 
 #include <gtest/gtest.h>
 
+#include <functional>
 #include <thread>
+#include <utility>
 
 namespace weightd::daemon {
 namespace {
@@ -188,6 +190,30 @@ TEST(Registry, PagesALoadInProgressHoldsAreNotCountedTwice) {
   // 100 MiB reserved, 80 held: 20 to come.
   EXPECT_FALSE(r.Reserve("host", 21 * kMiB, nullptr).ok());
   EXPECT_TRUE(r.Reserve("host", 20 * kMiB, nullptr).ok());
+}
+
+// A load that ends while a reservation is weighed (after the probe saw
+// what loads hold, before the registry's lock): its pages may already show
+// as free in the kernel's figure while the probe counted them held, so
+// what ended meanwhile counts as taken; room is never counted twice.
+TEST(Registry, ALoadEndingDuringTheCheckLeavesNoRoomCountedTwice) {
+  Registry::Room room{200 * kMiB, 10 * kMiB, "the control group's limit of 1.00 GiB in F"};
+  std::function<void()> meanwhile;
+  Registry r(1024 * kMiB, [&] {
+    if (meanwhile) std::exchange(meanwhile, nullptr)();
+    return std::optional(room);
+  });
+  ASSERT_TRUE(r.Reserve("host", 60 * kMiB, nullptr).ok());  // x
+  ASSERT_TRUE(r.Reserve("host", 60 * kMiB, nullptr).ok());  // y
+  // x has written 50 MiB and y 10; then x fails, its pages freed: of the
+  // 100 MiB the kernel gives, 10 are kept and y's 50 still to come.
+  room.free = 100 * kMiB;
+  room.filled = 60 * kMiB;
+  meanwhile = [&] { r.Unreserve("host", 60 * kMiB); };
+  EXPECT_FALSE(r.Reserve("host", 45 * kMiB, nullptr).ok());
+  // Once x's end is behind the check, y alone is counted.
+  room.filled = 10 * kMiB;
+  EXPECT_TRUE(r.Reserve("host", 40 * kMiB, nullptr).ok());
 }
 
 // Room taken by a load still in progress is named as such: evicting

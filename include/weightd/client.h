@@ -107,8 +107,10 @@ struct AcquireOptions {
   // How long a request waits for the daemon's answer before the call gives
   // up on the daemon (and falls back, with fallback): a daemon stopped
   // (SIGSTOP) or hung accepts connections and never answers. Not a bound
-  // on a load the engine was told to wait for, which comes on top. Above
-  // 0 and at most an hour; anything else (0, nan) means the default.
+  // on a load the engine was told to wait for, which comes on top. A
+  // connect to a daemon whose queue of connections is full waits no longer
+  // either (10 s at most). Above 0, an hour at most (more means an hour);
+  // 0, less or nan mean the default.
   double reply_timeout_seconds = 30;
   // After a miss, ask the daemon to preload the checkpoint for next time.
   bool populate = false;

@@ -36,7 +36,15 @@ constexpr double kMaxReplyTimeoutSeconds = 3600;
 // AcquireOptions::reply_timeout_seconds as this call uses it.
 double ReplyTimeoutSeconds(const AcquireOptions& o) {
   const double t = o.reply_timeout_seconds;
-  return t > 0 && t <= kMaxReplyTimeoutSeconds ? t : kDefaultReplyTimeoutSeconds;
+  return t > 0 ? std::min(t, kMaxReplyTimeoutSeconds)
+               : kDefaultReplyTimeoutSeconds;  // nan: > fails
+}
+
+// How long a connect waits for a daemon whose queue of connections is
+// full (stopped, hung, or swamped): no longer than an answer is waited for.
+int BusyConnectTimeoutMs(const AcquireOptions& o) {
+  return static_cast<int>(
+      std::min<double>(protocol::kConnectBusyTimeoutMs, std::ceil(ReplyTimeoutSeconds(o) * 1000)));
 }
 
 // Private, page-aligned memory for `copy` mode.
@@ -231,7 +239,7 @@ Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
   auto received = ch.Receive(timeout_ms);
   if (!received.ok() && received.error().message() == protocol::Channel::kTimedOut) {
     char waited[32];
-    std::snprintf(waited, sizeof waited, "%g", timeout_ms / 1000.0);
+    std::snprintf(waited, sizeof waited, "%g", reply_seconds + extra_seconds);
     return Error(std::string("the daemon did not answer within ") + waited +
                  " s: stopped (SIGSTOP), or too busy? `weightd status` shows whether it serves");
   }
@@ -271,7 +279,8 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     }
     ~CountWait() { Stop(); }
   } count_wait{miss.waited, started, wait > 0};
-  auto ch = protocol::ConnectToDaemonWaiting(protocol::SocketDirectory(o.socket_dir), wait);
+  auto ch = protocol::ConnectToDaemonWaiting(protocol::SocketDirectory(o.socket_dir), wait, nullptr,
+                                             BusyConnectTimeoutMs(o));
   if (!ch.ok()) {
     miss.kind = MissKind::kNoDaemon;
     miss.reason = "no daemon: " + ch.error().message();
@@ -488,7 +497,8 @@ void AskToPopulate(const LoadSpec& spec, const protocol::Processing& p, const Ac
     if (!plan.ok()) return cannot(plan.error());
     absolute.shard_plan = *plan;
   }
-  auto ch = protocol::ConnectToDaemon(protocol::SocketDirectory(o.socket_dir));
+  auto ch =
+      protocol::ConnectToDaemon(protocol::SocketDirectory(o.socket_dir), BusyConnectTimeoutMs(o));
   if (!ch.ok()) return cannot(ch.error());
   json request = {{"type", "preload"},
                   {"path", protocol::PathToJson(*real)},

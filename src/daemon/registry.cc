@@ -75,17 +75,20 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
                          std::vector<Eviction>* evicted, bool weigh_room) {
   // The kernel's figure first, without the registry's lock: reading it
   // takes a few files (a long mountinfo, a control group's statistics),
-  // and acquires must not wait for that. A load that publishes meanwhile
-  // takes its bytes out of `reserved`, while a figure read before may not
-  // show all its pages yet: what was published since is counted as taken.
+  // and acquires must not wait for that. A load that ends meanwhile takes
+  // its bytes out of `reserved`, while the figure (and what the probe saw
+  // loads in progress hold) may have been read before: published, the
+  // figure may not show all its pages yet; given back, the probe may have
+  // counted pages the figure then showed free. What ended since is
+  // counted as taken.
   std::optional<Room> host_room;
-  uint64_t published_before = 0;
+  uint64_t ended_before = 0;
   const bool for_host = std::any_of(needs.begin(), needs.end(),
                                     [](const auto& need) { return need.first == "host"; });
   if (weigh_room && for_host && host_room_) {
     {
       std::lock_guard lock(mu_);
-      published_before = accounts_["host"].published_bytes;
+      ended_before = accounts_["host"].ended_bytes;
     }
     host_room = host_room_();
   }
@@ -148,9 +151,8 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
     const Room& room = *host_room;
     // Loads in progress take the rest of their reservations' pages as
     // they go: counted as taken, less what the kernel's figure showed them
-    // holding already. One that ended since gave its pages back or
-    // published them (counted in `since`).
-    const uint64_t since = a.published_bytes - published_before;
+    // holding already.
+    const uint64_t since = a.ended_bytes - ended_before;
     const uint64_t to_come = a.reserved - std::min(a.reserved, room.filled);
     uint64_t spoken_for = 0;
     if (__builtin_add_overflow(to_come, room.keep, &spoken_for) ||
@@ -212,6 +214,7 @@ void Registry::Unreserve(const std::string& device, uint64_t bytes) {
   std::lock_guard lock(mu_);
   Account& a = AccountLocked(device);
   a.reserved -= std::min(a.reserved, bytes);
+  a.ended_bytes += bytes;
 }
 
 std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> model,
@@ -251,7 +254,7 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
   Account& a = AccountLocked(published->key.device);
   a.reserved -= std::min(a.reserved, reserved_bytes);
   a.used += published->segment->reserved_bytes();
-  a.published_bytes += reserved_bytes;
+  a.ended_bytes += reserved_bytes;
   models_.push_back(published);
   return published;
 }

@@ -205,7 +205,6 @@ class Registry {
     // last of them lets go.
     uint64_t evicted_leased = 0;
     uint64_t evicted_leased_models = 0;
-    uint64_t published_bytes = 0;  // reservations made use, all told
   };
   struct Snapshot {
     std::vector<std::shared_ptr<ResidentModel>> models;
@@ -247,7 +246,8 @@ class Registry {
     uint64_t reserved = 0;
     uint64_t evicted_leased = 0;  // of `used`
     uint64_t evicted_leased_models = 0;
-    uint64_t published_bytes = 0;  // reservations made use, all told
+    // Reservations that ended, all told: made use of, or given back.
+    uint64_t ended_bytes = 0;
   };
   // REQUIRES: mu_ held.
   Account& AccountLocked(const std::string& device) { return accounts_[device]; }

@@ -13,6 +13,7 @@
 #include <fstream>
 #include <memory>
 #include <optional>
+#include <string>
 #include <system_error>
 #include <thread>
 #include <vector>
@@ -40,6 +41,15 @@ std::string Errno(const std::string& what) { return what + ": " + std::strerror(
 uint64_t RoundUp(uint64_t n, uint64_t to) {
   if (n > UINT64_MAX - (to - 1)) return UINT64_MAX;
   return (n + to - 1) / to * to;
+}
+
+// Whether the kernel has swap space in use (a line in /proc/swaps past its
+// header); when it cannot tell, as if it had.
+bool SwapIsOn() {
+  std::ifstream swaps("/proc/swaps");
+  std::string header, device;
+  if (!std::getline(swaps, header)) return true;
+  return static_cast<bool>(swaps >> device);
 }
 
 class HostSegment final : public Segment {
@@ -127,9 +137,12 @@ class HostSegment final : public Segment {
     if (huge_) return Segment::HeldProbe();
     auto fd = fd_.Duplicate();
     if (!fd.ok()) return Segment::HeldProbe();  // none counted: as if nothing were written
-    return [fd = std::make_shared<UniqueFd>(std::move(fd).value())] {
+    return [fd = std::make_shared<UniqueFd>(std::move(fd).value())]() -> uint64_t {
+      // st_blocks counts 512-byte units of the pages a memfd holds, those
+      // swapped out too, which no figure of free memory lacks: none is
+      // counted where swap is on.
+      if (SwapIsOn()) return 0;
       struct stat st;
-      // st_blocks counts 512-byte units of the pages a memfd holds.
       return ::fstat(fd->get(), &st) == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : 0;
     };
   }

@@ -82,9 +82,10 @@ class Segment {
   virtual uint64_t device_address() const { return 0; }
   // Reads how many bytes of memory the segment takes so far (normal host
   // memory: the pages written, which the kernel's figure of free memory
-  // already lacks; 0 where no such figure counts them: a GPU's, the
-  // huge-page pool's). Safe to call from any thread, after the segment is
-  // gone too (it keeps the memory it reads alive while it lives).
+  // already lacks; 0 where no such figure counts them, a GPU's or the
+  // huge-page pool's, and where swap is on, since pages swapped out would
+  // count). Safe to call from any thread, after the segment is gone too
+  // (it keeps the memory it reads alive while it lives).
   virtual std::function<uint64_t()> HeldProbe() const {
     return [] { return uint64_t{0}; };
   }

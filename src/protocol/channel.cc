@@ -350,16 +350,16 @@ Result<Channel> ConnectToDaemon(const std::string& socket_dir, int busy_timeout_
 }
 
 Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds,
-                                       bool* nobody_there) {
+                                       bool* nobody_there, int busy_timeout_ms) {
   constexpr auto kRetry = std::chrono::milliseconds(50);
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_seconds);
   while (true) {
     const std::chrono::duration<double> left = deadline - std::chrono::steady_clock::now();
-    const int busy =
-        wait_seconds <= 0
-            ? kConnectBusyTimeoutMs
-            : static_cast<int>(std::clamp(left.count() * 1000, 0.0, double{kConnectBusyTimeoutMs}));
+    const int busy = wait_seconds <= 0
+                         ? busy_timeout_ms
+                         : static_cast<int>(std::clamp(left.count() * 1000, 0.0,
+                                                       static_cast<double>(busy_timeout_ms)));
     auto ch = ConnectToDaemon(socket_dir, busy, nobody_there);
     if (ch.ok() || wait_seconds <= 0) return ch;
     if (std::chrono::steady_clock::now() >= deadline) {

@@ -101,10 +101,12 @@ Result<Channel> ConnectToDaemon(const std::string& socket_dir,
                                 bool* nobody_there = nullptr);
 
 // The same, tried again for up to `wait_seconds` (a daemon that is
-// starting): each try's busy timeout is what is left of the wait, 10 s at
-// most (10 s when not waiting); an error says how long it waited.
+// starting): each try's busy timeout is what is left of the wait,
+// `busy_timeout_ms` at most (that when not waiting); an error says how
+// long it waited.
 Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds,
-                                       bool* nobody_there = nullptr);
+                                       bool* nobody_there = nullptr,
+                                       int busy_timeout_ms = kConnectBusyTimeoutMs);
 
 // A list for a reply whose length the daemon does not choose (every
 // resident model, every model an `evict all` dropped): the entries, in
