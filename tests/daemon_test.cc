@@ -13,6 +13,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstddef>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -959,6 +960,105 @@ TEST_F(DaemonTest, QuietConnectionsHoldNoThreadAndThoseWithoutLeasesAreClosed) {
   // A parked engine's close is seen: its lease goes back.
   views.clear();
   EXPECT_TRUE(Eventually([&] { return TotalLeases() == 0; })) << Status().dump();
+}
+
+// A socket as systemd's service manager listens on for a service's
+// notifications ($NOTIFY_SOCKET): a path, or an abstract name after `@`.
+class NotifySocket {
+ public:
+  explicit NotifySocket(const std::string& name) : name_(name) {
+    fd_.Reset(::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0));
+    sockaddr_un addr{};
+    addr.sun_family = AF_UNIX;
+    std::memcpy(addr.sun_path, name.data(), std::min(name.size(), sizeof addr.sun_path - 1));
+    const bool abstract = name.starts_with("@");
+    if (abstract) addr.sun_path[0] = '\0';
+    const auto len =
+        static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + name.size() + (abstract ? 0 : 1));
+    if (::bind(fd_.get(), reinterpret_cast<sockaddr*>(&addr), len) != 0) {
+      error_ = std::strerror(errno);
+    }
+  }
+  ~NotifySocket() {
+    if (!name_.starts_with("@")) ::unlink(name_.c_str());
+  }
+  const std::string& error() const { return error_; }
+  // The next notification, waited for up to 30 s.
+  std::string Receive() {
+    pollfd p{fd_.get(), POLLIN, 0};
+    char buf[1024];
+    const ssize_t n = ::poll(&p, 1, 30'000) == 1 ? ::recv(fd_.get(), buf, sizeof buf, 0) : -1;
+    return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string("(nothing)");
+  }
+
+ private:
+  std::string name_, error_;
+  memory::UniqueFd fd_;
+};
+
+// Under systemd (a unit of Type=notify) the daemon says READY=1 on the
+// socket $NOTIFY_SOCKET names once it serves, and STOPPING=1 as a stop
+// begins.
+TEST_F(DaemonTest, ASupervisorIsToldWhenTheDaemonIsReadyAndWhenItStops) {
+  for (const std::string& name :
+       {dir_.Join("notify"), "@weightd-test-notify-" + std::to_string(::getpid())}) {
+    SCOPED_TRACE(name);
+    NotifySocket supervisor(name);
+    ASSERT_EQ(supervisor.error(), "");
+    Process daemon({"serve", "--socket-dir", sock_}, {"env", "NOTIFY_SOCKET=" + name});
+    ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+    EXPECT_EQ(supervisor.Receive(), "READY=1\nMAINPID=" + std::to_string(daemon.pid()) +
+                                        "\nSTATUS=serving " + protocol::SocketPath(sock_));
+    EXPECT_EQ(Run({"status"}).exit_code, 0);
+    daemon.Signal(SIGTERM);
+    EXPECT_EQ(supervisor.Receive(), "STOPPING=1");
+    EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+  }
+  // Not a socket it can use: said, and it serves all the same.
+  Process daemon({"serve", "--socket-dir", sock_}, {"env", "NOTIFY_SOCKET=relative/notify"});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+  EXPECT_NE(daemon.err().find("NOTIFY_SOCKET: `relative/notify` is not a socket path; the "
+                              "supervisor will not be told when this daemon is ready"),
+            std::string::npos)
+      << daemon.err();
+  EXPECT_EQ(Run({"status"}).exit_code, 0);
+}
+
+// deploy/weightd.service, with this build's binary: a unit systemd takes
+// without a word, whose command starts a daemon that says when it is ready.
+TEST_F(DaemonTest, TheSystemdUnitIsValidAndItsDaemonSaysReady) {
+  std::ifstream in(testing::SourceDir() + "/deploy/weightd.service");
+  std::stringstream read;
+  read << in.rdbuf();
+  std::string unit = read.str();
+  const std::string kBinary = "/usr/local/bin/weightd";
+  const size_t binary = unit.find(kBinary);
+  ASSERT_NE(binary, std::string::npos) << "no ExecStart of " << kBinary;
+  unit.replace(binary, kBinary.size(), WEIGHTD_BINARY);
+  const std::string copy = dir_.Join("weightd.service");
+  testing::WriteFileText(copy, unit);
+  CommandResult verified = testing::RunCommand({"systemd-analyze", "verify", copy});
+  EXPECT_EQ(verified.exit_code, 0) << verified.err << "(scripts/bootstrap installs systemd)";
+  EXPECT_EQ(verified.err, "") << "systemd has something to say about the unit";
+  // Its ExecStart, with the test's socket directory for systemd's.
+  std::istringstream lines(unit);
+  std::vector<std::string> command;
+  for (std::string line; std::getline(lines, line);) {
+    if (!line.starts_with("ExecStart=")) continue;
+    std::istringstream words(line.substr(std::strlen("ExecStart=")));
+    for (std::string w; words >> w;) command.push_back(w == "/run/weightd" ? sock_ : w);
+  }
+  ASSERT_GE(command.size(), 2u);
+  ASSERT_EQ(command[0], WEIGHTD_BINARY);
+  ASSERT_EQ(command[1], "serve");
+  NotifySocket supervisor(dir_.Join("notify"));
+  ASSERT_EQ(supervisor.error(), "");
+  Process daemon(std::vector<std::string>(command.begin() + 1, command.end()),
+                 {"env", "NOTIFY_SOCKET=" + dir_.Join("notify")});
+  EXPECT_TRUE(supervisor.Receive().starts_with("READY=1\n")) << daemon.err();
+  EXPECT_EQ(Run({"status"}).exit_code, 0);
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }
 
 // With --json, what a supervisor or a log shipper reads is JSON: the ready

@@ -111,13 +111,17 @@ class RestoreEnvironment : public ::testing::EmptyTestEventListener {
 }  // namespace
 
 CommandResult RunWeightd(const std::vector<std::string>& args, const std::string& cwd) {
+  std::vector<std::string> all = {WEIGHTD_BINARY};
+  all.insert(all.end(), args.begin(), args.end());
+  return RunCommand(all, cwd);
+}
+
+CommandResult RunCommand(std::vector<std::string> all, const std::string& cwd) {
   TempDir io;
   const std::string out_path = io.Join("stdout"), err_path = io.Join("stderr");
   const pid_t parent = ::getpid();
   // Built before the fork: a test's other threads may hold the allocator's
   // locks at that moment, and the child would wait for them for ever.
-  std::vector<std::string> all = {WEIGHTD_BINARY};
-  all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : all) argv.push_back(a.data());
   argv.push_back(nullptr);
@@ -130,7 +134,7 @@ CommandResult RunWeightd(const std::vector<std::string>& args, const std::string
     ::dup2(out, 1);
     ::dup2(err, 2);
     if (!cwd.empty() && ::chdir(cwd.c_str()) != 0) ::_exit(127);
-    ::execv(argv[0], argv.data());
+    ::execvp(argv[0], argv.data());
     ::_exit(127);
   }
   int status = 0;

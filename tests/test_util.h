@@ -50,6 +50,8 @@ struct CommandResult {
 
 // Runs the weightd binary under test with `args`, in `cwd` when given.
 CommandResult RunWeightd(const std::vector<std::string>& args, const std::string& cwd = "");
+// Runs the program `args[0]` (found on $PATH) with the rest as arguments.
+CommandResult RunCommand(std::vector<std::string> args, const std::string& cwd = "");
 
 // The weightd binary running in the background (a daemon, an engine that
 // holds its weights), its output going to files.

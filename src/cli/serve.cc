@@ -2,11 +2,14 @@
 // an operator sends it.
 #include <malloc.h>
 #include <signal.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cerrno>
 #include <chrono>
+#include <cstddef>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -38,8 +41,49 @@ using nlohmann::json;
 
 daemon::Server* running_server = nullptr;
 
+// The readiness protocol of systemd's Type=notify units: datagrams to the
+// socket $NOTIFY_SOCKET names (a path, or an abstract name after `@`),
+// READY=1 once the daemon serves and STOPPING=1 as a stop begins, so that
+// engines ordered after the unit start once they can be served. Opened
+// before the signal handlers are in place: the handler only sends, and
+// sendto is safe in a signal handler.
+class Supervisor {
+ public:
+  // Why $NOTIFY_SOCKET cannot be used; empty when it can, or is not set.
+  std::string Open() {
+    const char* name = std::getenv("NOTIFY_SOCKET");
+    if (name == nullptr || *name == '\0') return "";
+    const size_t len = std::strlen(name);
+    if (name[0] != '/' && name[0] != '@') return "`" + std::string(name) + "` is not a socket path";
+    if (len >= sizeof addr_.sun_path) return "`" + std::string(name) + "` is too long a path";
+    addr_.sun_family = AF_UNIX;
+    std::memcpy(addr_.sun_path, name, len);
+    if (name[0] == '@') addr_.sun_path[0] = '\0';
+    // A path's terminating zero is counted; an abstract name has none.
+    addr_len_ =
+        static_cast<socklen_t>(offsetof(sockaddr_un, sun_path) + len + (name[0] == '/' ? 1 : 0));
+    fd_ = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    return fd_ >= 0 ? "" : std::string("no socket: ") + std::strerror(errno);
+  }
+  bool wanted() const { return fd_ >= 0; }
+  // Whether the supervisor's socket took `message`.
+  bool Send(const char* message, size_t len) const {
+    return fd_ >= 0 &&
+           ::sendto(fd_, message, len, MSG_NOSIGNAL, reinterpret_cast<const sockaddr*>(&addr_),
+                    addr_len_) == static_cast<ssize_t>(len);
+  }
+
+ private:
+  int fd_ = -1;
+  sockaddr_un addr_{};
+  socklen_t addr_len_ = 0;
+};
+Supervisor supervisor;
+
 void OnSignal(int signal) {
   const int saved = errno;  // whatever the interrupted code was about to read
+  static constexpr char kStopping[] = "STOPPING=1";
+  supervisor.Send(kStopping, sizeof kStopping - 1);
   if (running_server != nullptr) running_server->RequestStop(signal);
   errno = saved;
 }
@@ -272,6 +316,11 @@ int RunServe(ServeOptions o) {
   // In place before the socket is bound: a stop asked for while it starts
   // is taken too (Run then returns at once and removes the socket).
   running_server = &server;
+  if (std::string why = supervisor.Open(); !why.empty()) {
+    notes.push_back("NOTIFY_SOCKET: " + why +
+                    "; the supervisor will not be told when this daemon "
+                    "is ready");
+  }
   struct sigaction sa {};
   sa.sa_handler = OnSignal;
   ::sigaction(SIGTERM, &sa, nullptr);
@@ -312,6 +361,12 @@ int RunServe(ServeOptions o) {
       so.log("ready, but the ready line could not be written to stdout: " +
              std::string(errno != 0 ? std::strerror(errno) : "an error of the stream"));
       std::cout.clear();
+    }
+    const std::string ready = "READY=1\nMAINPID=" + std::to_string(::getpid()) +
+                              "\nSTATUS=serving " + protocol::SocketPath(so.socket_dir);
+    if (supervisor.wanted() && !supervisor.Send(ready.data(), ready.size())) {
+      so.log("ready, but the supervisor could not be told so through NOTIFY_SOCKET: " +
+             std::string(std::strerror(errno)));
     }
   }
   // Models from the config load in the background: engines may ask (and
@@ -406,8 +461,10 @@ Command AddServeCommand(CLI::App& root) {
       "serve",
       "Run the daemon in the foreground. It keeps preloaded models in sealed memory segments\n"
       "and hands them to engines of the same user over a Unix socket. Prints one `ready` line\n"
-      "on stdout when it accepts requests; logs every acquire, miss and eviction on stderr.\n"
-      "SIGTERM, SIGINT or SIGHUP stops it (engines keep the weights they have mapped).");
+      "on stdout when it accepts requests (and, where $NOTIFY_SOCKET is set, tells systemd\n"
+      "READY=1: a unit of Type=notify, see deploy/weightd.service); logs every acquire, miss\n"
+      "and eviction on stderr. SIGTERM, SIGINT or SIGHUP stops it (engines keep the weights\n"
+      "they have mapped).");
   app->add_option("--socket-dir", o->socket_dir,
                   "default: $WEIGHTD_SOCKET_DIR, $XDG_RUNTIME_DIR/weightd, /tmp/weightd-$UID")
       ->check(NotEmpty());
