@@ -1007,11 +1007,10 @@ TEST_F(DaemonTest, ASupervisorIsToldWhenTheDaemonIsReadyAndWhenItStops) {
     ASSERT_EQ(supervisor.error(), "");
     Process daemon({"serve", "--socket-dir", sock_}, {"env", "NOTIFY_SOCKET=" + name});
     ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
-    EXPECT_EQ(supervisor.Receive(), "READY=1\nMAINPID=" + std::to_string(daemon.pid()) +
-                                        "\nSTATUS=serving " + protocol::SocketPath(sock_));
+    EXPECT_EQ(supervisor.Receive(), "READY=1\nSTATUS=serving " + protocol::SocketPath(sock_));
     EXPECT_EQ(Run({"status"}).exit_code, 0);
     daemon.Signal(SIGTERM);
-    EXPECT_EQ(supervisor.Receive(), "STOPPING=1");
+    EXPECT_EQ(supervisor.Receive(), "STOPPING=1\nSTATUS=stopping");
     EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
   }
   // Not a socket it can use: said, and it serves all the same.
@@ -1037,9 +1036,13 @@ TEST_F(DaemonTest, TheSystemdUnitIsValidAndItsDaemonSaysReady) {
   unit.replace(binary, kBinary.size(), WEIGHTD_BINARY);
   const std::string copy = dir_.Join("weightd.service");
   testing::WriteFileText(copy, unit);
+  EXPECT_NE(unit.find("\nType=notify\n"), std::string::npos);
   CommandResult verified = testing::RunCommand({"systemd-analyze", "verify", copy});
   EXPECT_EQ(verified.exit_code, 0) << verified.err << "(scripts/bootstrap installs systemd)";
-  EXPECT_EQ(verified.err, "") << "systemd has something to say about the unit";
+  // What it says of this unit; other units it reads (the targets it is
+  // ordered after) may have their own warnings on a host.
+  EXPECT_EQ(verified.err.find("weightd.service"), std::string::npos)
+      << "systemd has something to say about the unit: " << verified.err;
   // Its ExecStart, with the test's socket directory for systemd's.
   std::istringstream lines(unit);
   std::vector<std::string> command;

@@ -105,6 +105,9 @@ class RestoreEnvironment : public ::testing::EmptyTestEventListener {
 
 [[maybe_unused]] const bool kEnvironmentRestored = [] {
   ::testing::UnitTest::GetInstance()->listeners().Append(new RestoreEnvironment);
+  // Daemons the tests start tell no service manager this run is under
+  // that they are ready; a test that wants it names its own socket.
+  ::unsetenv("NOTIFY_SOCKET");
   return true;
 }();
 

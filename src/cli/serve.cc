@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <cerrno>
 #include <chrono>
 #include <cstddef>
@@ -66,11 +67,13 @@ class Supervisor {
     return fd_ >= 0 ? "" : std::string("no socket: ") + std::strerror(errno);
   }
   bool wanted() const { return fd_ >= 0; }
-  // Whether the supervisor's socket took `message`.
+  // Whether the supervisor's socket took `message`. Never waits: a
+  // receiver that does not read (not systemd) cannot hold up a signal
+  // handler.
   bool Send(const char* message, size_t len) const {
-    return fd_ >= 0 &&
-           ::sendto(fd_, message, len, MSG_NOSIGNAL, reinterpret_cast<const sockaddr*>(&addr_),
-                    addr_len_) == static_cast<ssize_t>(len);
+    return fd_ >= 0 && ::sendto(fd_, message, len, MSG_NOSIGNAL | MSG_DONTWAIT,
+                                reinterpret_cast<const sockaddr*>(&addr_),
+                                addr_len_) == static_cast<ssize_t>(len);
   }
 
  private:
@@ -82,8 +85,9 @@ Supervisor supervisor;
 
 void OnSignal(int signal) {
   const int saved = errno;  // whatever the interrupted code was about to read
-  static constexpr char kStopping[] = "STOPPING=1";
-  supervisor.Send(kStopping, sizeof kStopping - 1);
+  static constexpr char kStopping[] = "STOPPING=1\nSTATUS=stopping";
+  static std::atomic<bool> said{false};  // lock-free: safe in a handler
+  if (!said.exchange(true)) supervisor.Send(kStopping, sizeof kStopping - 1);
   if (running_server != nullptr) running_server->RequestStop(signal);
   errno = saved;
 }
@@ -362,9 +366,9 @@ int RunServe(ServeOptions o) {
              std::string(errno != 0 ? std::strerror(errno) : "an error of the stream"));
       std::cout.clear();
     }
-    const std::string ready = "READY=1\nMAINPID=" + std::to_string(::getpid()) +
-                              "\nSTATUS=serving " + protocol::SocketPath(so.socket_dir);
-    if (supervisor.wanted() && !supervisor.Send(ready.data(), ready.size())) {
+    // Not after a stop began meanwhile (STOPPING=1 said already).
+    const std::string ready = "READY=1\nSTATUS=serving " + protocol::SocketPath(so.socket_dir);
+    if (supervisor.wanted() && !server.stopping() && !supervisor.Send(ready.data(), ready.size())) {
       so.log("ready, but the supervisor could not be told so through NOTIFY_SOCKET: " +
              std::string(std::strerror(errno)));
     }
