@@ -264,19 +264,19 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
 // Two preloads at once, in a control group with room for both: the second
 // is weighed against what the first has still to take, not against all of
 // its reservation again, since the pages it has written are out of the
-// kernel's figure already. (In a group of 512 MiB, of which 64 are kept
-// for the daemon: once the first, of 240 MiB, has written 60% of it, its
-// pages counted twice would leave 64 MiB at most for the second, of 80
-// MiB, however little the daemon itself held; counted once, 208 MiB less
-// the daemon's own memory, about 80 MiB under AddressSanitizer.)
+// kernel's figure already. (In a group of 768 MiB, of which 96 are kept
+// for the daemon: once the first, of 400 MiB, has written 60% of it, its
+// pages counted twice would leave no room at all for the second, of 80
+// MiB; counted once, 192 MiB less the daemon's own memory, about 40 MiB,
+// and 140 under AddressSanitizer.)
 TEST(Latencyfs, APreloadBesideAnotherInProgressCountsItsWrittenPagesOnce) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
-  testing::MemoryGroup group(512ull << 20);
+  testing::MemoryGroup group(768ull << 20);
   if (!group.skip.empty()) GTEST_SKIP() << group.skip;
   ASSERT_EQ(group.error, "");
-  // 240 MiB through at 24 MB/s: a load of some ten seconds, four of them
-  // left for the second preload.
-  SlowCheckpoint slow("0", "24M", {.preset = "llama", .size_bytes = 235 << 20});
+  // 400 MiB through at 48 MB/s: a load of some nine seconds, three and a
+  // half of them left for the second preload.
+  SlowCheckpoint slow("0", "48M", {.preset = "llama", .size_bytes = 393 << 20});
   ASSERT_TRUE(slow.ready());
   const std::string second_model = slow.Join("second"), sock = slow.sock();
   ASSERT_TRUE(format::WriteSyntheticCheckpoint(

@@ -416,6 +416,11 @@ int Serve(const Config& config) {
   for (auto& a : argv_text) argv.push_back(a.data());
   struct fuse_args args = FUSE_ARGS_INIT(static_cast<int>(argv.size()), argv.data());
   struct fuse_session* se = fuse_session_new(&args, &ops, sizeof ops, &state);
+  // What parsing the options added to them (libfuse's own), freed at exit.
+  struct FreeArgs {
+    fuse_args* args;
+    ~FreeArgs() { fuse_opt_free_args(args); }
+  } free_args{&args};
   if (se == nullptr) return 1;
   int rc = 1;
   if (fuse_set_signal_handlers(se) == 0) {
