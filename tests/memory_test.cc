@@ -1234,6 +1234,29 @@ TEST(Loader, AnAllocationRefusedIsTheLoadsError) {
   EXPECT_EQ(loaded.error().message(), "out of budget");
 }
 
+// The workers' buffers stay within what the caller gives them: fewer
+// workers where each job needs more, one at least, and the same bytes.
+TEST(Loader, WorkersKeepTheirBuffersWithinWhatTheyAreGiven) {
+  if (memory::HostCpus() < 2) GTEST_SKIP() << "one CPU: one worker whatever the buffers";
+  TempDir dir;
+  const std::string path = dir.Join("m");
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(path, {.preset = "llama", .size_bytes = 24 << 20}).ok());
+  loader::LoadOptions o;
+  o.max_inflight = 4;
+  auto plenty = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
+  ASSERT_TRUE(plenty.ok()) << plenty.error().message();
+  EXPECT_GE(plenty->workers, 2);
+  o.buffer_bytes = 1;  // less than any job: one worker still
+  auto scant = loader::LoadCheckpoint(io::PosixFileSystem(), path, o);
+  ASSERT_TRUE(scant.ok()) << scant.error().message();
+  EXPECT_EQ(scant->workers, 1);
+  EXPECT_EQ(scant->checkpoint_digest, plenty->checkpoint_digest);
+  const auto a = plenty->ranks[0].segment->readable(), b = scant->ranks[0].segment->readable();
+  ASSERT_EQ(a.size(), b.size());
+  EXPECT_EQ(std::memcmp(a.data(), b.data(), a.size()), 0);
+}
+
 // Progress comes in steps of about a 64th of the load (1 MiB at least),
 // also within a job of megabytes (one slow read of it would otherwise
 // hold back every report), and ends at the total once.

@@ -184,7 +184,16 @@ struct Server::State {
       : options(std::move(o)),
         registry(options.host_budget, options.check_host_room
                                           ? Registry::RoomProbe([this] { return HostRoomNow(); })
-                                          : Registry::RoomProbe()) {}
+                                          : Registry::RoomProbe()) {
+    // A preload's buffers within what is kept of the memory for the
+    // daemon's own work (an eighth of a container's limit, at most 256
+    // MiB): room for the segments is weighed less that.
+    if (options.check_host_room) {
+      if (const std::optional<Registry::Room> room = HostRoom()) {
+        buffer_bytes = std::min(buffer_bytes, std::max<uint64_t>(room->keep, 1));
+      }
+    }
+  }
 
   // A connection, between its requests and while one is handled.
   struct Connection {
@@ -198,7 +207,8 @@ struct Server::State {
   };
   ServerOptions options;
   Registry registry;
-  memory::UniqueFd dir_fd;  // the socket directory, as checked
+  uint64_t buffer_bytes = loader::LoadOptions{}.buffer_bytes;  // each preload's, together
+  memory::UniqueFd dir_fd;                                     // the socket directory, as checked
   memory::UniqueFd lock_fd;
   memory::UniqueFd listen_fd;
   memory::UniqueFd wake_read, wake_write;
@@ -1749,6 +1759,7 @@ Result<json> Server::State::PreloadUnguarded(
   loader::LoadOptions lo;
   lo.cancel = &stopping;
   lo.segment_name = io::BaseName(path);
+  lo.buffer_bytes = buffer_bytes;
   lo.processing = resolved;
   lo.ranks = missing;
   // Listed in `status` while it reads, however the load ends; until each
@@ -1908,6 +1919,7 @@ Result<json> Server::State::PreloadUnguarded(
               {"tensors", loaded->tensors},
               {"seconds", seconds},
               {"phases", phases_json(loaded->phases)},
+              {"workers", loaded->workers},
               {"evicted", evicted_json},
               {"evicted_omitted", evicted_omitted},
               {"unpinned", unpinned},

@@ -36,7 +36,7 @@ const uint64_t kSampleBytes = fingerprint::Options{}.sample_bytes;
 // below this size are read in runs of neighbours, one read per run.
 constexpr uint64_t kStepBytes = 256 << 10;
 // Source rows processed at once (cast, split by columns, quantized), about;
-// and what all workers' band buffers may take together.
+// and the most one band's buffers may take.
 constexpr uint64_t kBandBytes = 1 << 20;
 constexpr uint64_t kBufferBudget = 512ull << 20;
 
@@ -302,10 +302,14 @@ struct Buffers {
   }
 };
 
+// A range of a big tensor, read a step at a time; else a run of tensors,
+// read at once.
+bool ReadInSteps(const CopyJob& job) { return job.pieces.size() == 1 && job.bytes > kStepBytes; }
+
 // Returns the bytes read that were not told to c.advanced as they came.
 Result<uint64_t> RunCopy(const Context& c, const CopyJob& job, Buffers& buf) {
   const io::RandomAccessFile& file = *c.shards[job.shard].file;
-  if (job.pieces.size() == 1 && job.bytes > kStepBytes) {  // a range of a big tensor
+  if (ReadInSteps(job)) {
     const CopyJob::Piece& p = job.pieces[0];
     for (uint64_t at = 0; at < job.bytes; at += kStepBytes) {
       // A job is megabytes: a slow file system makes it seconds, and a
@@ -632,8 +636,10 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     AppendCopies(s, wholes_of_shard, 0, 0, options.chunk_bytes, all_targets, copies);
   }
 
-  // The bands' buffers, all workers together, stay within kBufferBudget:
-  // fewer workers for long rows, and an error for rows too long for any.
+  // The workers' buffers, all together, stay within buffer_bytes (each
+  // worker's as big as its largest job): fewer workers for big jobs, one
+  // at least; and an error for rows too long for one band within
+  // kBufferBudget.
   uint64_t largest_band = 0;
   for (const BandJob& j : bands) {
     const transform::OutputTensor& o = plan.outputs[j.output];
@@ -650,10 +656,14 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     }
     largest_band = std::max(largest_band, bytes);
   }
+  uint64_t largest_job = largest_band;
+  for (const CopyJob& j : copies) {
+    largest_job = std::max(largest_job, ReadInSteps(j) ? kStepBytes : j.bytes);
+  }
   int max_inflight = std::max(options.max_inflight, 1);
-  if (largest_band > 0) {
-    max_inflight = static_cast<int>(
-        std::min<uint64_t>(max_inflight, std::max<uint64_t>(1, kBufferBudget / largest_band)));
+  if (largest_job > 0) {
+    max_inflight = static_cast<int>(std::min<uint64_t>(
+        max_inflight, std::max<uint64_t>(1, options.buffer_bytes / largest_job)));
   }
 
   // Reads the page cache answers never wait: beyond a worker per CPU,
@@ -666,6 +676,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   if (cached) max_inflight = std::min(max_inflight, memory::HostCpus());
   const size_t jobs = 1 + copies.size() + bands.size();  // the manifests first
   const int workers = static_cast<int>(std::min<size_t>(jobs, static_cast<size_t>(max_inflight)));
+  model.workers = workers;
 
   // Samples hashed as they are read. Hashing them afterwards, from the
   // segment, reads a model of small tensors (whose samples are most of

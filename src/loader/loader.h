@@ -46,6 +46,12 @@ struct LoadOptions {
   // Reads outstanding at once, and the size of each (big tensors are split).
   int max_inflight = 32;
   uint64_t chunk_bytes = 4 << 20;
+  // What the workers' buffers may take together, about: each worker's is
+  // as big as its largest job (a run of small tensors of up to chunk_bytes,
+  // a band of rows read, processed and written), and fewer workers run
+  // where more would pass this, one at least. A daemon in a container
+  // gives what it keeps of its memory limit for its own work.
+  uint64_t buffer_bytes = 512ull << 20;
   // Called now and then with bytes read so far and bytes to read.
   std::function<void(uint64_t done, uint64_t total)> progress;
   // What to do to the weights; by default nothing (one rank, as stored).
@@ -84,6 +90,7 @@ struct LoadedModel {
   uint64_t tensors = 0;     // per rank
   uint64_t data_bytes = 0;  // tensor bytes read from the files
   uint64_t reads = 0;
+  int workers = 0;  // jobs run at once
   double seconds = 0;
   // Where `seconds` went: the shards listed (the index parsed) and every
   // header read and parsed (and laid out, where tensors are kept as
