@@ -286,6 +286,11 @@ std::optional<MemoryRoom> HostMemoryRoom() {
   return room;
 }
 
+bool HostHasSwap() {
+  const std::optional<uint64_t> swap = MeminfoKib(ReadSmallFile("/proc/meminfo"), "SwapTotal:");
+  return !swap || *swap > 0;
+}
+
 std::optional<int> CgroupCpuLimit(std::string_view proc_self_cgroup,
                                   std::string_view proc_self_mountinfo, const std::string& prefix) {
   std::optional<int> fewest;

@@ -61,6 +61,10 @@ std::optional<MemoryRoom> CgroupMemoryRoom(std::string_view proc_self_cgroup,
                                            std::string_view proc_self_mountinfo,
                                            const std::string& prefix);
 
+// Whether the machine has swap space on (/proc/meminfo's SwapTotal above
+// 0); true where that cannot be read.
+bool HostHasSwap();
+
 // How many CPUs this process can keep busy, at least 1: its affinity mask,
 // or its control groups' lowest CPU quota where that allows fewer. Read
 // afresh on each call (a pod's limit can change while the daemon runs).

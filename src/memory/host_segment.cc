@@ -43,15 +43,6 @@ uint64_t RoundUp(uint64_t n, uint64_t to) {
   return (n + to - 1) / to * to;
 }
 
-// Whether the kernel has swap space in use (a line in /proc/swaps past its
-// header); when it cannot tell, as if it had.
-bool SwapIsOn() {
-  std::ifstream swaps("/proc/swaps");
-  std::string header, device;
-  if (!std::getline(swaps, header)) return true;
-  return static_cast<bool>(swaps >> device);
-}
-
 class HostSegment final : public Segment {
  public:
   // `map` is a writable mapping for huge-page segments (hugetlbfs takes no
@@ -141,7 +132,7 @@ class HostSegment final : public Segment {
       // st_blocks counts 512-byte units of the pages a memfd holds, those
       // swapped out too, which no figure of free memory lacks: none is
       // counted where swap is on.
-      if (SwapIsOn()) return 0;
+      if (HostHasSwap()) return 0;
       struct stat st;
       return ::fstat(fd->get(), &st) == 0 ? static_cast<uint64_t>(st.st_blocks) * 512 : 0;
     };
