@@ -367,8 +367,9 @@ int main(int argc, char** argv) {
       "Written by `make bench` (bench/cache_bench.cc): a `weightd serve` daemon and `weightd`\n"
       "engines as separate processes. Times are what each program measures itself (`seconds`\n"
       "in weightd's JSON, so process start-up is not in them; wall time for cp and dd). Medians\n"
-      "of %d unless said otherwise; 8 GB figures are medians of fewer runs.\n\n",
-      repeats);
+      "of %d unless said otherwise; 8 GB figures are medians of fewer runs. Touching a fresh\n"
+      "page of memory cost %.1f us as this section began (its end gives the figure again).\n\n",
+      repeats, bench::FreshPageMicros());
 
   std::printf("### Warm attach against a cold load from disk\n\n");
   std::printf(
@@ -662,6 +663,8 @@ int main(int argc, char** argv) {
   }
 
   Weightd({"evict", "all", "--json", "--socket-dir", socket_dir});
+  std::printf("Touching a fresh page of memory cost %.1f us as this section ended.\n\n",
+              bench::FreshPageMicros());
   ::kill(daemon.pid, SIGTERM);
   bench::Finish(daemon, "the daemon");
   return 0;

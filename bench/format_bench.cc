@@ -133,8 +133,10 @@ int main(int argc, char** argv) {
   std::printf(
       "Written by `make bench` (bench/format_bench.cc). Every figure is a ratio to a\n"
       "reference measured in the same run on the same files; absolute times are shown\n"
-      "only to make the ratios checkable. Medians of %d repeats. Machine: %s %s, %ld cores.\n\n",
-      repeats, u.sysname, u.machine, ::sysconf(_SC_NPROCESSORS_ONLN));
+      "only to make the ratios checkable. Medians of %d repeats. Machine: %s %s, %ld cores;\n"
+      "touching a fresh page of memory cost %.1f us after this section's runs (1-2 us on an\n"
+      "idle machine of this kind; every figure that takes fresh memory grows with it).\n\n",
+      repeats, u.sysname, u.machine, ::sysconf(_SC_NPROCESSORS_ONLN), bench::FreshPageMicros());
   std::printf("## Header parse and validate (format layer)\n\n");
   std::printf("Reference: reading the same header bytes (`pread`, page cache warm).\n\n");
   std::printf(
