@@ -308,6 +308,70 @@ TEST_F(DaemonTest, TheLibrarySaysEachCallsMissAndWaitAfresh) {
   EXPECT_EQ(waited, 0);
 }
 
+// A trusted name the daemon does not serve, then a checkpoint whose
+// content cannot be read: the call fails, and still says what the daemon
+// answered.
+TEST_F(DaemonTest, TheLibrarySaysTheDaemonsMissWhenTheContentCheckAfterItFails) {
+  auto daemon = StartDaemon();
+  AcquireOptions options;
+  options.socket_dir = sock_;
+  options.log = [](const std::string&) {};
+  options.trust = "prod";
+  AcquireOptions::Miss miss;
+  options.miss = &miss;
+  auto failed = Acquire({.path = dir_.Join("not-there")}, options);
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(miss.kind, MissKind::kNotResident) << miss.reason;
+  EXPECT_NE(miss.reason, "");
+}
+
+// The lease is the connection. A child forked while the weights live (a
+// worker pool, a launcher) inherits its descriptor, but not the lease: when
+// the parent lets go, the model is idle, and the child's mapping still
+// reads the same bytes after the daemon evicts it.
+TEST_F(DaemonTest, AChildForkedWhileWeightsLiveDoesNotKeepTheirLease) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  Preload(a);
+  AcquireOptions options;
+  options.socket_dir = sock_;
+  options.log = [](const std::string&) {};
+  auto acquired = Acquire({.path = a}, options);
+  ASSERT_TRUE(acquired.ok()) << acquired.error().message();
+  std::unique_ptr<Weights> weights = *std::move(acquired);
+  ASSERT_EQ(weights->mode(), AcquireMode::kZeroCopy);
+  ASSERT_TRUE(Eventually([&] { return TotalLeases() == 1; }));
+  const std::span<const std::byte> bytes = weights->tensors().back().data;
+  const std::vector<std::byte> expected(bytes.begin(), bytes.end());
+
+  int ready[2], go[2];
+  ASSERT_EQ(::pipe(ready), 0);
+  ASSERT_EQ(::pipe(go), 0);
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    char c = 'r';
+    if (::write(ready[1], &c, 1) != 1 || ::read(go[0], &c, 1) != 1) ::_exit(3);
+    // Parent gone from the model and the model evicted: this mapping is the
+    // child's own.
+    ::_exit(std::memcmp(bytes.data(), expected.data(), expected.size()) == 0 ? 0 : 1);
+  }
+  ::close(ready[1]);
+  ::close(go[0]);
+  char c;
+  ASSERT_EQ(::read(ready[0], &c, 1), 1);
+  weights.reset();
+  EXPECT_TRUE(Eventually([&] { return TotalLeases() == 0; })) << Status().dump();
+  ASSERT_EQ(Run({"evict", "all"}).exit_code, 0);
+  EXPECT_EQ(Status()["models"].size(), 0u) << Status().dump();
+  ASSERT_EQ(::write(go[1], &c, 1), 1);
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
+  ::close(ready[0]);
+  ::close(go[1]);
+}
+
 TEST_F(DaemonTest, CopyToHostTakesOnlyTheWeightsOwnTensors) {
   const std::string a = MakeModel("a");
   AcquireOptions options;
@@ -2120,6 +2184,26 @@ TEST_F(DaemonTest, AnEngineCanWaitForADaemonThatIsStarting) {
   EXPECT_GT(reached["waited_seconds"].get<double>(), 0) << engine.out();
 }
 
+// A socket directory that will not do is not a daemon still starting: an
+// engine told to wait for one falls back at once, with a failure to alert on.
+TEST_F(DaemonTest, AnEngineDoesNotWaitOnASocketDirectoryThatWillNotDo) {
+  const std::string a = MakeModel("a");
+  const std::string open_dir = dir_.Join("open");
+  ASSERT_EQ(::mkdir(open_dir.c_str(), 0755), 0);
+  ASSERT_EQ(::chmod(open_dir.c_str(), 0755), 0);
+  Process engine({"load", a, "--json", "--wait-for-daemon", "3600", "--socket-dir", open_dir});
+  ASSERT_TRUE(engine.WaitForOutput("\"source\"", 120)) << engine.err();
+  ASSERT_EQ(engine.Wait(), 0) << engine.err();
+  const json j = json::parse(engine.out());
+  EXPECT_EQ(j["source"], "disk");
+  EXPECT_EQ(j["miss_kind"], "failed") << engine.out();
+  EXPECT_NE(j["reason"].get<std::string>().find("cannot use the daemon: socket directory"),
+            std::string::npos)
+      << j["reason"];
+  EXPECT_NE(j["reason"].get<std::string>().find("it must be 0700"), std::string::npos)
+      << j["reason"];
+}
+
 TEST_F(DaemonTest, PeerWithAnotherUidIsRefusedAndOthersAreServed) {
   if (::geteuid() != 0) GTEST_SKIP() << "needs root to run the daemon as another user";
   if (::access("/usr/bin/setpriv", X_OK) != 0) GTEST_SKIP() << "setpriv is not installed";
@@ -2150,6 +2234,15 @@ TEST_F(DaemonTest, PeerWithAnotherUidIsRefusedAndOthersAreServed) {
   CommandResult engine = RunWeightd({"status", "--socket-dir", socket_dir});
   EXPECT_EQ(engine.exit_code, 1);
   EXPECT_NE(engine.err.find("not by this user"), std::string::npos) << engine.err;
+  // Waiting would not change that: an engine told to wait does not.
+  const std::string a = MakeModel("a");
+  Process waiting({"load", a, "--json", "--wait-for-daemon", "3600", "--socket-dir", socket_dir});
+  ASSERT_TRUE(waiting.WaitForOutput("\"source\"", 120)) << waiting.err();
+  ASSERT_EQ(waiting.Wait(), 0) << waiting.err();
+  const json fell_back = json::parse(waiting.out());
+  EXPECT_EQ(fell_back["miss_kind"], "failed") << waiting.out();
+  EXPECT_NE(fell_back["reason"].get<std::string>().find("not by this user"), std::string::npos)
+      << waiting.out();
   Process own({"status", "--json", "--socket-dir", socket_dir}, as_nobody);
   EXPECT_EQ(own.Wait(), 0) << own.err();
   EXPECT_NE(own.out().find("\"models\""), std::string::npos) << own.out();

@@ -27,6 +27,12 @@
 // keeps its memory. On a GPU, destroying the Weights frees or unmaps its
 // memory at once: synchronize every stream that reads it first.
 //
+// Across fork(): a child keeps its copy of host Weights (the same bytes,
+// also after the parent lets go and the daemon evicts the model), but not
+// the lease, which stays the parent's: the model is idle once the parent
+// lets go, whatever its children do. Weights on a GPU are not for a child
+// to use or destroy (CUDA does not survive fork).
+//
 // Weights are for reading. Host bytes are read-only in every mode and from
 // every source (mapped PROT_READ: a write faults); an engine that rewrites
 // weights in place (repacking, fused scales) copies them into its own
@@ -77,7 +83,8 @@ enum class MissKind {
   kDifferent,    // it holds the model with other key fields (see the mismatch):
                  // changed content, other processing, another device
   kFailed,       // it was reached, but the exchange failed: no answer, a refusal,
-                 // a protocol, mapping or copy error
+                 // a protocol, mapping or copy error; or what is at its socket will
+                 // not do (an unsafe socket directory, another user's daemon)
 };
 // "none", "no_daemon", "not_resident", "different", "failed".
 std::string_view MissKindName(MissKind kind);
@@ -152,7 +159,9 @@ struct Tensor {
   std::string_view name;
   std::string_view dtype;  // safetensors spelling: "BF16", "F32", ...
   std::span<const uint64_t> shape;
-  // The bytes, in host memory; empty for weights on a GPU.
+  // The bytes, in host memory; empty for weights on a GPU. Row-major and
+  // contiguous, as the file stores them; every tensor starts at a 256-byte
+  // boundary of its segment (a GPU's included), itself page-aligned.
   std::span<const std::byte> data;
   uint64_t bytes = 0;
   // On a GPU: the address of the first byte (a CUdeviceptr in this

@@ -16,9 +16,10 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
                                double wait_for_daemon_seconds, bool* no_daemon) {
   if (no_daemon != nullptr) *no_daemon = false;
   const std::string dir = protocol::SocketDirectory(socket_dir);
-  bool absent = false;
-  auto ch = protocol::ConnectToDaemonWaiting(dir, wait_for_daemon_seconds, &absent);
+  protocol::ConnectFailure failure = protocol::ConnectFailure::kRefused;
+  auto ch = protocol::ConnectToDaemonWaiting(dir, wait_for_daemon_seconds, &failure);
   if (!ch.ok()) {
+    const bool absent = failure == protocol::ConnectFailure::kNobodyThere;
     // Nothing there, or something there that is refused: said apart.
     const std::string& why = ch.error().message();
     if (no_daemon != nullptr) *no_daemon = absent;

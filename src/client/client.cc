@@ -1,7 +1,10 @@
 #include "weightd/client.h"
 
+#include <fcntl.h>
+#include <pthread.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
@@ -9,7 +12,9 @@
 #include <cstring>
 #include <iostream>
 #include <limits>
+#include <mutex>
 #include <optional>
+#include <set>
 
 #include "fingerprint/fingerprint.h"
 #include "format/dtype.h"
@@ -46,6 +51,50 @@ int BusyConnectTimeoutMs(const AcquireOptions& o) {
   return static_cast<int>(
       std::min<double>(protocol::kConnectBusyTimeoutMs, std::ceil(ReplyTimeoutSeconds(o) * 1000)));
 }
+
+// A zero_copy lease: the connection to the daemon, which drops the lease
+// when the socket's last descriptor closes. A child forked while it lives
+// (Python's multiprocessing, a launcher) inherits that descriptor and would
+// keep the lease after this process let go of it, the model never idle and
+// never evicted until the child ends. So in a child each lease's descriptor
+// is pointed at /dev/null (the number stays valid for the destructor to
+// close): the child keeps its mapping, memory that needs no lease, and the
+// lease stays this process's alone.
+class Lease {
+ public:
+  explicit Lease(protocol::Channel channel) : channel_(std::move(channel)) {
+    static std::once_flag once;
+    std::call_once(once, [] { ::pthread_atfork(LockTable, UnlockTable, ForgetInChild); });
+    std::lock_guard lock(table_mu_);
+    Table().insert(channel_.fd());
+  }
+  ~Lease() {
+    std::lock_guard lock(table_mu_);
+    Table().erase(channel_.fd());
+  }
+  Lease(const Lease&) = delete;
+  Lease& operator=(const Lease&) = delete;
+
+ private:
+  static std::set<int>& Table() {
+    static std::set<int> fds;
+    return fds;
+  }
+  // Held across fork, so that the table is whole in the child.
+  static void LockTable() { table_mu_.lock(); }
+  static void UnlockTable() { table_mu_.unlock(); }
+  static void ForgetInChild() {
+    if (int null = ::open("/dev/null", O_RDWR | O_CLOEXEC); null >= 0) {
+      for (int fd : Table()) ::dup3(null, fd, O_CLOEXEC);
+      ::close(null);
+    }
+    Table().clear();
+    table_mu_.unlock();
+  }
+
+  static inline std::mutex table_mu_;
+  protocol::Channel channel_;
+};
 
 // Private, page-aligned memory for `copy` mode.
 class OwnedBytes {
@@ -119,8 +168,8 @@ class WeightsImpl final : public Weights {
   }
 
   // What keeps the bytes alive: some of these.
+  std::optional<Lease> lease;                // zero_copy: the connection holds it (let go last)
   std::unique_ptr<memory::Mapping> mapping;  // a host segment, or a GPU segment's manifest
-  std::optional<protocol::Channel> lease;    // zero_copy: the connection holds the lease
   OwnedBytes owned;
   std::unique_ptr<memory::Segment> segment;           // our own: from disk, or a copy
   std::unique_ptr<memory::CudaMapping> cuda_mapping;  // the daemon's, on a GPU
@@ -279,11 +328,15 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     }
     ~CountWait() { Stop(); }
   } count_wait{miss.waited, started, wait > 0};
-  auto ch = protocol::ConnectToDaemonWaiting(protocol::SocketDirectory(o.socket_dir), wait, nullptr,
-                                             BusyConnectTimeoutMs(o));
+  protocol::ConnectFailure failure = protocol::ConnectFailure::kRefused;
+  auto ch = protocol::ConnectToDaemonWaiting(protocol::SocketDirectory(o.socket_dir), wait,
+                                             &failure, BusyConnectTimeoutMs(o));
   if (!ch.ok()) {
-    miss.kind = MissKind::kNoDaemon;
-    miss.reason = "no daemon: " + ch.error().message();
+    // Something there that will not do (an unsafe socket directory, another
+    // user's daemon) is a failure to alert on, not a daemon not running.
+    const bool refused = failure == protocol::ConnectFailure::kRefused;
+    miss.kind = refused ? MissKind::kFailed : MissKind::kNoDaemon;
+    miss.reason = (refused ? "cannot use the daemon: " : "no daemon: ") + ch.error().message();
     return nullptr;
   }
   // One wait in all: what finding the daemon took is not waited again for
@@ -664,14 +717,25 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
       checked.trust.clear();
     }
   }
+  // What the daemon said and how long it was waited for: told also when
+  // the content's key then fails (a trusted name not served, then the
+  // checkpoint unreadable).
+  auto tell = [&] {
+    if (options.miss != nullptr && !hit) {
+      *options.miss = {miss.kind, miss.reason, miss.mismatch, miss.fields};
+    }
+    if (options.waited_seconds != nullptr) *options.waited_seconds = waited;
+  };
   if (!hit && checked.trust.empty()) {
-    WEIGHTD_ASSIGN_OR_RETURN(key, content_key());
+    auto content = content_key();
+    if (!content.ok()) {
+      tell();
+      return content.error();
+    }
+    key = *std::move(content);
     hit = ask(checked);
   }
-  if (options.miss != nullptr && !hit) {
-    *options.miss = {miss.kind, miss.reason, miss.mismatch, miss.fields};
-  }
-  if (options.waited_seconds != nullptr) *options.waited_seconds = waited;
+  tell();
   if (hit) {
     if (!checked.trust.empty()) {
       hit->trusted_ = checked.trust;

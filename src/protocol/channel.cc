@@ -268,8 +268,8 @@ std::optional<std::string> Channel::ErrorSentBeforeClosing() {
   return it != said->body.end() && it->is_string() ? it->get<std::string>() : "error";
 }
 
-Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms, bool* nobody_there) {
-  if (nobody_there != nullptr) *nobody_there = false;
+Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms, ConnectFailure* why) {
+  if (why != nullptr) *why = ConnectFailure::kRefused;
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (socket_path.size() >= sizeof addr.sun_path) {
@@ -289,19 +289,21 @@ Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms, boo
       continue;
     }
     if (errno == EAGAIN) {
+      if (why != nullptr) *why = ConnectFailure::kBusy;
       char waited[32];
       std::snprintf(waited, sizeof waited, "%g", busy_timeout_ms / 1000.0);
       return Error("cannot connect to " + socket_path + ": the daemon accepted no connection for " +
                    waited + " s (its queue is full: is it stopped or hung?)");
     }
     const int error = errno;
-    if (nobody_there != nullptr) {
+    if (why != nullptr) {
       // Refused by a socket nobody listens on; not by a file that is none
       // (which `serve` would not replace either).
       struct stat st;
-      *nobody_there =
-          error == ENOENT ||
-          (error == ECONNREFUSED && ::lstat(socket_path.c_str(), &st) == 0 && S_ISSOCK(st.st_mode));
+      if (error == ENOENT || (error == ECONNREFUSED && ::lstat(socket_path.c_str(), &st) == 0 &&
+                              S_ISSOCK(st.st_mode))) {
+        *why = ConnectFailure::kNobodyThere;
+      }
     }
     errno = error;
     if (errno == ECONNREFUSED) {
@@ -335,22 +337,23 @@ Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms, boo
 namespace weightd::protocol {
 
 Result<Channel> ConnectToDaemon(const std::string& socket_dir, int busy_timeout_ms,
-                                bool* nobody_there) {
+                                ConnectFailure* why) {
   if (Status s = CheckSocketDirectory(socket_dir); !s.ok()) {
     // No such directory (a name ending in `.` or `..` is refused, not absent).
     struct stat st;
     const std::string last = socket_dir.substr(socket_dir.find_last_of('/') + 1);
-    if (nobody_there != nullptr) {
-      *nobody_there =
-          last != "." && last != ".." && ::lstat(socket_dir.c_str(), &st) != 0 && errno == ENOENT;
+    if (why != nullptr) {
+      *why = last != "." && last != ".." && ::lstat(socket_dir.c_str(), &st) != 0 && errno == ENOENT
+                 ? ConnectFailure::kNobodyThere
+                 : ConnectFailure::kRefused;
     }
     return s.error();
   }
-  return Connect(SocketPath(socket_dir), busy_timeout_ms, nobody_there);
+  return Connect(SocketPath(socket_dir), busy_timeout_ms, why);
 }
 
 Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds,
-                                       bool* nobody_there, int busy_timeout_ms) {
+                                       ConnectFailure* why, int busy_timeout_ms) {
   constexpr auto kRetry = std::chrono::milliseconds(50);
   const auto deadline =
       std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_seconds);
@@ -360,8 +363,13 @@ Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wai
                          ? busy_timeout_ms
                          : static_cast<int>(std::clamp(left.count() * 1000, 0.0,
                                                        static_cast<double>(busy_timeout_ms)));
-    auto ch = ConnectToDaemon(socket_dir, busy, nobody_there);
-    if (ch.ok() || wait_seconds <= 0) return ch;
+    ConnectFailure failure = ConnectFailure::kRefused;
+    auto ch = ConnectToDaemon(socket_dir, busy, &failure);
+    if (why != nullptr) *why = failure;
+    // A daemon that is starting ends what stands between; nothing ends a
+    // refusal but someone mending it (an unsafe directory, another user's
+    // daemon), so it is not waited on.
+    if (ch.ok() || wait_seconds <= 0 || failure == ConnectFailure::kRefused) return ch;
     if (std::chrono::steady_clock::now() >= deadline) {
       char waited[64];
       std::snprintf(waited, sizeof waited, " (after waiting %g s for it)", wait_seconds);

@@ -87,25 +87,32 @@ class Channel {
 // a blocking connect would wait for it forever).
 inline constexpr int kConnectBusyTimeoutMs = 10'000;
 
+// Why a connect failed, for a caller that may wait for a daemon to start.
+enum class ConnectFailure {
+  kRefused,      // something is there that will not do and waiting will not mend:
+                 // an unsafe socket directory, another user's daemon, a bad path
+  kNobodyThere,  // no socket directory or socket, or one a daemon that ended left
+  kBusy,         // a daemon whose queue of connections stayed full
+};
+
 // Connects to the daemon's socket and checks that its peer runs as this
-// user. `nobody_there` (when given) is set to whether it failed because
-// nothing listens: no socket, or one a daemon that ended left behind.
+// user. `why` (when given) is set to why it failed.
 Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms = kConnectBusyTimeoutMs,
-                        bool* nobody_there = nullptr);
+                        ConnectFailure* why = nullptr);
 
 // Connects to the daemon behind `socket_dir` after checking the directory
-// (protocol::CheckSocketDirectory) and the peer; `nobody_there` as above,
-// a socket directory that does not exist included.
+// (protocol::CheckSocketDirectory) and the peer; `why` as above, a socket
+// directory that does not exist being kNobodyThere.
 Result<Channel> ConnectToDaemon(const std::string& socket_dir,
                                 int busy_timeout_ms = kConnectBusyTimeoutMs,
-                                bool* nobody_there = nullptr);
+                                ConnectFailure* why = nullptr);
 
-// The same, tried again for up to `wait_seconds` (a daemon that is
-// starting): each try's busy timeout is what is left of the wait,
-// `busy_timeout_ms` at most (that when not waiting); an error says how
-// long it waited.
+// The same, tried again for up to `wait_seconds` while nobody is there or
+// the daemon is busy (one that is starting); a refusal ends it at once.
+// Each try's busy timeout is what is left of the wait, `busy_timeout_ms` at
+// most (that when not waiting); an error says how long it waited.
 Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds,
-                                       bool* nobody_there = nullptr,
+                                       ConnectFailure* why = nullptr,
                                        int busy_timeout_ms = kConnectBusyTimeoutMs);
 
 // A list for a reply whose length the daemon does not choose (every
