@@ -1895,15 +1895,24 @@ TEST_F(DaemonTest, AdminCommandsGiveUpOnASilentDaemon) {
   auto daemon = StartDaemon();
   daemon->Stop();
   std::vector<std::unique_ptr<Process>> asked;
+  // The status and evict that an operator asked to give up sooner do.
   for (std::vector<std::string> args :
-       std::vector<std::vector<std::string>>{{"status"}, {"evict", "all"}, {"preload", a}}) {
+       std::vector<std::vector<std::string>>{{"status"},
+                                             {"evict", "all"},
+                                             {"preload", a},
+                                             {"status", "--reply-timeout", "0.25"},
+                                             {"evict", "all", "--reply-timeout", "0.25"}}) {
     args.push_back("--socket-dir");
     args.push_back(sock_);
     asked.push_back(std::make_unique<Process>(args));
   }
-  for (auto& p : asked) {
-    EXPECT_EQ(p->Wait(), 1) << p->err();
-    EXPECT_NE(p->err().find("is it stopped or hung?"), std::string::npos) << p->err();
+  for (size_t i = 0; i < asked.size(); ++i) {
+    Process& p = *asked[i];
+    EXPECT_EQ(p.Wait(), 1) << p.err();
+    EXPECT_NE(p.err().find(i < 3 ? "nothing for 30 s: is it stopped or hung?"
+                                 : "nothing for 0.25 s: is it stopped or hung?"),
+              std::string::npos)
+        << p.err();
   }
   daemon->Signal(SIGCONT);
 }
@@ -1928,6 +1937,12 @@ TEST_F(DaemonTest, AnEngineGivesUpOnASilentDaemonAfterItsReplyTimeout) {
   CommandResult strict = Run({"load", a, "--reply-timeout", "0.25", "--no-fallback"});
   EXPECT_EQ(strict.exit_code, 1);
   EXPECT_NE(strict.err.find("did not answer within 0.25 s"), std::string::npos) << strict.err;
+  // What it waited as --wait-for-daemon let it is that wait at most: the
+  // reply timeout comes on top.
+  const json waited = Load(a, {"--reply-timeout", "0.25", "--wait-for-daemon", "0.1"});
+  EXPECT_EQ(waited["miss_kind"], "failed") << waited.dump();
+  EXPECT_LE(waited["waited_seconds"].get<double>(), 0.1) << waited.dump();
+  EXPECT_GT(waited["waited_seconds"].get<double>(), 0) << waited.dump();
   daemon->Signal(SIGCONT);
   // The requests sent while it was stopped are answered to closed
   // connections; the daemon goes on serving.
@@ -1935,6 +1950,7 @@ TEST_F(DaemonTest, AnEngineGivesUpOnASilentDaemonAfterItsReplyTimeout) {
   for (const char* bad : {"0", "-1", "nan", "inf", "3601"}) {
     CommandResult r = Run({"load", a, "--reply-timeout", bad});
     EXPECT_EQ(r.exit_code, 2) << bad << ": " << r.err;
+    EXPECT_EQ(Run({"status", "--reply-timeout", bad}).exit_code, 2) << bad;
   }
 }
 

@@ -457,6 +457,14 @@ std::function<void(const json&)> ProgressPrinter() {
   };
 }
 
+// For commands the daemon answers at once: how long its silence is borne.
+void AddReplyTimeoutOption(CLI::App& app, double& seconds) {
+  AddSecondsOption(app, "--reply-timeout", seconds,
+                   "seconds to wait for the daemon's answer before giving up on it (stopped, "
+                   "hung; default 30)",
+                   3600, /*above_zero=*/true);
+}
+
 }  // namespace
 
 Command AddServeCommand(CLI::App& root) {
@@ -594,6 +602,7 @@ Command AddStatusCommand(CLI::App& root) {
   struct Options {
     std::string socket_dir;
     bool json = false;
+    double reply_timeout = client::kDefaultReplyTimeoutSeconds;
   };
   auto o = std::make_shared<Options>();
   CLI::App* app = root.add_subcommand(
@@ -601,10 +610,12 @@ Command AddStatusCommand(CLI::App& root) {
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
       ->check(NotEmpty());
   app->add_flag("--json", o->json, "print JSON: models (key, bytes, device, leases), devices");
+  AddReplyTimeoutOption(*app, o->reply_timeout);
   return {
       app, [o] {
         bool absent = false;
-        auto reply = client::Request(o->socket_dir, {{"type", "status"}}, {}, 0, &absent);
+        auto reply =
+            client::Request(o->socket_dir, {{"type", "status"}}, {}, 0, &absent, o->reply_timeout);
         if (!reply.ok()) return ReportRequestError("status", reply.error(), absent);
         if (o->json) {
           std::cout << DumpJson(*reply, 2) << "\n";
@@ -683,6 +694,7 @@ Command AddEvictCommand(CLI::App& root) {
   struct Options {
     std::string what, socket_dir;
     bool json = false;
+    double reply_timeout = client::kDefaultReplyTimeoutSeconds;
   };
   auto o = std::make_shared<Options>();
   CLI::App* app = root.add_subcommand(
@@ -694,10 +706,11 @@ Command AddEvictCommand(CLI::App& root) {
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
       ->check(NotEmpty());
   app->add_flag("--json", o->json, "print JSON: models evicted");
+  AddReplyTimeoutOption(*app, o->reply_timeout);
   return {app, [o] {
             bool absent = false;
             auto reply = client::Request(o->socket_dir, {{"type", "evict"}, {"what", o->what}}, {},
-                                         0, &absent);
+                                         0, &absent, o->reply_timeout);
             if (!reply.ok()) return ReportRequestError("evict", reply.error(), absent);
             const json models = reply->value("models", json::array());
             const uint64_t more = reply->value("models_omitted", uint64_t{0});

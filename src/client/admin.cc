@@ -1,23 +1,28 @@
 #include "client/admin.h"
 
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+
 #include "protocol/channel.h"
 #include "protocol/paths.h"
 
 namespace weightd::client {
-namespace {
-
-// Six of the daemon's heartbeats missed.
-constexpr int kSilenceLimitMs = 30'000;
-
-}  // namespace
 
 Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::json& request,
                                const std::function<void(const nlohmann::json&)>& on_progress,
-                               double wait_for_daemon_seconds, bool* no_daemon) {
+                               double wait_for_daemon_seconds, bool* no_daemon,
+                               double reply_timeout_seconds) {
+  // Above 0, an hour at most; 0, less or nan: the default.
+  const double limit_seconds = reply_timeout_seconds > 0 ? std::min(reply_timeout_seconds, 3600.0)
+                                                         : kDefaultReplyTimeoutSeconds;
+  const int silence_limit_ms = std::max(1, static_cast<int>(std::ceil(limit_seconds * 1000)));
   if (no_daemon != nullptr) *no_daemon = false;
   const std::string dir = protocol::SocketDirectory(socket_dir);
   protocol::ConnectFailure failure = protocol::ConnectFailure::kRefused;
-  auto ch = protocol::ConnectToDaemonWaiting(dir, wait_for_daemon_seconds, &failure);
+  auto ch =
+      protocol::ConnectToDaemonWaiting(dir, wait_for_daemon_seconds, &failure,
+                                       std::min(protocol::kConnectBusyTimeoutMs, silence_limit_ms));
   if (!ch.ok()) {
     const bool absent = failure == protocol::ConnectFailure::kNobodyThere;
     // Nothing there, or something there that is refused: said apart.
@@ -34,7 +39,7 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
   while (true) {
     // A preload sends progress, or a heartbeat, every few seconds; anything
     // else answers at once. Silence this long is a stopped or hung daemon.
-    auto reply = ch->Receive(kSilenceLimitMs);
+    auto reply = ch->Receive(silence_limit_ms);
     if (!reply.ok()) {
       const std::string& why = reply.error().message();
       if (why == protocol::Channel::kClosed) {
@@ -47,10 +52,11 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
             std::string(preload ? "; the preload was not published" : ""));
       }
       const bool silent = why == protocol::Channel::kTimedOut;
-      return Error("the daemon did not answer: " + why +
-                   (silent ? " (nothing for " + std::to_string(kSilenceLimitMs / 1000) +
-                                 " s: is it stopped or hung?)"
-                           : ""));
+      char limit[32];
+      std::snprintf(limit, sizeof limit, "%g", silence_limit_ms / 1000.0);
+      return Error(
+          "the daemon did not answer: " + why +
+          (silent ? " (nothing for " + std::string(limit) + " s: is it stopped or hung?)" : ""));
     }
     if (reply->type() == "progress") {
       const auto beat = reply->body.find("heartbeat");

@@ -290,7 +290,8 @@ Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
     char waited[32];
     std::snprintf(waited, sizeof waited, "%g", reply_seconds + extra_seconds);
     return Error(std::string("the daemon did not answer within ") + waited +
-                 " s: stopped (SIGSTOP), or too busy? `weightd status` shows whether it serves");
+                 " s: stopped (SIGSTOP), or too busy? `weightd status --reply-timeout 2` shows "
+                 "whether it serves");
   }
   if (!received.ok()) return received.error();
   protocol::Message m = std::move(received).value();
@@ -315,19 +316,24 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   const double wait = o.wait_for_daemon_seconds;
   const auto started = std::chrono::steady_clock::now();
   // When asked to wait: from here to the daemon's answer (however this
-  // ends before it), not what is done with the answer (a copy, a mapping).
+  // ends before it), not what is done with the answer (a copy, a mapping),
+  // and no more than the wait allowed: the reply timeout a silent daemon
+  // runs out comes on top of it.
   struct CountWait {
     double& waited;
     std::chrono::steady_clock::time_point started;
+    double allowed;
     bool counts;
     void Stop() {
       if (counts) {
-        waited += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+        waited += std::min(
+            allowed,
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
       }
       counts = false;
     }
     ~CountWait() { Stop(); }
-  } count_wait{miss.waited, started, wait > 0};
+  } count_wait{miss.waited, started, wait, wait > 0};
   protocol::ConnectFailure failure = protocol::ConnectFailure::kRefused;
   auto ch = protocol::ConnectToDaemonWaiting(protocol::SocketDirectory(o.socket_dir), wait,
                                              &failure, BusyConnectTimeoutMs(o));
