@@ -1933,6 +1933,17 @@ TEST_F(DaemonTest, AFifoIsRefusedNotWaitedOn) {
   EXPECT_EQ(daemon->Wait(), 0) << daemon->err();
 }
 
+// --stop-timeout 0 gives busy work no grace; an idle daemon has none, and
+// its threads on their way out are not called busy.
+TEST_F(DaemonTest, AStopWithNoGraceOfAnIdleDaemonIsClean) {
+  auto daemon = StartDaemon({"--stop-timeout", "0"});
+  ASSERT_EQ(Run({"status"}).exit_code, 0);
+  daemon->Signal(SIGTERM);
+  EXPECT_EQ(daemon->Wait(), 0) << daemon->err();
+  EXPECT_EQ(daemon->err().find("still busy"), std::string::npos) << daemon->err();
+  EXPECT_NE(daemon->err().find("stopped"), std::string::npos) << daemon->err();
+}
+
 // A daemon that accepts but never answers (stopped, hung) gives the
 // operator's commands an error, not a wait without end.
 TEST_F(DaemonTest, AdminCommandsGiveUpOnASilentDaemon) {
@@ -2105,6 +2116,8 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   ExpectRefused("[[model]]\npath = \"a\"\n\n[[model]]\npath = \"b\"\npinn = \"c\"\n",
                 config + ":6: [[model]] takes path");
   ExpectRefused("socket_dir = \"s\"\nsocket_dirr = \"s\"\n", config + ":2: unknown key");
+  // A key it takes, of the wrong type, is not called unknown.
+  ExpectRefused("[[model]]\npath = 5\n", config + ":2: [[model]] path must be a string");
   ExpectRefused("[[model]]\npath = \"a\"\nfingerprint = \"most\"\n",
                 "fingerprint `most` is neither sampled nor full");
   // A name pins one model.

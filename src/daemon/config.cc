@@ -91,7 +91,10 @@ Result<Config> ParseConfig(std::string_view text, const std::string& label) {
                               : f == "shard_plan"  ? &p.shard_plan
                               : f == "fingerprint" ? &p.fingerprint
                                                    : nullptr;
-          if (into == nullptr || !v.is_string()) {
+          if (into != nullptr && !v.is_string()) {
+            return fail_at(v, "[[model]] " + f + " must be a string (in quotes)");
+          }
+          if (into == nullptr) {
             return fail_at(
                 v,
                 "[[model]] takes path, pin, device, dtype, quant, shard_plan and fingerprint "

@@ -739,16 +739,24 @@ bool Server::Run() {
   s.WakeParkThread();
   std::unique_lock lock(s.conn_mu);
   for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
-  const bool ended = s.conn_done.wait_for(
-      lock, std::chrono::duration<double>(s.options.stop_grace_seconds),
-      [&] { return s.live_connections == 0 && s.live_preloads == 0 && s.workers == 0; });
+  auto all_ended = [&] {
+    return s.live_connections == 0 && s.live_preloads == 0 && s.workers == 0;
+  };
+  bool ended = s.conn_done.wait_for(
+      lock, std::chrono::duration<double>(s.options.stop_grace_seconds), all_ended);
+  if (!ended && s.live_connections == 0 && s.live_preloads == 0) {
+    // Only threads on their way out of accept() or a park, woken above: the
+    // grace (which may be 0) is for work, not for them.
+    ended = s.conn_done.wait_for(lock, std::chrono::seconds(5), all_ended);
+  }
   if (!ended) {
     s.abandoned = true;
     char grace[32];
     std::snprintf(grace, sizeof grace, "%g", s.options.stop_grace_seconds);
-    s.Log("stopping with " + std::to_string(s.live_connections) + " connection(s) and " +
-          std::to_string(s.live_preloads) + " preload(s) from the config still busy after " +
-          grace + " s (a file system call that does not return?): not waiting for them");
+    s.Log("stopping with " + std::to_string(s.live_connections) + " connection(s), " +
+          std::to_string(s.live_preloads) + " preload(s) from the config and " +
+          std::to_string(s.workers) + " thread(s) still busy after " + grace +
+          " s (a file system call that does not return?): not waiting for them");
     // A thread stuck in a FUSE request may outlive even SIGKILL, and with
     // it this process's descriptors: the directory is free for the next
     // daemon now, not when that thread ends.
