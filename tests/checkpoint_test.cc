@@ -76,6 +76,16 @@ TEST(Checkpoint, MissingShardIsAnError) {
   ExpectError(dir.path(), rules::kShardMissing, "m-2.safetensors");
 }
 
+// The index named instead of its directory (a path completed one level too
+// far) says what to name, not that a header is too long.
+TEST(Checkpoint, AnIndexNamedAloneSaysToNameItsDirectory) {
+  TempDir dir;
+  WriteShardWith(dir.Join("m-1.safetensors"), {"a"});
+  WriteIndex(dir.path(), {{"a", "m-1.safetensors"}});
+  ExpectError(dir.Join(std::string(kIndexFileName)), "name the checkpoint's directory",
+              "(" + dir.path() + ")");
+}
+
 TEST(Checkpoint, NamesThatLeaveTheDirectoryAreErrors) {
   TempDir outside;
   WriteShardWith(outside.Join("evil.safetensors"), {"a"});

@@ -97,6 +97,27 @@ TEST(Cli, UsageErrorsExitTwo) {
               2)
         << bad;
   }
+  // A size that does not read says why.
+  for (const auto& [size, why] : std::vector<std::pair<std::string, std::string>>{
+           {"1.5G", "whole numbers only (1536M, not 1.5G)"},
+           {"99999999T", "more than 64 bits of bytes"},
+           {"18446744073709551616", "more than 64 bits of bytes"},
+           {"lots", "a whole number of bytes, or of K, M, G or T"}}) {
+    r = RunWeightd({"serve", "--socket-dir", dir.Join("s"), "--budget", size});
+    EXPECT_EQ(r.exit_code, 2) << size << ": " << r.err;
+    EXPECT_NE(r.err.find("`" + size + "` is not a size: " + why), std::string::npos) << r.err;
+  }
+  r = RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "llama", "--size", "1.5G"});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("whole numbers only"), std::string::npos) << r.err;
+  // A preload makes every rank: one rank asked for is refused, not ignored.
+  r = RunWeightd({"preload", dir.path(), "--tp-size", "2", "--shard-plan", "llama", "--tp-rank",
+                  "1", "--socket-dir", dir.Join("s")});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("--tp-rank is for `load`"), std::string::npos) << r.err;
+  // No grace at all would close an engine's connection between its requests.
+  EXPECT_EQ(RunWeightd({"serve", "--socket-dir", dir.Join("s"), "--idle-timeout", "0"}).exit_code,
+            2);
   // An empty socket directory (a script's unset variable) is not the
   // default one.
   for (const char* command : {"serve", "status", "preload", "evict", "load"}) {

@@ -872,6 +872,11 @@ TEST_F(DaemonTest, LoadSaveFailuresAreOneErrorDocument) {
   EXPECT_EQ(r.exit_code, 2);
   EXPECT_NE(r.err.find("exists; --save writes a new file"), std::string::npos) << r.err;
   EXPECT_EQ(testing::ReadFileBytes(shard), before);
+  // A directory is named as one, with a file to write in it.
+  r = Run({"load", a, "--save", a});
+  EXPECT_EQ(r.exit_code, 2);
+  EXPECT_NE(r.err.find(a + " is a directory; --save names the file to write"), std::string::npos)
+      << r.err;
 }
 
 TEST_F(DaemonTest, EngineKeepsItsWeightsWhenTheDaemonIsKilled) {

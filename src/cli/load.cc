@@ -110,7 +110,10 @@ int RunLoad(LoadCommandOptions& o) {
     struct stat st;
     if (::lstat(o.save.c_str(), &st) == 0) {
       return ReportError("load --save",
-                         o.save + " exists; --save writes a new file (remove it first)",
+                         S_ISDIR(st.st_mode)
+                             ? o.save + " is a directory; --save names the file to write (" +
+                                   io::JoinPath(o.save, "weights.safetensors") + ", say)"
+                             : o.save + " exists; --save writes a new file (remove it first)",
                          kExitUsage);
     }
     if (errno != ENOENT) {

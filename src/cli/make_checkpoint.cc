@@ -44,8 +44,7 @@ int RunMake(MakeOptions o) {
   if (!o.size.empty()) {
     auto size = protocol::ParseSize(o.size);
     if (!size) {
-      return ReportError("make-checkpoint", "--size " + o.size + ": not a size (e.g. 512M, 2G)",
-                         kExitUsage);
+      return ReportError("make-checkpoint", "--size: " + protocol::WhyNotASize(o.size), kExitUsage);
     }
     if (*size == 0) return ReportError("make-checkpoint", "--size must be above 0", kExitUsage);
     o.synthetic.size_bytes = *size;

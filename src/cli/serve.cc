@@ -501,11 +501,13 @@ Command AddServeCommand(CLI::App& root) {
                    3600);
   AddSecondsOption(*app, "--idle-timeout", o->idle_seconds,
                    "seconds a connection that holds no lease may stay silent before it is "
-                   "closed (default 60); an engine's connection holding its weights is kept",
-                   86400);
-  app->add_option("--config", o->config,
-                  "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path, pin, device and "
-                  "tp_size/shard_plan/dtype/quant to preload at start (see docs/cli.md)");
+                   "closed (default 60; above 0); an engine's connection holding its weights is "
+                   "kept",
+                   86400, /*above_zero=*/true);
+  app->add_option(
+      "--config", o->config,
+      "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path, pin, device and "
+      "tp_size/shard_plan/dtype/quant/fingerprint to preload at start (see docs/cli.md)");
   return {app, [o] { return RunServe(*o); }};
 }
 
@@ -532,7 +534,16 @@ Command AddPreloadCommand(CLI::App& root) {
                    "seconds to wait for a daemon that is starting", 3600);
   app->add_flag("--json", o->json, "print the daemon's reply as JSON");
   auto pin = app->get_option("--pin");
-  return {app, [o, pin] {
+  auto rank = app->get_option("--tp-rank");
+  return {app, [o, pin, rank] {
+            // Not taken quietly: a rank asked for alone would not be what
+            // is loaded.
+            if (rank->count() > 0) {
+              return ReportError("preload",
+                                 "usage: --tp-rank is for `load`: a preload makes every rank "
+                                 "of --tp-size",
+                                 kExitUsage);
+            }
             if (Status s = FinishProcessingFlags(o->processing); !s.ok()) {
               return ReportError("preload", s.error().message(), kExitUsage);
             }

@@ -14,7 +14,7 @@ Result<Budget> ParseBudget(const std::string& device, const std::string& amount)
   auto spec = memory::ParseDevice(device);
   if (!spec.ok()) return Error("`" + device + "` is not host, cuda:N or cuda:GPU-<uuid>");
   auto bytes = protocol::ParseSize(amount);
-  if (!bytes) return Error("`" + amount + "` is not a size like 64G");
+  if (!bytes) return Error(protocol::WhyNotASize(amount));
   const bool unitless = !amount.empty() && amount.back() >= '0' && amount.back() <= '9';
   std::string same_device = "host";
   if (spec->kind == memory::DeviceSpec::Kind::kCudaOrdinal) {

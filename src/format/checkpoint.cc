@@ -198,6 +198,13 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   bool remote = std::chrono::steady_clock::now() - probe_start > kRoundTripProbe;
   listing.round_trips = 1;
   if (!is_dir) {
+    // A checkpoint's index, named by mistake, would be read as a shard and
+    // fail on a header length made of JSON text.
+    if (io::BaseName(path).ends_with(".json")) {
+      return Error(path +
+                   ": a JSON file, not a safetensors file; name the checkpoint's directory (" +
+                   io::DirName(path) + ") or one of its shards");
+    }
     listing.shards.push_back({io::BaseName(path), path, path});
     return listing;
   }

@@ -79,4 +79,18 @@ std::optional<uint64_t> ParseSize(std::string_view text) {
   return value << shift;
 }
 
+std::string WhyNotASize(std::string_view text) {
+  const std::string quoted = "`" + Printable(text) + "` is not a size: ";
+  const size_t digits = text.find_first_not_of("0123456789");
+  if (digits != std::string_view::npos && text[digits] == '.') {
+    return quoted + "whole numbers only (1536M, not 1.5G)";
+  }
+  // Digits and a unit that each read (the unit tried on 1): too many.
+  const std::string unit(digits == std::string_view::npos ? "" : text.substr(digits));
+  if (digits != 0 && !text.empty() && ParseSize("1" + unit)) {
+    return quoted + "more than 64 bits of bytes";
+  }
+  return quoted + "a whole number of bytes, or of K, M, G or T (binary: 64G, 512M)";
+}
+
 }  // namespace weightd::protocol

@@ -21,5 +21,7 @@ std::string Printable(std::string_view text);
 // "512M", "64G", "1T", "4096" (bytes); binary multiples. nullopt when the
 // text is not a size or overflows.
 std::optional<uint64_t> ParseSize(std::string_view text);
+// Why ParseSize refused `text`, for a message: "`1.5G` is not a size: ...".
+std::string WhyNotASize(std::string_view text);
 
 }  // namespace weightd::protocol
