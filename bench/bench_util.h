@@ -113,6 +113,7 @@ inline double FreshPageMicros() {
     void* m =
         ::mmap(nullptr, kPages * kPage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
     if (m == MAP_FAILED) Die("bench", "cannot map memory to time page faults");
+    ::madvise(m, kPages * kPage, MADV_NOHUGEPAGE);  // 4 KiB faults, whatever the policy
     auto* p = static_cast<volatile char*>(m);
     runs.push_back(TimeIt([&] {
       for (size_t i = 0; i < kPages; ++i) p[i * kPage] = 1;

@@ -350,12 +350,21 @@ TEST_F(DaemonTest, AChildForkedWhileWeightsLiveDoesNotKeepTheirLease) {
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
+    // Gone with the parent: its end of `go` closed here, a read sees EOF.
+    ::close(go[1]);
     char c = 'r';
     if (::write(ready[1], &c, 1) != 1 || ::read(go[0], &c, 1) != 1) ::_exit(3);
     // Parent gone from the model and the model evicted: this mapping is the
     // child's own.
     ::_exit(std::memcmp(bytes.data(), expected.data(), expected.size()) == 0 ? 0 : 1);
   }
+  // However the test ends, the child does not outlive it.
+  struct Reap {
+    pid_t pid;
+    ~Reap() {
+      if (pid > 0 && ::kill(pid, SIGKILL) == 0) ::waitpid(pid, nullptr, 0);
+    }
+  } reap{child};
   ::close(ready[1]);
   ::close(go[0]);
   char c;
@@ -367,6 +376,7 @@ TEST_F(DaemonTest, AChildForkedWhileWeightsLiveDoesNotKeepTheirLease) {
   ASSERT_EQ(::write(go[1], &c, 1), 1);
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
+  reap.pid = 0;
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 0) << status;
   ::close(ready[0]);
   ::close(go[1]);
@@ -396,6 +406,9 @@ std::pair<uintptr_t, std::string> MappingHolding(const void* at) {
 // of per 4 KiB where the kernel gives them. Its bytes are the daemon's,
 // read-only.
 TEST_F(DaemonTest, ACopyIsAskedForInWholeHugePages) {
+  if (::access("/sys/kernel/mm/transparent_hugepage/enabled", F_OK) != 0) {
+    GTEST_SKIP() << "this kernel has no transparent huge pages to ask for";
+  }
   const std::string a = MakeModel("a", false, 6 << 20);
   auto daemon = StartDaemon();
   Preload(a);
@@ -2281,6 +2294,15 @@ TEST_F(DaemonTest, AnEngineDoesNotWaitOnASocketDirectoryThatWillNotDo) {
       << j["reason"];
   EXPECT_NE(j["reason"].get<std::string>().find("it must be 0700"), std::string::npos)
       << j["reason"];
+  // Nor on a file at the socket's name that is no socket (a daemon starting
+  // replaces a stale socket, not that).
+  const std::string squatted = dir_.Join("squatted");
+  ASSERT_EQ(::mkdir(squatted.c_str(), 0700), 0);
+  testing::WriteFileText(squatted + "/" + protocol::kSocketName, "not a socket");
+  Process stuck({"load", a, "--json", "--wait-for-daemon", "3600", "--socket-dir", squatted});
+  ASSERT_TRUE(stuck.WaitForOutput("\"source\"", 120)) << stuck.err();
+  ASSERT_EQ(stuck.Wait(), 0) << stuck.err();
+  EXPECT_EQ(json::parse(stuck.out())["miss_kind"], "failed") << stuck.out();
 }
 
 TEST_F(DaemonTest, PeerWithAnotherUidIsRefusedAndOthersAreServed) {

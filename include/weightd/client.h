@@ -136,7 +136,9 @@ struct AcquireOptions {
   // preloaded the same way to match; --populate asks for it so.
   std::string fingerprint = "sampled";
   // Where the one-line reasons go (fallbacks, trust); default: stderr, with
-  // control characters in paths written as \xNN.
+  // control characters written as \xNN. A line given here is as it came:
+  // paths and the daemon's words may hold control characters, to escape
+  // before a terminal sees them.
   std::function<void(const std::string&)> log;
   // When set, receives the daemon's miss (why, and the key fields that
   // differed), also when Acquire then fails (no fallback) or loads from disk;

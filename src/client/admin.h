@@ -20,7 +20,7 @@ namespace weightd::client {
 // given) is set to whether the error is that no daemon listens there (no
 // socket, or one a daemon that ended left behind), rather than one that
 // refused, failed or did not answer. A daemon silent for
-// `reply_timeout_seconds` (stopped, hung; a preload's sends progress or a
+// `reply_timeout_seconds` (stopped, hung; a preload in progress sends progress or a
 // heartbeat every 5 s) is given up on, and so is a connect its full queue
 // holds up that long (10 s at most).
 inline constexpr double kDefaultReplyTimeoutSeconds = 30;  // six heartbeats missed

@@ -4,6 +4,7 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -52,28 +53,34 @@ int BusyConnectTimeoutMs(const AcquireOptions& o) {
       std::min<double>(protocol::kConnectBusyTimeoutMs, std::ceil(ReplyTimeoutSeconds(o) * 1000)));
 }
 
-// A zero_copy lease: the connection to the daemon, which drops the lease
-// when the socket's last descriptor closes. A child forked while it lives
-// (Python's multiprocessing, a launcher) inherits that descriptor and would
-// keep the lease after this process let go of it, the model never idle and
-// never evicted until the child ends. So in a child each lease's descriptor
-// is pointed at /dev/null (the number stays valid for the destructor to
-// close): the child keeps its mapping, memory that needs no lease, and the
-// lease stays this process's alone.
+// A lease: the connection to the daemon, which drops the lease when the
+// socket's last descriptor closes. A child forked while it is open (by
+// Python's multiprocessing, a launcher, another thread meanwhile) inherits
+// that descriptor and would keep the lease after this process let go of
+// it: the model never idle and never evicted until the child ended. So in
+// a child each such descriptor is pointed at a socket of its own that
+// holds nothing (the number stays valid for the destructor to close): the
+// child keeps its mapping, memory that needs no lease, and the lease stays
+// this process's alone. Every connection an acquire opens is one, from
+// the connect on.
 class Lease {
  public:
   explicit Lease(protocol::Channel channel) : channel_(std::move(channel)) {
     static std::once_flag once;
     std::call_once(once, [] { ::pthread_atfork(LockTable, UnlockTable, ForgetInChild); });
     std::lock_guard lock(table_mu_);
-    Table().insert(channel_.fd());
+    Table().insert(channel_->fd());
   }
   ~Lease() {
+    // Closed under the lock: no fork between leaving the table and closing.
     std::lock_guard lock(table_mu_);
-    Table().erase(channel_.fd());
+    Table().erase(channel_->fd());
+    channel_.reset();
   }
   Lease(const Lease&) = delete;
   Lease& operator=(const Lease&) = delete;
+
+  protocol::Channel& channel() { return *channel_; }
 
  private:
   static std::set<int>& Table() {
@@ -83,17 +90,21 @@ class Lease {
   // Held across fork, so that the table is whole in the child.
   static void LockTable() { table_mu_.lock(); }
   static void UnlockTable() { table_mu_.unlock(); }
+  // Only calls safe in a forked child; nothing allocated or freed. Where
+  // not even a socket can be made (no descriptor left), the child keeps
+  // the lease until it ends.
   static void ForgetInChild() {
-    if (int null = ::open("/dev/null", O_RDWR | O_CLOEXEC); null >= 0) {
-      for (int fd : Table()) ::dup3(null, fd, O_CLOEXEC);
-      ::close(null);
+    for (int fd : Table()) {
+      if (int spare = ::socket(AF_UNIX, SOCK_DGRAM | SOCK_CLOEXEC, 0); spare >= 0) {
+        ::dup3(spare, fd, O_CLOEXEC);
+        ::close(spare);
+      }
     }
-    Table().clear();
     table_mu_.unlock();
   }
 
   static inline std::mutex table_mu_;
-  protocol::Channel channel_;
+  std::optional<protocol::Channel> channel_;
 };
 
 // Private, page-aligned memory for `copy` mode.
@@ -115,9 +126,9 @@ class OwnedBytes {
     // On a busy virtual machine that took a 62 MiB copy from 180 ms to 8.
     // Mapped with a huge page's room to spare, cut to a 2 MiB boundary.
     const size_t size = std::max<size_t>(from.size(), 1);
-    size_t mapped = size, spare = 0;
-    if (size >= kHugePage && !__builtin_add_overflow(size, kHugePage - 1, &mapped)) {
-      mapped = mapped / kHugePage * kHugePage;
+    size_t mapped = size, spare = 0, rounded;
+    if (size >= kHugePage && !__builtin_add_overflow(size, kHugePage - 1, &rounded)) {
+      mapped = rounded / kHugePage * kHugePage;
       spare = kHugePage;
     }
     size_t reserved;
@@ -196,7 +207,7 @@ class WeightsImpl final : public Weights {
   }
 
   // What keeps the bytes alive: some of these.
-  std::optional<Lease> lease;                // zero_copy: the connection holds it (let go last)
+  std::unique_ptr<Lease> lease;              // zero_copy: the connection holds it (let go last)
   std::unique_ptr<memory::Mapping> mapping;  // a host segment, or a GPU segment's manifest
   OwnedBytes owned;
   std::unique_ptr<memory::Segment> segment;           // our own: from disk, or a copy
@@ -373,6 +384,10 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     miss.reason = (refused ? "cannot use the daemon: " : "no daemon: ") + ch.error().message();
     return nullptr;
   }
+  // The lease once the daemon grants one; before, a connection no forked
+  // child may keep either.
+  auto lease = std::make_unique<Lease>(std::move(ch).value());
+  protocol::Channel& channel = lease->channel();
   // One wait in all: what finding the daemon took is not waited again for
   // its load.
   const double waited =
@@ -396,20 +411,20 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   if (wait_left > 0) request["wait_seconds"] = wait_left;
   if (!checkpoint.empty()) request["path"] = protocol::PathToJson(checkpoint);
   auto send_failed = [&](const Error& e) {
-    if (auto said = ch->ErrorSentBeforeClosing())
+    if (auto said = channel.ErrorSentBeforeClosing())
       return fail("refused", Error("the daemon says: " + *said));
     return fail("protocol error", e);
   };
-  if (Status s = ch->Send({{"type", "hello"}, {"versions", {protocol::kProtocolVersion}}});
+  if (Status s = channel.Send({{"type", "hello"}, {"versions", {protocol::kProtocolVersion}}});
       !s.ok()) {
     return send_failed(s.error());
   }
-  if (Status s = ch->Send(request); !s.ok()) return send_failed(s.error());
+  if (Status s = channel.Send(request); !s.ok()) return send_failed(s.error());
   const double reply_seconds = ReplyTimeoutSeconds(o);
-  if (auto hello = Expect(*ch, "hello", reply_seconds); !hello.ok()) {
+  if (auto hello = Expect(channel, "hello", reply_seconds); !hello.ok()) {
     return fail("protocol error", hello.error());
   }
-  auto reply = Expect(*ch, "acquired", reply_seconds, wait_left);
+  auto reply = Expect(channel, "acquired", reply_seconds, wait_left);
   count_wait.Stop();
   if (!reply.ok()) return fail("protocol error", reply.error());
   const json& body = reply->body;
@@ -493,7 +508,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
         !s.ok()) {
       return fail("segment error", s.error());
     }
-    w->lease.emplace(std::move(ch).value());
+    w->lease = std::move(lease);
     w->reason_ = w->cuda_mapping->read_only()
                      ? "resident in the daemon on " + held->device + " (mapped read-only)"
                      : "resident in the daemon on " + held->device +
@@ -518,7 +533,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   }
   w->mapping = std::move(mapping).value();
   if (Status s = w->Index(w->mapping->bytes()); !s.ok()) return fail("segment error", s.error());
-  w->lease.emplace(std::move(ch).value());
+  w->lease = std::move(lease);
   w->reason_ = "resident in the daemon (mapped read-only)";
   return w;
 }

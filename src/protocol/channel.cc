@@ -297,11 +297,12 @@ Result<Channel> Connect(const std::string& socket_path, int busy_timeout_ms, Con
     }
     const int error = errno;
     if (why != nullptr) {
-      // Refused by a socket nobody listens on; not by a file that is none
-      // (which `serve` would not replace either).
+      // Refused by a socket nobody listens on, or by one gone since (a
+      // daemon starting replaces a stale one); not by a file that is no
+      // socket (which `serve` would not replace either).
       struct stat st;
-      if (error == ENOENT || (error == ECONNREFUSED && ::lstat(socket_path.c_str(), &st) == 0 &&
-                              S_ISSOCK(st.st_mode))) {
+      const bool no_socket = ::lstat(socket_path.c_str(), &st) == 0 && !S_ISSOCK(st.st_mode);
+      if ((error == ENOENT || error == ECONNREFUSED) && !no_socket) {
         *why = ConnectFailure::kNobodyThere;
       }
     }
