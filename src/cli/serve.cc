@@ -583,8 +583,23 @@ Command AddPreloadCommand(CLI::App& root) {
               PrintPinTakenFrom(*reply, o->pin);
             } else {
               const int ranks = reply->value("ranks", 1);
-              std::cout << "resident: " << Printable(o->path) << " ("
-                        << (ranks > 1 ? std::to_string(ranks) + " ranks of " : "")
+              // Ranks already resident were not loaded again: the tensors
+              // and bytes are those of the ranks that were.
+              std::string loaded;
+              size_t loaded_count = 0;
+              for (const auto& r : reply->value("loaded_ranks", json::array())) {
+                if (!r.is_number_unsigned()) continue;
+                loaded += (loaded.empty() ? "" : ", ") + std::to_string(r.get<uint64_t>());
+                ++loaded_count;
+              }
+              std::string ranks_said;
+              if (ranks > 1 && loaded_count > 0 && loaded_count < static_cast<size_t>(ranks)) {
+                ranks_said = (loaded_count == 1 ? "rank " : "ranks ") + loaded + " of " +
+                             std::to_string(ranks) + " loaded, the others already resident; ";
+              } else if (ranks > 1) {
+                ranks_said = std::to_string(ranks) + " ranks of ";
+              }
+              std::cout << "resident: " << Printable(o->path) << " (" << ranks_said
                         << Count(reply->value("tensors", uint64_t{0}), "tensor") << ", "
                         << FormatBytes(reply->value("bytes", uint64_t{0})) << ", "
                         << FormatSeconds(reply->value("seconds", 0.0)) << ")\n";
