@@ -88,6 +88,25 @@ class Process {
 // Polls `condition` every 20 ms for up to `seconds`; whether it came true.
 bool Eventually(const std::function<bool()>& condition, double seconds = 30);
 
+// Held by a test that runs processes as `nobody` (uid 65534), for as long
+// as it lives: the kernel counts a user's tasks across every process of
+// that user, so one such test's daemon would use up the task limit
+// another sets for its own (the test binary runs in parallel with itself).
+class NobodysTurn {
+ public:
+  NobodysTurn() : fd_(::open("/tmp/weightd-test-nobody.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600)) {
+    if (fd_ >= 0) ::flock(fd_, LOCK_EX);
+  }
+  ~NobodysTurn() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  NobodysTurn(const NobodysTurn&) = delete;
+  NobodysTurn& operator=(const NobodysTurn&) = delete;
+
+ private:
+  int fd_;
+};
+
 std::string ConformanceDir();
 std::string SourceDir();
 
