@@ -742,17 +742,19 @@ bool Server::Run() {
   auto all_ended = [&] {
     return s.live_connections == 0 && s.live_preloads == 0 && s.workers == 0;
   };
-  bool ended = s.conn_done.wait_for(
-      lock, std::chrono::duration<double>(s.options.stop_grace_seconds), all_ended);
+  double waited = s.options.stop_grace_seconds;
+  bool ended = s.conn_done.wait_for(lock, std::chrono::duration<double>(waited), all_ended);
   if (!ended && s.live_connections == 0 && s.live_preloads == 0) {
     // Only threads on their way out of accept() or a park, woken above: the
     // grace (which may be 0) is for work, not for them.
-    ended = s.conn_done.wait_for(lock, std::chrono::seconds(5), all_ended);
+    constexpr int kIdleThreadSeconds = 5;
+    ended = s.conn_done.wait_for(lock, std::chrono::seconds(kIdleThreadSeconds), all_ended);
+    waited += kIdleThreadSeconds;
   }
   if (!ended) {
     s.abandoned = true;
     char grace[32];
-    std::snprintf(grace, sizeof grace, "%g", s.options.stop_grace_seconds);
+    std::snprintf(grace, sizeof grace, "%g", waited);
     s.Log("stopping with " + std::to_string(s.live_connections) + " connection(s), " +
           std::to_string(s.live_preloads) + " preload(s) from the config and " +
           std::to_string(s.workers) + " thread(s) still busy after " + grace +
