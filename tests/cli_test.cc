@@ -118,6 +118,10 @@ TEST(Cli, UsageErrorsExitTwo) {
   // No grace at all would close an engine's connection between its requests.
   EXPECT_EQ(RunWeightd({"serve", "--socket-dir", dir.Join("s"), "--idle-timeout", "0"}).exit_code,
             2);
+  // An empty WHAT (a script's unset variable) matches nothing: a usage error.
+  r = RunWeightd({"evict", "", "--socket-dir", dir.Join("s")});
+  EXPECT_EQ(r.exit_code, 2) << r.err;
+  EXPECT_NE(r.err.find("must not be empty"), std::string::npos) << r.err;
   // An empty socket directory (a script's unset variable) is not the
   // default one.
   for (const char* command : {"serve", "status", "preload", "evict", "load"}) {

@@ -43,10 +43,10 @@ double SecondsSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
 }
 
-CLI::Validator NotEmpty() {
+CLI::Validator NotEmpty(const std::string& instead) {
   return CLI::Validator(
-      [](std::string& text) -> std::string {
-        return text.empty() ? "must not be empty (leave the flag out for the default)" : "";
+      [instead](std::string& text) -> std::string {
+        return text.empty() ? "must not be empty (" + instead + ")" : "";
       },
       "", "not empty");
 }

@@ -66,8 +66,8 @@ Command AddEvictCommand(CLI::App& root);
 Command AddLoadCommand(CLI::App& root);
 
 // Refuses an empty value: `--socket-dir ""` (an unset variable in a
-// script) must not quietly mean the default.
-CLI::Validator NotEmpty();
+// script) must not quietly mean the default. `instead` says what to give.
+CLI::Validator NotEmpty(const std::string& instead = "leave the flag out for the default");
 
 // An option of seconds: a finite number in [0, max], or (0, max] with
 // `above_zero` (nan and inf are usage errors, as CLI11's Range lets nan

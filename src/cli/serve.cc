@@ -728,7 +728,9 @@ Command AddEvictCommand(CLI::App& root) {
       "Drop resident models: WHAT is `all`, a pinned name, the start (8+ characters) of a\n"
       "checkpoint digest, or '#ID' (quoted: # starts a shell comment) for one model as `status`\n"
       "numbers it (one rank). Engines that mapped them keep their bytes until they let go.");
-  app->add_option("WHAT", o->what, "all | NAME | DIGEST-PREFIX | #ID")->required();
+  app->add_option("WHAT", o->what, "all | NAME | DIGEST-PREFIX | #ID")
+      ->required()
+      ->check(NotEmpty("all, a pinned name, a digest's start or #ID"));
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
       ->check(NotEmpty());
   app->add_flag("--json", o->json, "print JSON: models evicted");
