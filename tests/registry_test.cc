@@ -88,7 +88,7 @@ TEST(Registry, ALeasedModelOnAGpuLeavesNoRoomAndTheErrorNamesTheDevice) {
   ASSERT_FALSE(full.ok());
   EXPECT_NE(full.error().message().find("out of budget on " + kGpu), std::string::npos)
       << full.error().message();
-  EXPECT_NE(full.error().message().find("4.00 MiB by models in use"), std::string::npos)
+  EXPECT_NE(full.error().message().find("4.00 MiB by models engines use"), std::string::npos)
       << full.error().message();
   EXPECT_TRUE(evicted.empty());
   // The host's budget is untouched by the GPU's.
@@ -104,7 +104,7 @@ TEST(Registry, ALeasedModelOnAGpuLeavesNoRoomAndTheErrorNamesTheDevice) {
                 "raise --budget"),
             std::string::npos)
       << full.error().message();
-  EXPECT_EQ(full.error().message().find("models in use"), std::string::npos)
+  EXPECT_EQ(full.error().message().find("models engines use"), std::string::npos)
       << full.error().message();
   r.Release(lease.model);
   EXPECT_EQ(Find(r.Take(), kGpu)->used, 0u);
@@ -226,8 +226,25 @@ TEST(Registry, ARefusalNamesLoadsInProgressApart) {
   auto refused = r.Reserve("host", 4 * kMiB, nullptr);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.error().message().find(
-                "7.00 MiB are held: 2.00 MiB by models in use or pinned, 5.00 MiB by loads in "
-                "progress (preload again when they end); evict one or raise --budget"),
+                "7.00 MiB are held: 2.00 MiB by models engines use, 5.00 MiB by loads in "
+                "progress (preload again when they end); raise --budget, or evict a model in "
+                "use and stop its engines"),
+            std::string::npos)
+      << refused.error().message();
+}
+
+// Pinned models no engine uses are named apart from those in use: only
+// evicting them frees room at once.
+TEST(Registry, ARefusalNamesPinnedModelsApartFromThoseInUse) {
+  Registry r(8 * kMiB);
+  auto leased = Publish(r, "host", 3, "xxh3-128:a");
+  ASSERT_TRUE(r.Acquire(leased->key, "").model);
+  Publish(r, "host", 4, "xxh3-128:b", 0, "prod");
+  auto refused = r.Reserve("host", 2 * kMiB, nullptr);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find(
+                "7.00 MiB are held: 3.00 MiB by models engines use, 4.00 MiB by pinned models no "
+                "engine uses; evict a pinned model (weightd evict NAME) or raise --budget"),
             std::string::npos)
       << refused.error().message();
 }

@@ -110,8 +110,11 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
     auto account = accounts_.find(device);
     if (account == accounts_.end()) return Error("no memory budget for " + device);
     const Account& a = account->second;
-    uint64_t idle = 0, idle_room = 0;
+    uint64_t idle = 0, idle_room = 0, pinned = 0;
     for (const auto& m : models_) {
+      if (m->key.device == device && m->leases == 0 && !m->name.empty()) {
+        pinned += m->segment->reserved_bytes();
+      }
       if (!evictable(*m, device)) continue;
       idle += m->segment->reserved_bytes();
       if (frees_room(*m)) idle_room += m->segment->reserved_bytes();
@@ -128,8 +131,15 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
       const uint64_t mapped = std::min(a.evicted_leased, kept);
       const uint64_t loading = std::min(a.reserved, kept - mapped);
       const uint64_t held = kept - mapped - loading;
+      // Of those, what `evict NAME` frees at once; the rest only once
+      // evicted and let go by every engine that maps it.
+      const uint64_t held_pinned = std::min(pinned, held);
+      const uint64_t in_use = held - held_pinned;
       std::vector<std::string> who;
-      if (held > 0) who.push_back(protocol::FormatBytes(held) + " by models in use or pinned");
+      if (in_use > 0) who.push_back(protocol::FormatBytes(in_use) + " by models engines use");
+      if (held_pinned > 0) {
+        who.push_back(protocol::FormatBytes(held_pinned) + " by pinned models no engine uses");
+      }
       if (loading > 0) {
         who.push_back(protocol::FormatBytes(loading) +
                       " by loads in progress (preload again when they end)");
@@ -145,7 +155,10 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
                    protocol::FormatBytes(bytes) + ", the budget is " +
                    protocol::FormatBytes(a.budget) + ", and " + protocol::FormatBytes(kept) +
                    " are held: " + listed + "; " +
-                   (held > 0 ? "evict one or raise --budget" : "raise --budget"));
+                   (held_pinned > 0 ? "evict a pinned model (weightd evict NAME) or raise --budget"
+                    : in_use > 0    ? "raise --budget, or evict a model in use and stop its "
+                                      "engines"
+                                    : "raise --budget"));
     }
     if (device != "host" || !host_room) continue;
     const Room& room = *host_room;
