@@ -227,24 +227,37 @@ TEST(Registry, ARefusalNamesLoadsInProgressApart) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.error().message().find(
                 "7.00 MiB are held: 2.00 MiB by models engines use, 5.00 MiB by loads in "
-                "progress (preload again when they end); raise --budget, or evict a model in "
-                "use and stop its engines"),
+                "progress (preload again when they end); preload again when the loads in "
+                "progress end, or raise --budget"),
             std::string::npos)
       << refused.error().message();
 }
 
-// Pinned models no engine uses are named apart from those in use: only
-// evicting them frees room at once.
+// Pinned models no engine uses are named apart from those in use (a pinned
+// one an engine maps among them; one on another device in neither): only
+// evicting them frees room at once. The advice is what frees enough.
 TEST(Registry, ARefusalNamesPinnedModelsApartFromThoseInUse) {
   Registry r(8 * kMiB);
-  auto leased = Publish(r, "host", 3, "xxh3-128:a");
+  r.SetBudget(kGpu, 8 * kMiB);
+  auto leased = Publish(r, "host", 3, "xxh3-128:a", 0, "live");
   ASSERT_TRUE(r.Acquire(leased->key, "").model);
   Publish(r, "host", 4, "xxh3-128:b", 0, "prod");
-  auto refused = r.Reserve("host", 2 * kMiB, nullptr);
+  Publish(r, kGpu, 4, "xxh3-128:c", 0, "gpu");
+  const std::string held =
+      "7.00 MiB are held: 3.00 MiB by models engines use, 4.00 MiB by pinned models no engine "
+      "uses; ";
+  auto refused = r.Reserve("host", 5 * kMiB, nullptr);
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.error().message().find(
-                "7.00 MiB are held: 3.00 MiB by models engines use, 4.00 MiB by pinned models no "
-                "engine uses; evict a pinned model (weightd evict NAME) or raise --budget"),
+                held + "evict pinned models (weightd evict NAME, or '#ID' for one rank) or "
+                       "raise --budget"),
+            std::string::npos)
+      << refused.error().message();
+  // 5 MiB short: the pinned models alone would not make room.
+  refused = r.Reserve("host", 6 * kMiB, nullptr);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find(
+                held + "raise --budget, or evict models in use and stop their engines"),
             std::string::npos)
       << refused.error().message();
 }

@@ -151,14 +151,22 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
       }
       std::string listed;
       for (const std::string& w : who) listed += (listed.empty() ? "" : ", ") + w;
+      // The advice is the first step that frees enough, in the order a
+      // user can take them: evict what no engine uses, wait for loads (an
+      // idle model once done), take models from engines.
+      const uint64_t missing = kept - (a.budget - bytes);
+      std::string advice = "raise --budget";
+      if (held_pinned >= missing) {
+        advice = "evict pinned models (weightd evict NAME, or '#ID' for one rank) or " + advice;
+      } else if (loading > 0 && held_pinned + loading >= missing) {
+        advice = "preload again when the loads in progress end, or " + advice;
+      } else if (in_use > 0 && held >= missing - std::min(loading, missing)) {
+        advice += ", or evict models in use and stop their engines";
+      }
       return Error("out of budget on " + device + ": the model needs " +
                    protocol::FormatBytes(bytes) + ", the budget is " +
                    protocol::FormatBytes(a.budget) + ", and " + protocol::FormatBytes(kept) +
-                   " are held: " + listed + "; " +
-                   (held_pinned > 0 ? "evict a pinned model (weightd evict NAME) or raise --budget"
-                    : in_use > 0    ? "raise --budget, or evict a model in use and stop its "
-                                      "engines"
-                                    : "raise --budget"));
+                   " are held: " + listed + "; " + advice);
     }
     if (device != "host" || !host_room) continue;
     const Room& room = *host_room;
