@@ -755,10 +755,15 @@ bool Server::Run() {
     s.abandoned = true;
     char grace[32];
     std::snprintf(grace, sizeof grace, "%g", waited);
-    s.Log("stopping with " + std::to_string(s.live_connections) + " connection(s), " +
-          std::to_string(s.live_preloads) + " preload(s) from the config and " +
-          std::to_string(s.workers) + " thread(s) still busy after " + grace +
-          " s (a file system call that does not return?): not waiting for them");
+    if (s.live_connections == 0 && s.live_preloads == 0) {
+      s.Log("stopping with " + std::to_string(s.workers) + " idle thread(s) not ended after " +
+            grace + " s: not waiting for them");
+    } else {
+      s.Log("stopping with " + std::to_string(s.live_connections) + " connection(s), " +
+            std::to_string(s.live_preloads) + " preload(s) from the config and " +
+            std::to_string(s.workers) + " thread(s) still busy after " + grace +
+            " s (a file system call that does not return?): not waiting for them");
+    }
     // A thread stuck in a FUSE request may outlive even SIGKILL, and with
     // it this process's descriptors: the directory is free for the next
     // daemon now, not when that thread ends.
