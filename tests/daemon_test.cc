@@ -730,15 +730,37 @@ TEST_F(DaemonTest, APreloadLoadsOnlyTheRanksNotResident) {
   std::vector<std::string> load = flags;
   load.insert(load.end(), {"--tp-rank", "2"});
   EXPECT_EQ(Load(a, load)["source"], "daemon");
-  // The text says which rank it loaded, not that it loaded them all.
-  ASSERT_EQ(
-      Run({"evict", "#" + std::to_string(Status()["models"].back()["id"].get<int>())}).exit_code,
-      0);
+  // The text says which ranks it loaded, not that it loaded them all:
+  // one, then two (their tensors each).
   args.erase(std::find(args.begin(), args.end(), "--json"));
+  auto evict_rank = [&](int rank) {
+    const json models = Status()["models"];
+    for (const auto& m : models) {
+      if (m["key"]["tp_rank"] == rank) {
+        ASSERT_EQ(Run({"evict", "#" + std::to_string(m["id"].get<int>())}).exit_code, 0);
+      }
+    }
+  };
+  evict_rank(3);
   CommandResult text = Run(args);
   ASSERT_EQ(text.exit_code, 0) << text.err;
-  EXPECT_NE(text.out.find(" loaded, the others already resident; "), std::string::npos) << text.out;
-  EXPECT_EQ(text.out.find("4 ranks of"), std::string::npos) << text.out;
+  const std::string tensors = std::to_string(json::parse(again.out)["tensors"].get<int>());
+  EXPECT_NE(text.out.find("(rank 3 of 4 loaded: " + tensors + " tensors, "), std::string::npos)
+      << text.out;
+  EXPECT_NE(text.out.find("; the others were resident already)"), std::string::npos) << text.out;
+  evict_rank(0);
+  evict_rank(2);
+  text = Run(args);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("(ranks 0, 2 of 4 loaded: " + tensors + " tensors each, "),
+            std::string::npos)
+      << text.out;
+  // All four evicted: all four loaded, and said so.
+  ASSERT_EQ(Run({"evict", "all"}).exit_code, 0);
+  text = Run(args);
+  ASSERT_EQ(text.exit_code, 0) << text.err;
+  EXPECT_NE(text.out.find("(4 ranks of " + tensors + " tensors, "), std::string::npos) << text.out;
+  EXPECT_EQ(text.out.find("resident already"), std::string::npos) << text.out;
 }
 
 // Making room for a missing rank evicts other models, never the ranks that

@@ -583,8 +583,8 @@ Command AddPreloadCommand(CLI::App& root) {
               PrintPinTakenFrom(*reply, o->pin);
             } else {
               const int ranks = reply->value("ranks", 1);
-              // Ranks already resident were not loaded again: the tensors
-              // and bytes are those of the ranks that were.
+              // Ranks already resident were not loaded again: the bytes and
+              // time are those of the ranks that were; tensors are per rank.
               std::string loaded;
               size_t loaded_count = 0;
               for (const auto& r : reply->value("loaded_ranks", json::array())) {
@@ -592,17 +592,21 @@ Command AddPreloadCommand(CLI::App& root) {
                 loaded += (loaded.empty() ? "" : ", ") + std::to_string(r.get<uint64_t>());
                 ++loaded_count;
               }
+              const bool partly =
+                  ranks > 1 && loaded_count > 0 && loaded_count < static_cast<size_t>(ranks);
               std::string ranks_said;
-              if (ranks > 1 && loaded_count > 0 && loaded_count < static_cast<size_t>(ranks)) {
+              if (partly) {
                 ranks_said = (loaded_count == 1 ? "rank " : "ranks ") + loaded + " of " +
-                             std::to_string(ranks) + " loaded, the others already resident; ";
+                             std::to_string(ranks) + " loaded: ";
               } else if (ranks > 1) {
                 ranks_said = std::to_string(ranks) + " ranks of ";
               }
               std::cout << "resident: " << Printable(o->path) << " (" << ranks_said
-                        << Count(reply->value("tensors", uint64_t{0}), "tensor") << ", "
+                        << Count(reply->value("tensors", uint64_t{0}), "tensor")
+                        << (partly && loaded_count > 1 ? " each" : "") << ", "
                         << FormatBytes(reply->value("bytes", uint64_t{0})) << ", "
-                        << FormatSeconds(reply->value("seconds", 0.0)) << ")\n";
+                        << FormatSeconds(reply->value("seconds", 0.0))
+                        << (partly ? "; the others were resident already" : "") << ")\n";
               if (const json phases = reply->value("phases", json::object()); !phases.empty()) {
                 auto s = [&](const char* phase) { return FormatSeconds(phases.value(phase, 0.0)); };
                 std::cout << "  fingerprint " << s("fingerprint") << ", headers " << s("headers")
