@@ -14,6 +14,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -95,7 +96,15 @@ bool Eventually(const std::function<bool()>& condition, double seconds = 30);
 class NobodysTurn {
  public:
   NobodysTurn() : fd_(::open("/tmp/weightd-test-nobody.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600)) {
-    if (fd_ >= 0) ::flock(fd_, LOCK_EX);
+    int locked = -1;
+    while (fd_ >= 0 && (locked = ::flock(fd_, LOCK_EX)) != 0 && errno == EINTR) {
+    }
+    // Without the lock the test would fail by chance, far from the cause.
+    if (locked != 0) {
+      const std::string why = std::strerror(errno);
+      if (fd_ >= 0) ::close(fd_);
+      throw std::runtime_error("cannot lock /tmp/weightd-test-nobody.lock: " + why);
+    }
   }
   ~NobodysTurn() {
     if (fd_ >= 0) ::close(fd_);
