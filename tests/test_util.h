@@ -89,31 +89,49 @@ class Process {
 // Polls `condition` every 20 ms for up to `seconds`; whether it came true.
 bool Eventually(const std::function<bool()>& condition, double seconds = 30);
 
+// An exclusive lock on a file under /tmp, held for as long as this lives:
+// how a test keeps apart from other processes (this binary run in
+// parallel, the bench) that use or change the same machine-wide thing.
+class LockFile {
+ public:
+  LockFile() = default;
+  ~LockFile() {
+    if (fd_ >= 0) ::close(fd_);
+  }
+  LockFile(const LockFile&) = delete;
+  LockFile& operator=(const LockFile&) = delete;
+
+  // Takes the lock, waiting for it unless `wait` is false; whether it has
+  // it (errno says why not).
+  bool Take(const char* path, bool wait) {
+    if (fd_ < 0) fd_ = ::open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
+    if (fd_ < 0) return false;
+    int locked;
+    while ((locked = ::flock(fd_, wait ? LOCK_EX : LOCK_EX | LOCK_NB)) != 0 && errno == EINTR) {
+    }
+    return locked == 0;
+  }
+
+ private:
+  int fd_ = -1;
+};
+
 // Held by a test that runs processes as `nobody` (uid 65534), for as long
 // as it lives: the kernel counts a user's tasks across every process of
 // that user, so one such test's daemon would use up the task limit
 // another sets for its own (the test binary runs in parallel with itself).
 class NobodysTurn {
  public:
-  NobodysTurn() : fd_(::open("/tmp/weightd-test-nobody.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600)) {
-    int locked = -1;
-    while (fd_ >= 0 && (locked = ::flock(fd_, LOCK_EX)) != 0 && errno == EINTR) {
-    }
+  NobodysTurn() {
     // Without the lock the test would fail by chance, far from the cause.
-    if (locked != 0) {
-      const std::string why = std::strerror(errno);
-      if (fd_ >= 0) ::close(fd_);
-      throw std::runtime_error("cannot lock /tmp/weightd-test-nobody.lock: " + why);
+    if (!lock_.Take(kPath, /*wait=*/true)) {
+      throw std::runtime_error(std::string("cannot lock ") + kPath + ": " + std::strerror(errno));
     }
   }
-  ~NobodysTurn() {
-    if (fd_ >= 0) ::close(fd_);
-  }
-  NobodysTurn(const NobodysTurn&) = delete;
-  NobodysTurn& operator=(const NobodysTurn&) = delete;
 
  private:
-  int fd_;
+  static constexpr const char* kPath = "/tmp/weightd-test-nobody.lock";
+  LockFile lock_;
 };
 
 std::string ConformanceDir();
@@ -205,8 +223,7 @@ class HugePagePool {
   // Raises the pool by `pages`; why not, when it cannot (empty when it did).
   std::string Raise(long pages) {
     if (Read("nr_overcommit_hugepages") != 0) return "the pool is overcommitted or missing";
-    lock_fd_ = ::open("/tmp/weightd-huge-page-test.lock", O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-    if (lock_fd_ < 0 || ::flock(lock_fd_, LOCK_EX) != 0) return "no lock file";
+    if (!lock_.Take("/tmp/weightd-huge-page-test.lock", /*wait=*/true)) return "no lock file";
     old_ = Read("nr_hugepages");
     if (old_ < 0 || !(std::ofstream(std::string(kDir) + "nr_hugepages") << old_ + pages)) {
       old_ = -1;
@@ -217,11 +234,10 @@ class HugePagePool {
   }
   ~HugePagePool() {
     if (old_ >= 0) std::ofstream(std::string(kDir) + "nr_hugepages") << old_;
-    if (lock_fd_ >= 0) ::close(lock_fd_);
   }
 
  private:
-  int lock_fd_ = -1;
+  LockFile lock_;  // let go after the pool is put back
   long old_ = -1;
 };
 
@@ -246,8 +262,7 @@ class ShmemHugePagePolicy {
         old_.clear();
         return "the shmem huge page policy cannot be set here (needs root)";
       }
-      lock_fd_ = ::open(kLock, O_RDWR | O_CREAT | O_CLOEXEC, 0600);
-      if (lock_fd_ < 0 || ::flock(lock_fd_, LOCK_EX | LOCK_NB) != 0) {
+      if (!lock_.Take(kLock, /*wait=*/false)) {
         old_.clear();
         return "another process is changing the shmem huge page policy";
       }
@@ -262,7 +277,6 @@ class ShmemHugePagePolicy {
     if (changed_ && !Write(old_)) {
       std::fprintf(stderr, "could not put the shmem huge page policy back to %s\n", old_.c_str());
     }
-    if (lock_fd_ >= 0) ::close(lock_fd_);
   }
 
   // Taken by whoever changes the policy: these tests and the bench.
@@ -278,7 +292,7 @@ class ShmemHugePagePolicy {
 
   std::string old_;
   bool changed_ = false;  // put old_ back: some Set wrote the policy
-  int lock_fd_ = -1;
+  LockFile lock_;         // let go after the policy is put back
 };
 
 }  // namespace weightd::testing
