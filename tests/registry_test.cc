@@ -227,8 +227,15 @@ TEST(Registry, ARefusalNamesLoadsInProgressApart) {
   ASSERT_FALSE(refused.ok());
   EXPECT_NE(refused.error().message().find(
                 "7.00 MiB are held: 2.00 MiB by models engines use, 5.00 MiB by loads in "
-                "progress (preload again when they end); preload again when the loads in "
-                "progress end, or raise --budget"),
+                "progress; preload again when the loads in progress end, or raise --budget"),
+            std::string::npos)
+      << refused.error().message();
+  // The whole budget: the load's end is not enough without the model in use.
+  refused = r.Reserve("host", 8 * kMiB, nullptr);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find(
+                "; raise --budget, or evict models in use and stop their engines, then preload "
+                "again when the loads in progress end"),
             std::string::npos)
       << refused.error().message();
 }

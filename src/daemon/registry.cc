@@ -141,8 +141,7 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
         who.push_back(protocol::FormatBytes(held_pinned) + " by pinned models no engine uses");
       }
       if (loading > 0) {
-        who.push_back(protocol::FormatBytes(loading) +
-                      " by loads in progress (preload again when they end)");
+        who.push_back(protocol::FormatBytes(loading) + " by loads in progress");
       }
       if (mapped > 0) {
         who.push_back(protocol::FormatBytes(mapped) + " by " +
@@ -160,8 +159,9 @@ Status Registry::Reserve(const std::vector<std::pair<std::string, uint64_t>>& ne
         advice = "evict pinned models (weightd evict NAME, or '#ID' for one rank) or " + advice;
       } else if (loading > 0 && held_pinned + loading >= missing) {
         advice = "preload again when the loads in progress end, or " + advice;
-      } else if (in_use > 0 && held >= missing - std::min(loading, missing)) {
+      } else if (in_use > 0 && held + loading >= missing) {
         advice += ", or evict models in use and stop their engines";
+        if (loading > 0) advice += ", then preload again when the loads in progress end";
       }
       return Error("out of budget on " + device + ": the model needs " +
                    protocol::FormatBytes(bytes) + ", the budget is " +

@@ -742,9 +742,10 @@ bool Server::Run() {
   auto all_ended = [&] {
     return s.live_connections == 0 && s.live_preloads == 0 && s.workers == 0;
   };
+  auto only_threads = [&] { return s.live_connections == 0 && s.live_preloads == 0; };
   double waited = s.options.stop_grace_seconds;
   bool ended = s.conn_done.wait_for(lock, std::chrono::duration<double>(waited), all_ended);
-  if (!ended && s.live_connections == 0 && s.live_preloads == 0) {
+  if (!ended && only_threads()) {
     // Only threads on their way out of accept() or a park, woken above: the
     // grace (which may be 0) is for work, not for them.
     constexpr int kIdleThreadSeconds = 5;
@@ -755,7 +756,7 @@ bool Server::Run() {
     s.abandoned = true;
     char grace[32];
     std::snprintf(grace, sizeof grace, "%g", waited);
-    if (s.live_connections == 0 && s.live_preloads == 0) {
+    if (only_threads()) {
       s.Log("stopping with " + std::to_string(s.workers) + " idle thread(s) not ended after " +
             grace + " s: not waiting for them");
     } else {
