@@ -430,6 +430,36 @@ TEST_F(DaemonTest, ACopyIsAskedForInWholeHugePages) {
   EXPECT_NE(flags.find(" rd"), std::string::npos) << flags;
 }
 
+// The table of a model's tensors (80 bytes each) is asked for in huge pages
+// as well once it reaches 2 MiB: a 70,000-tensor model's attach spent half
+// its time faulting in the 5.6 MB of it 4 KiB at a time.
+TEST_F(DaemonTest, ABigTensorTableIsAskedForInWholeHugePages) {
+  if (::access("/sys/kernel/mm/transparent_hugepage/enabled", F_OK) != 0) {
+    GTEST_SKIP() << "this kernel has no transparent huge pages to ask for";
+  }
+  const std::string many = dir_.Join("many");
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(
+                  many, {.preset = "many-tensors", .tensors = 30'000, .shards = 2})
+                  .ok());
+  auto daemon = StartDaemon();
+  Preload(many);
+  AcquireOptions options;
+  options.socket_dir = sock_;
+  options.log = [](const std::string&) {};
+  auto weights = Acquire({.path = many}, options);
+  ASSERT_TRUE(weights.ok()) << weights.error().message();
+  ASSERT_EQ((*weights)->source(), "daemon");
+  const std::span<const Tensor> table = (*weights)->tensors();
+  ASSERT_EQ(table.size(), 30'000u);
+  ASSERT_GE(table.size_bytes(), size_t{2} << 20);
+  const auto [start, flags] = MappingHolding(table.data());
+  ASSERT_NE(start, 0u);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(table.data()) % (2 << 20), 0u);
+  EXPECT_NE(flags.find(" hg"), std::string::npos) << flags;
+  // And it is the whole table, in order, that Find searches.
+  EXPECT_EQ((*weights)->Find(table[12'345].name), &table[12'345]);
+}
+
 TEST_F(DaemonTest, CopyToHostTakesOnlyTheWeightsOwnTensors) {
   const std::string a = MakeModel("a");
   AcquireOptions options;

@@ -176,8 +176,8 @@ class Weights {
  public:
   virtual ~Weights() = default;
 
-  // By name.
-  virtual const std::vector<Tensor>& tensors() const = 0;
+  // By name: this object's own table, valid while it lives.
+  virtual std::span<const Tensor> tensors() const = 0;
   const Tensor* Find(std::string_view name) const;
 
   // "daemon" or "disk", and why: in words, and as a kind (kNone from the

@@ -24,6 +24,7 @@
 #include "memory/cuda.h"
 #include "memory/host_memory.h"
 #include "memory/manifest.h"
+#include "memory/private_memory.h"
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
@@ -120,67 +121,37 @@ class OwnedBytes {
                    " bytes of memory are available (" + room->source +
                    "); zero_copy maps the daemon's copy instead");
     }
-    // From 2 MiB up, whole transparent huge pages, asked for where the
-    // kernel gives them on request (its policy `madvise`; `always` gives
-    // them anyway): a fault and a zeroing per 2 MiB instead of per 4 KiB.
-    // On a busy virtual machine that took a 62 MiB copy from 180 ms to 8.
-    // Mapped with a huge page's room to spare, cut to a 2 MiB boundary.
-    const size_t size = std::max<size_t>(from.size(), 1);
-    size_t mapped = size, spare = 0, rounded;
-    if (size >= kHugePage && !__builtin_add_overflow(size, kHugePage - 1, &rounded)) {
-      mapped = rounded / kHugePage * kHugePage;
-      spare = kHugePage;
-    }
-    size_t reserved;
-    if (__builtin_add_overflow(mapped, spare, &reserved)) {
+    // Huge pages from 2 MiB up (memory/private_memory.h).
+    std::byte* p = memory::MapPrivate(from.size());
+    if (p == nullptr) {
       return Error("cannot allocate " + std::to_string(from.size()) + " bytes for a copy");
-    }
-    void* raw =
-        ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (raw == MAP_FAILED) {
-      return Error("cannot allocate " + std::to_string(from.size()) + " bytes for a copy");
-    }
-    auto* p = static_cast<std::byte*>(raw);
-    if (spare > 0) {
-      const size_t head = (kHugePage - reinterpret_cast<uintptr_t>(raw) % kHugePage) % kHugePage;
-      if (head > 0) ::munmap(raw, head);
-      if (spare - head > 0) ::munmap(p + head + mapped, spare - head);
-      p += head;
-      ::madvise(p, mapped, MADV_HUGEPAGE);  // a hint: where refused, normal pages
     }
     std::memcpy(p, from.data(), from.size());
     // Read-only from here on, as every other view is.
-    ::mprotect(p, mapped, PROT_READ);
+    ::mprotect(p, memory::PrivateMappedBytes(from.size()), PROT_READ);
     OwnedBytes b;
     b.data_ = p;
     b.size_ = from.size();
-    b.mapped_ = mapped;
     return b;
   }
   OwnedBytes() = default;
-  OwnedBytes(OwnedBytes&& o) noexcept
-      : data_(std::exchange(o.data_, nullptr)), size_(o.size_), mapped_(o.mapped_) {}
+  OwnedBytes(OwnedBytes&& o) noexcept : data_(std::exchange(o.data_, nullptr)), size_(o.size_) {}
   OwnedBytes& operator=(OwnedBytes&& o) noexcept {
     std::swap(data_, o.data_);
     std::swap(size_, o.size_);
-    std::swap(mapped_, o.mapped_);
     return *this;
   }
-  ~OwnedBytes() {
-    if (data_ != nullptr) ::munmap(data_, mapped_);
-  }
+  ~OwnedBytes() { memory::UnmapPrivate(data_, size_); }
   std::span<const std::byte> bytes() const { return {data_, size_}; }
 
  private:
-  static constexpr size_t kHugePage = 2 << 20;
   std::byte* data_ = nullptr;
   size_t size_ = 0;
-  size_t mapped_ = 0;
 };
 
 class WeightsImpl final : public Weights {
  public:
-  const std::vector<Tensor>& tensors() const override { return tensors_; }
+  std::span<const Tensor> tensors() const override { return tensors_; }
   std::string_view source() const override { return source_; }
   const std::string& reason() const override { return reason_; }
   MissKind miss_kind() const override { return miss_kind_; }
@@ -214,7 +185,8 @@ class WeightsImpl final : public Weights {
   std::unique_ptr<memory::CudaMapping> cuda_mapping;  // the daemon's, on a GPU
   std::vector<std::byte> manifest_copy;               // a GPU segment's, in host memory
 
-  std::vector<Tensor> tensors_;
+  // 80 bytes a tensor: 5.6 MB for 70,000, in huge pages.
+  std::vector<Tensor, memory::PrivateAllocator<Tensor>> tensors_;
   std::string source_;
   std::string reason_;
   MissKind miss_kind_ = MissKind::kNone;
