@@ -235,6 +235,8 @@ class WeightsImpl final : public Weights {
     WEIGHTD_ASSIGN_OR_RETURN(memory::ManifestSummary summary,
                              memory::ReadManifestSummary(manifest, segment_bytes));
     manifest_bytes_ = summary.data_offset;
+    // Every record, name and dimension is read below.
+    memory::PrefaultForReading(manifest.first(static_cast<size_t>(summary.manifest_bytes)));
     tensors_.clear();
     // The count is the daemon's word, and a sparse memfd makes any size
     // look backed: room for at most a million up front, more as records

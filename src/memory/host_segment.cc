@@ -446,4 +446,12 @@ Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd& fd, uint64_t siz
       new Mapping(static_cast<const std::byte*>(p), static_cast<size_t>(size), length));
 }
 
+void PrefaultForReading(std::span<const std::byte> bytes) {
+  if (bytes.empty()) return;
+  const auto page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  const auto start = reinterpret_cast<uintptr_t>(bytes.data()) / page * page;
+  const auto end = reinterpret_cast<uintptr_t>(bytes.data()) + bytes.size();
+  ::madvise(reinterpret_cast<void*>(start), end - start, MADV_POPULATE_READ);
+}
+
 }  // namespace weightd::memory

@@ -211,7 +211,7 @@ Result<CheckedHeader> CheckHeader(std::span<const std::byte> manifest, uint64_t 
 
 Result<ManifestSummary> ReadManifestSummary(std::span<const std::byte> manifest, uint64_t size) {
   WEIGHTD_ASSIGN_OR_RETURN(CheckedHeader c, CheckHeader(manifest, size));
-  return ManifestSummary{c.h.tensor_count, c.h.data_offset, c.h.data_bytes};
+  return ManifestSummary{c.h.tensor_count, c.h.data_offset, c.h.data_bytes, c.h.manifest_bytes};
 }
 
 Status VisitTensors(std::span<const std::byte> manifest, uint64_t size,

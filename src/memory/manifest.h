@@ -96,6 +96,7 @@ struct ManifestSummary {
   uint64_t tensor_count = 0;
   uint64_t data_offset = 0;
   uint64_t data_bytes = 0;
+  uint64_t manifest_bytes = 0;  // its tables' bytes, within the `manifest` given
 };
 // Checks a manifest's header and that its tables fit, for a segment of
 // `segment_size` bytes (see ReadManifest for `manifest`).

@@ -184,4 +184,11 @@ class Mapping {
 // keeps the memory.
 Result<std::unique_ptr<Mapping>> MapHostSegment(const UniqueFd& fd, uint64_t size);
 
+// Sets up the page table entries of `bytes` (mapped memory) in one call,
+// for a reader about to read all of them, such as a manifest: faulting them
+// in 16 pages at a time as they are read costs several times more on a
+// virtual machine. A hint: where the kernel does not know it (before
+// Linux 5.14), nothing happens.
+void PrefaultForReading(std::span<const std::byte> bytes);
+
 }  // namespace weightd::memory
