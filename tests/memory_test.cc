@@ -89,6 +89,46 @@ TEST(HostSegment, SealedSegmentsAreReadOnlyEverywhere) {
   EXPECT_TRUE(memory::MapHostSegment(*big_fd, 8 << 20).ok());
 }
 
+// The KiB of this process's page tables that map the mapping holding `at`
+// (smaps' Rss); -1 where none holds it.
+long RssKibOfMappingHolding(const void* at) {
+  std::ifstream smaps("/proc/self/smaps");
+  const auto addr = reinterpret_cast<uintptr_t>(at);
+  bool holds = false;
+  for (std::string line; std::getline(smaps, line);) {
+    unsigned long long from = 0, to = 0;
+    long kib = 0;
+    if (std::sscanf(line.c_str(), "%llx-%llx ", &from, &to) == 2) {
+      holds = from <= addr && addr < to;
+    } else if (holds && std::sscanf(line.c_str(), "Rss: %ld kB", &kib) == 1) {
+      return kib;
+    }
+  }
+  return -1;
+}
+
+// A reader about to read a whole manifest has its pages mapped in one call,
+// the last one too where the bytes end inside it.
+TEST(HostSegment, PrefaultMapsWhatWillBeRead) {
+  constexpr size_t kSize = (1 << 20) + 100;
+  auto seg = memory::CreateHostSegment(kSize, "test");
+  ASSERT_TRUE(seg.ok()) << seg.error().message();
+  ASSERT_TRUE((*seg)->Write(0, std::vector<std::byte>(kSize, std::byte{3})).ok());
+  ASSERT_TRUE((*seg)->Seal().ok());
+  auto fd = (*seg)->Export();
+  ASSERT_TRUE(fd.ok());
+  auto map = memory::MapHostSegment(*fd, kSize);
+  ASSERT_TRUE(map.ok()) << map.error().message();
+  const std::span<const std::byte> bytes = (*map)->bytes();
+  ASSERT_EQ(RssKibOfMappingHolding(bytes.data()), 0);  // nothing read yet
+  memory::PrefaultForReading({});
+  memory::PrefaultForReading(bytes.first(600 << 10));
+  EXPECT_GE(RssKibOfMappingHolding(bytes.data()), 600);
+  memory::PrefaultForReading(bytes);
+  EXPECT_GE(RssKibOfMappingHolding(bytes.data()), 1024 + 4);
+  EXPECT_EQ(bytes.back(), std::byte{3});
+}
+
 TEST(CudaDevices, NamesParseAndUuidsPrintAsNvidiaSmiDoes) {
   using Kind = memory::DeviceSpec::Kind;
   EXPECT_EQ(memory::ParseDevice("cpu")->kind, Kind::kHost);
@@ -630,6 +670,7 @@ TEST(Manifest, VisitingHandsOverEveryTensorAndStopsAtTheVisitorsError) {
   ASSERT_TRUE(summary.ok()) << summary.error().message();
   EXPECT_EQ(summary->tensor_count, 3u);
   EXPECT_EQ(summary->data_offset, plan->data_offset);
+  EXPECT_EQ(summary->manifest_bytes, plan->manifest_bytes);
   std::string seen;
   ASSERT_TRUE(memory::VisitTensors(seg, seg.size(), [&](const memory::TensorRecord& t) {
                 seen += std::string(t.name) + ":" + std::string(t.dtype) + " ";
@@ -1579,6 +1620,10 @@ TEST(PrivateMemory, BigBlocksAreWholeAlignedHugePagesAndSmallOnesWholePages) {
     EXPECT_EQ(p[mapped - 1], std::byte{0});
     p[mapped - 1] = std::byte{1};
     memory::UnmapPrivate(p, bytes);
+    // All of it is given back, the last page too.
+    errno = 0;
+    EXPECT_NE(::msync(p + mapped - page, page, MS_ASYNC), 0) << bytes;
+    EXPECT_EQ(errno, ENOMEM) << bytes;
   }
 }
 
@@ -1590,7 +1635,7 @@ TEST(PrivateMemory, AVectorKeepsItsElementsAsItGrowsIntoHugePages) {
   EXPECT_EQ(reinterpret_cast<uintptr_t>(v.data()) % memory::kPrivateHugePageBytes, 0u);
   for (uint64_t i = 0; i < n; i += 4099) ASSERT_EQ(v[i], i * 7) << i;
   EXPECT_EQ(v.back(), (n - 1) * 7);
-  v.resize(3);  // shrink_to_fit moves it back to the ordinary heap
+  v.resize(3);
   v.shrink_to_fit();
   EXPECT_EQ(v[2], 14u);
 }

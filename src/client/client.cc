@@ -14,6 +14,7 @@
 #include <iostream>
 #include <limits>
 #include <mutex>
+#include <new>
 #include <optional>
 #include <set>
 
@@ -196,8 +197,8 @@ class WeightsImpl final : public Weights {
   std::string trusted_;      // the pinned name taken on trust, if any
   std::string loaded_from_;  // where the daemon loaded it from, as it says (for people)
 
-  // The manifest's bytes at the start of the segment last indexed.
-  uint64_t manifest_bytes() const { return manifest_bytes_; }
+  // Where the data starts in the segment last indexed: the manifest before it.
+  uint64_t data_offset() const { return data_offset_; }
 
   Status CopyToHost(const Tensor& asked, uint64_t offset, std::span<std::byte> out) const override {
     // A GPU tensor is found by its offset from this segment's base: one of
@@ -234,14 +235,27 @@ class WeightsImpl final : public Weights {
                uint64_t device_base, uint64_t segment_bytes) {
     WEIGHTD_ASSIGN_OR_RETURN(memory::ManifestSummary summary,
                              memory::ReadManifestSummary(manifest, segment_bytes));
-    manifest_bytes_ = summary.data_offset;
+    data_offset_ = summary.data_offset;
     // Every record, name and dimension is read below.
     memory::PrefaultForReading(manifest.first(static_cast<size_t>(summary.manifest_bytes)));
     tensors_.clear();
+    // The table is this process's biggest allocation of an attach (80 bytes
+    // a tensor): where the memory is not there, an error, not an exception.
+    try {
+      return IndexRecords(manifest, host, device_base, segment_bytes, summary.tensor_count);
+    } catch (const std::bad_alloc&) {
+      tensors_.clear();
+      return Error("no memory for the table of " + std::to_string(summary.tensor_count) +
+                   " tensors");
+    }
+  }
+
+  Status IndexRecords(std::span<const std::byte> manifest, std::span<const std::byte> host,
+                      uint64_t device_base, uint64_t segment_bytes, uint64_t tensor_count) {
     // The count is the daemon's word, and a sparse memfd makes any size
     // look backed: room for at most a million up front, more as records
     // pass their checks.
-    tensors_.reserve(static_cast<size_t>(std::min(summary.tensor_count, memory::kReserveRecords)));
+    tensors_.reserve(static_cast<size_t>(std::min(tensor_count, memory::kReserveRecords)));
     // Neighbours mostly share a dtype: its name is looked up once a run.
     std::string_view last_name;
     std::optional<format::DType> last_dtype;
@@ -278,7 +292,7 @@ class WeightsImpl final : public Weights {
 
   std::string device_ = "host";
   uint64_t device_base_ = 0;
-  uint64_t manifest_bytes_ = 0;  // where the tensors' data starts
+  uint64_t data_offset_ = 0;  // where the tensors' data starts
 };
 
 struct Miss {
@@ -541,7 +555,7 @@ std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
   w->segment = std::move(copy).value();
   // The manifest is kept, not the host mapping: the daemon may evict its
   // copy and free that memory.
-  w->manifest_copy.assign(host.begin(), host.begin() + static_cast<ptrdiff_t>(w->manifest_bytes()));
+  w->manifest_copy.assign(host.begin(), host.begin() + static_cast<ptrdiff_t>(w->data_offset()));
   if (Status s =
           w->IndexOnGpu(w->manifest_copy, w->segment->device_address(), host.size(), device.Name());
       !s.ok()) {

@@ -22,6 +22,9 @@
 #include "memory/segment.h"
 
 // Linux 5.14; headers older than the kernel may lack it.
+#ifndef MADV_POPULATE_READ
+#define MADV_POPULATE_READ 22
+#endif
 #ifndef MADV_POPULATE_WRITE
 #define MADV_POPULATE_WRITE 23
 #endif

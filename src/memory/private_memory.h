@@ -25,19 +25,21 @@ inline constexpr size_t kPrivateHugePageBytes = size_t{2} << 20;
 size_t PrivateMappedBytes(size_t bytes);
 
 // Zeroed, read-write, page-aligned private memory for `bytes` (at least 1),
-// huge-page aligned from kPrivateHugePageBytes up; nullptr where the kernel
-// gives none (or `bytes` is absurd). Give it back with UnmapPrivate(p,
-// bytes), the same `bytes`; PrivateMappedBytes(bytes) of it may be
-// mprotect-ed.
+// huge-page aligned (and asked for in huge pages) where PrivateMappedBytes
+// (bytes) is whole huge pages; nullptr where the kernel gives none (or
+// `bytes` is absurd). Give it back with UnmapPrivate(p, bytes), the same
+// `bytes`; all PrivateMappedBytes(bytes) of it may be mprotect-ed.
 std::byte* MapPrivate(size_t bytes);
 void UnmapPrivate(std::byte* p, size_t bytes);
 
 // A std::allocator that takes what reaches kPrivateHugePageBytes from
 // MapPrivate (std::allocator the rest): for a big vector that is filled
-// once, such as the table of a model's tensors. Elements must not need
-// more alignment than a page.
+// once, such as the table of a model's tensors. Throws std::bad_alloc as
+// std::allocator does.
 template <class T>
 class PrivateAllocator {
+  static_assert(alignof(T) <= 4096, "MapPrivate aligns to a page");
+
  public:
   using value_type = T;
   PrivateAllocator() = default;
