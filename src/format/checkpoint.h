@@ -70,7 +70,7 @@ class WeightMap {
   const std::string& shard_of(const Entry& e) const { return shards_[e.shard]; }
 
  private:
-  friend Result<WeightMap> ParseIndex(std::string_view label, std::string_view json);
+  friend struct IndexParser;  // checkpoint.cc: ParseIndex, and ListShards without a copy
   std::shared_ptr<const std::string> names_;  // shared: copies keep the views valid
   std::vector<Entry> entries_;
   std::vector<std::string> shards_;
