@@ -35,8 +35,7 @@ std::byte* MapPrivate(size_t bytes) {
   const size_t spare = mapped >= kPrivateHugePageBytes ? kPrivateHugePageBytes : 0;
   size_t reserved;
   if (__builtin_add_overflow(mapped, spare, &reserved)) return nullptr;
-  void* raw =
-      ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  void* raw = ::mmap(nullptr, reserved, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (raw == MAP_FAILED) return nullptr;
   auto* p = static_cast<std::byte*>(raw);
   if (spare > 0) {
