@@ -208,6 +208,71 @@ TEST(Checkpoint, EmptyDirectoryAndMalformedIndexAreErrors) {
   ExpectError(dir.path(), rules::kIndexNotJson);
 }
 
+TEST(Index, TheWeightMapWhateverElseTheFileHolds) {
+  WeightMap copy;
+  {
+    auto map =
+        ParseIndex("i.json", R"({"metadata":{"total_size":3,"x":[{"a":[1,2.5,true,null]}]},)"
+                             R"("weight_map":{"b":"s2.safetensors","a\u0062c":"s1.safetensors",)"
+                             R"("a":"s1.safetens\u006frs"}})");
+    ASSERT_TRUE(map.ok()) << map.error().message();
+    copy = *map;  // the names are views: a copy keeps what they view
+  }
+  ASSERT_EQ(copy.entries().size(), 3u);
+  EXPECT_EQ(copy.entries()[0].tensor, "a");
+  EXPECT_EQ(copy.entries()[1].tensor, "abc");
+  EXPECT_EQ(copy.entries()[2].tensor, "b");
+  EXPECT_EQ(copy.shard_of(copy.entries()[0]), "s1.safetensors");
+  EXPECT_EQ(copy.shard_of(copy.entries()[1]), "s1.safetensors");
+  EXPECT_EQ(copy.shard_of(copy.entries()[2]), "s2.safetensors");
+  EXPECT_EQ(copy.shards(), (std::vector<std::string>{"s2.safetensors", "s1.safetensors"}));
+}
+
+TEST(Index, BrokenJsonAnywhereAndAmbiguousMapsAreErrors) {
+  for (const std::string json : {
+           R"({"metadata":{"x":[01]},"weight_map":{"a":"s"}})",  // where no lookup goes
+           R"({"weight_map":{"a":"s"},"z":tru})",
+           R"({"weight_map":{"a":"s"}} x)",
+           R"({"weight_map":{"a":"s","b":"\q"}})",
+           R"({"weight_map":{"a":"s"},"weight_map":{"b":"t"}})",
+           R"({"weight_map":{"a":"s","a":"t"}})",
+           R"({"weight_map":[]})",
+           R"({"metadata":{}})",
+       }) {
+    SCOPED_TRACE(json);
+    auto map = ParseIndex("i.json", json);
+    ASSERT_FALSE(map.ok());
+    EXPECT_NE(map.error().message().find(rules::kIndexNotJson), std::string::npos)
+        << map.error().message();
+  }
+  // The index's object and 127 arrays are 128 levels, the most.
+  auto nested = [](int depth) {
+    return R"({"weight_map":{"a":"s"},"x":)" + std::string(static_cast<size_t>(depth), '[') +
+           std::string(static_cast<size_t>(depth), ']') + "}";
+  };
+  EXPECT_TRUE(ParseIndex("i.json", nested(127)).ok());
+  EXPECT_FALSE(ParseIndex("i.json", nested(128)).ok());
+  auto twice = ParseIndex("i.json", R"({"weight_map":{"a":"s"},"weight_map":{"b":"t"}})");
+  ASSERT_FALSE(twice.ok());
+  EXPECT_NE(twice.error().message().find("weight_map given twice"), std::string::npos)
+      << twice.error().message();
+}
+
+// The raw bytes kept for the fingerprint are the file's own, its length
+// prefix included.
+TEST(Header, TheRawBytesAreTheFilesFirstBytes) {
+  TempDir dir;
+  WriteShardWith(dir.Join("a.safetensors"), {"w", "v"});
+  auto file = io::PosixFileSystem().Open(dir.Join("a.safetensors"));
+  ASSERT_TRUE(file.ok());
+  HeaderBytes raw;
+  auto header = ReadShardHeader(**file, "a.safetensors", &raw);
+  ASSERT_TRUE(header.ok()) << header.error().message();
+  const std::vector<std::byte> bytes = testing::ReadFileBytes(dir.Join("a.safetensors"));
+  ASSERT_EQ(raw.raw().size(), header->data_offset());
+  EXPECT_TRUE(std::equal(raw.raw().begin(), raw.raw().end(), bytes.begin()));
+}
+
 // Parsing an index takes about ten times its size: one over 64 MiB (real
 // ones are a few MB) is refused before a byte of it is read.
 TEST(Checkpoint, AnIndexOverItsLimitIsRefusedUnread) {

@@ -88,6 +88,39 @@ TEST(Header, RulesOfTheEntries) {
              rules::kHeaderNotJson);
 }
 
+// Names, keys and values may spell a character with an escape; the
+// reference reads them unescaped.
+TEST(Header, EscapesAreReadAsTheReferenceReadsThem) {
+  auto h = Parse(File(R"({"a\u0062":{"dty\u0070e":"U\u0038","shape":[1],"data_offsets":[0,1]},)"
+                      R"("__metadata__":{"k\u0031":"v\n"}})",
+                      1));
+  ASSERT_TRUE(h.ok()) << h.error().message();
+  ASSERT_EQ(h->tensors.size(), 1u);
+  EXPECT_EQ(h->tensors[0].name, "ab");
+  EXPECT_EQ(h->tensors[0].dtype, DType::kU8);
+  ASSERT_EQ(h->metadata.size(), 1u);
+  EXPECT_EQ(h->metadata[0], (std::pair<std::string, std::string>("k1", "v\n")));
+}
+
+// The header is read field by field; broken JSON anywhere, in a field no
+// rule looks at or after an entry that breaks a rule, is still the error.
+TEST(Header, BrokenJsonAnywhereIsNotJson) {
+  const std::string a = R"("a":{"dtype":"U8","shape":[1],"data_offsets":[0,1])";
+  for (const std::string& json : {
+           "{" + a + R"(,"x":[01]}})",       // a number no parse reads
+           "{" + a + R"(,"x":{"k":tru}}})",  // a literal
+           "{" + a + R"(,"x":"\q"}})",       // an escape
+           "{" + a + R"(},"b":{"dtype":"Q4","shape":[1],"data_offsets":[1,2]},)",  // after a rule
+           "{" + a + R"(}} {})",  // a second document
+       }) {
+    SCOPED_TRACE(json);
+    ExpectRule(File(json, 1), rules::kHeaderNotJson);
+  }
+  // A rule broken in valid JSON is that rule.
+  ExpectRule(File(R"({"a":{"dtype":"Q4","shape":[1],"data_offsets":[0,1]},"x":[1]})", 1),
+             rules::kUnknownDType, "a");
+}
+
 TEST(Header, DuplicateNamesAreAnError) {
   ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1]},)"
                   R"("a":{"dtype":"U8","shape":[1],"data_offsets":[1,2]}})",
@@ -141,6 +174,10 @@ TEST(Header, NestingIsCappedAt128Levels) {
   };
   ExpectRule(File(nested(200), 1), rules::kHeaderNotJson);
   EXPECT_TRUE(Parse(File(nested(100), 1)).ok());
+  // The header's object, the entry's, and 126 arrays: 128 levels, the
+  // most; one more is too deep.
+  EXPECT_TRUE(Parse(File(nested(126), 1)).ok());
+  ExpectRule(File(nested(127), 1), rules::kHeaderNotJson);
 }
 
 TEST(Header, MillionsOfEntriesOnTheSameBytesCostLinearTime) {

@@ -5,11 +5,13 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <optional>
 #include <system_error>
 #include <thread>
 #include <unordered_map>
 
+#include "format/json.h"
 #include "format/rules.h"
 #include "io/read_many.h"
 #include "io/worker_pool.h"
@@ -133,70 +135,120 @@ uint64_t Checkpoint::file_bytes() const {
   return n;
 }
 
+// What a WeightMap's names are views into: the index's text, and the few
+// names that spell a character with an escape, unescaped.
+struct IndexText {
+  simdjson::padded_string text;
+  std::deque<std::string> unescaped;  // a deque: adding moves no name
+};
+
 struct IndexParser {
-  static Result<WeightMap> Parse(std::string_view label, const simdjson::padded_string& json);
+  static Result<WeightMap> Parse(std::string_view label, simdjson::padded_string json);
+  static Result<WeightMap> Read(std::string_view label, IndexText& text);
 };
 
 Result<WeightMap> ParseIndex(std::string_view label, std::string_view json) {
   return IndexParser::Parse(label, simdjson::padded_string(json));
 }
 
-Result<WeightMap> IndexParser::Parse(std::string_view label, const simdjson::padded_string& json) {
-  auto fail = [&](const std::string& detail) {
-    return Error(std::string(label) + ": " + std::string(rules::kIndexNotJson) +
-                 (detail.empty() ? "" : " (" + detail + ")"));
-  };
+Result<WeightMap> IndexParser::Parse(std::string_view label, simdjson::padded_string json) {
   const std::unique_lock<std::mutex> turn = TurnToParse(json.size());
-  simdjson::dom::parser parser;
-  simdjson::dom::element root;
-  if (auto err = parser.parse(json).get(root); err != simdjson::SUCCESS) {
-    return fail(simdjson::error_message(err));
-  }
-  simdjson::dom::object weight_map;
-  if (root["weight_map"].get_object().get(weight_map) != simdjson::SUCCESS) {
-    return fail("no weight_map object");
-  }
-  WeightMap map;
-  // Sized first, so the buffer never moves and the views into it stay put.
-  size_t name_bytes = 0;
-  for (auto field : weight_map) name_bytes += field.key.size();
-  auto names = std::make_shared<std::string>();
-  names->reserve(name_bytes);
-  map.entries_.reserve(weight_map.size());
-  std::unordered_map<std::string_view, uint32_t> shard_index;
-  for (auto field : weight_map) {
-    std::string_view shard;
-    if (field.value.get_string().get(shard) != simdjson::SUCCESS) {
-      return fail("weight_map value for `" + std::string(field.key) + "` is not a string");
+  auto text = std::make_shared<IndexText>();
+  text->text = std::move(json);
+  auto map = Read(label, *text);
+  if (!map.ok()) {
+    // Reading stops at the first thing amiss, which is the JSON itself
+    // where a full parse finds it broken anywhere: then that is the error.
+    if (auto err = json::DomError(text->text.data(), text->text.size())) {
+      return Error(std::string(label) + ": " + std::string(rules::kIndexNotJson) + " (" +
+                   simdjson::error_message(err) + ")");
     }
-    // Neighbours mostly share a shard.
-    uint32_t index;
-    if (!map.shards_.empty() && map.shards_[map.entries_.back().shard] == shard) {
-      index = map.entries_.back().shard;
-    } else if (auto it = shard_index.find(shard); it != shard_index.end()) {
-      index = it->second;
-    } else {
-      index = static_cast<uint32_t>(map.shards_.size());
-      map.shards_.emplace_back(shard);
-      shard_index.emplace(shard, index);  // a view into the parser's strings
-    }
-    const size_t at = names->size();
-    names->append(field.key);
-    map.entries_.push_back({std::string_view(*names).substr(at, field.key.size()), index});
+    return map.error();
   }
-  map.names_ = std::move(names);
+  map->names_ = std::move(text);
   // Index files are usually written sorted already.
   auto by_tensor = [](const WeightMap::Entry& a, const WeightMap::Entry& b) {
     return a.tensor < b.tensor;
   };
-  if (!std::is_sorted(map.entries_.begin(), map.entries_.end(), by_tensor)) {
-    std::sort(map.entries_.begin(), map.entries_.end(), by_tensor);
+  if (!std::is_sorted(map->entries_.begin(), map->entries_.end(), by_tensor)) {
+    std::sort(map->entries_.begin(), map->entries_.end(), by_tensor);
   }
-  for (size_t i = 1; i < map.entries_.size(); ++i) {
-    if (map.entries_[i].tensor == map.entries_[i - 1].tensor) {
-      return fail("tensor `" + std::string(map.entries_[i].tensor) + "` listed twice");
+  for (size_t i = 1; i < map->entries_.size(); ++i) {
+    if (map->entries_[i].tensor == map->entries_[i - 1].tensor) {
+      return Error(std::string(label) + ": " + std::string(rules::kIndexNotJson) + " (tensor `" +
+                   std::string(map->entries_[i].tensor) + "` listed twice)");
     }
   }
+  return map;
+}
+
+// The weight_map of the index, its names views into `text`.
+Result<WeightMap> IndexParser::Read(std::string_view label, IndexText& text) {
+  const simdjson::padded_string& json = text.text;
+  auto fail = [&](const std::string& detail) {
+    return Error(std::string(label) + ": " + std::string(rules::kIndexNotJson) + " (" + detail +
+                 ")");
+  };
+  auto not_json = [&](simdjson::error_code err) { return fail(simdjson::error_message(err)); };
+  json::od::parser parser;
+  if (parser.allocate(std::max<size_t>(json.size(), 64), json::kParserDepth) != simdjson::SUCCESS) {
+    return fail("cannot allocate the parser");
+  }
+  json::od::document doc;
+  if (auto err = parser.iterate(json).get(doc)) return not_json(err);
+  json::od::object root;
+  if (doc.get_object().get(root) != simdjson::SUCCESS) return fail("no weight_map object");
+  const char* end = json.data() + json.size();
+  WeightMap map;
+  bool found = false;
+  for (auto item : root) {
+    json::od::field field;
+    if (auto err = std::move(item).get(field)) return not_json(err);
+    std::string_view key;
+    if (auto err = json::KeyText(field, end).get(key)) return not_json(err);
+    if (key != "weight_map") {
+      if (auto err = json::CheckValue(field.value(), 1)) return not_json(err);
+      continue;
+    }
+    // Readers differ on which of two counts (the first, or the last as
+    // Python's json module keeps): neither is taken.
+    if (found) return fail("weight_map given twice");
+    found = true;
+    json::od::object weight_map;
+    if (field.value().get_object().get(weight_map) != simdjson::SUCCESS) {
+      return fail("no weight_map object");
+    }
+    size_t count = 0;
+    if (auto err = weight_map.count_fields().get(count)) return not_json(err);
+    map.entries_.reserve(count);
+    std::unordered_map<std::string_view, uint32_t> shard_index;
+    for (auto tensor : weight_map) {
+      json::od::field f;
+      if (auto err = std::move(tensor).get(f)) return not_json(err);
+      std::string_view name, shard;
+      if (auto err = json::KeyText(f, end).get(name)) return not_json(err);
+      if (name.data() < json.data() || name.data() >= end) {  // unescaped, in the parser's buffer
+        name = text.unescaped.emplace_back(name);
+      }
+      if (json::StringText(f.value()).get(shard) != simdjson::SUCCESS) {
+        return fail("weight_map value for `" + std::string(name) + "` is not a string");
+      }
+      // Neighbours mostly share a shard.
+      uint32_t index;
+      if (!map.shards_.empty() && map.shards_[map.entries_.back().shard] == shard) {
+        index = map.entries_.back().shard;
+      } else if (auto it = shard_index.find(shard); it != shard_index.end()) {
+        index = it->second;
+      } else {
+        index = static_cast<uint32_t>(map.shards_.size());
+        map.shards_.emplace_back(shard);
+        shard_index.emplace(shard, index);  // into the text or the parser's buffer: both stay put
+      }
+      map.entries_.push_back({name, index});
+    }
+  }
+  if (!json::AtEnd(doc)) return not_json(simdjson::TRAILING_CONTENT);
+  if (!found) return fail("no weight_map object");
   return map;
 }
 
@@ -272,14 +324,14 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
     io::StatSignature read_signature;
     WEIGHTD_ASSIGN_OR_RETURN(simdjson::padded_string text,
                              ReadWholeFile(fs, index_path, kMaxIndexBytes, &read_signature));
-    WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map, IndexParser::Parse(index_path, text));
+    listing.bytes_read = text.size();
+    WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map, IndexParser::Parse(index_path, std::move(text)));
     // Remember the list under the signature of the bytes actually read.
     if (index_signature && !(*index_signature == read_signature)) index_signature.reset();
     // Neighbouring tensors mostly share a shard: sorted and made unique below.
     names = listing.weight_map->shards();
     listing.round_trips += 2;  // open, read
     listing.reads = 1;
-    listing.bytes_read = text.size();
   }
   if (lister.joinable()) lister.join();
   std::string skipped;  // the first *.safetensors entry that is not a file

@@ -56,8 +56,8 @@ struct Checkpoint {
 };
 
 // An index's weight_map: each tensor it names, by name, and its shard. The
-// names are views into one buffer the map owns (an index of 70,000 tensors
-// is one allocation, not 140,000).
+// names are views into the index's text, which the map keeps (an index of
+// 70,000 tensors is read once and copied never, not 140,000 allocations).
 class WeightMap {
  public:
   struct Entry {
@@ -70,8 +70,8 @@ class WeightMap {
   const std::string& shard_of(const Entry& e) const { return shards_[e.shard]; }
 
  private:
-  friend struct IndexParser;  // checkpoint.cc: ParseIndex, and ListShards without a copy
-  std::shared_ptr<const std::string> names_;  // shared: copies keep the views valid
+  friend struct IndexParser;           // checkpoint.cc: ParseIndex, and ListShards without a copy
+  std::shared_ptr<const void> names_;  // what the views are into; shared: copies keep them valid
   std::vector<Entry> entries_;
   std::vector<std::string> shards_;
 };

@@ -7,15 +7,11 @@
 #include <mutex>
 #include <numeric>
 
+#include "format/json.h"
 #include "format/rules.h"
 
 namespace weightd::format {
 namespace {
-
-// serde_json, which the reference implementation parses with, stops at 128
-// levels; a valid header needs 3. Bounding the depth bounds the parser's
-// stack and memory for hostile input.
-constexpr size_t kMaxJsonDepth = 128;
 
 constexpr size_t kLargeJsonBytes = 4 << 20;
 
@@ -32,54 +28,109 @@ Error TensorError(std::string_view label, std::string_view name, std::string_vie
   return FileError(label, Quote(name) + ": " + std::string(rule), detail);
 }
 
+Error NotJson(std::string_view label, simdjson::error_code err) {
+  return FileError(label, rules::kHeaderNotJson, simdjson::error_message(err));
+}
+
+// What a field of a tensor's entry is.
+enum class EntryField { kDType, kShape, kOffsets, kOther };
+
+Result<EntryField> FieldOf(std::string_view label, json::od::field& field, const char* end) {
+  // Keys are compared as the file spells them; one that escapes a
+  // character is compared unescaped, as the reference reads it.
+  const json::od::raw_json_string key = field.key();
+  if (key == "dtype") return EntryField::kDType;
+  if (key == "shape") return EntryField::kShape;
+  if (key == "data_offsets") return EntryField::kOffsets;
+  if (json::PlainText(key.raw(), end)) return EntryField::kOther;
+  std::string_view text;
+  if (auto err = field.unescaped_key().get(text)) return NotJson(label, err);
+  return text == "dtype"          ? EntryField::kDType
+         : text == "shape"        ? EntryField::kShape
+         : text == "data_offsets" ? EntryField::kOffsets
+                                  : EntryField::kOther;
+}
+
+// Hands each integer of the array `value` holds to `take`; false where it
+// is not an array of unsigned integers.
+template <typename Take>
+bool ReadUnsigned(json::od::value& value, Take&& take) {
+  json::od::array array;
+  if (value.get_array().get(array) != simdjson::SUCCESS) return false;
+  for (auto element : array) {
+    uint64_t n;
+    if (std::move(element).get_uint64().get(n) != simdjson::SUCCESS) return false;
+    take(n);
+  }
+  return true;
+}
+
+// A shape, into `out` in one allocation: its length is known only once it
+// is read.
+bool ReadShape(json::od::value& value, std::vector<uint64_t>& out) {
+  constexpr size_t kInline = 8;
+  uint64_t first[kInline];
+  size_t n = 0;
+  const bool ok = ReadUnsigned(value, [&](uint64_t d) {
+    if (n < kInline) {
+      first[n] = d;
+    } else {
+      if (n == kInline) out.assign(first, first + kInline);
+      out.push_back(d);
+    }
+    ++n;
+  });
+  if (ok && n <= kInline) out.assign(first, first + n);
+  return ok;
+}
+
 Result<TensorInfo> ParseTensorEntry(std::string_view label, std::string_view name,
-                                    simdjson::dom::element value) {
-  simdjson::dom::object entry;
+                                    json::od::value value, const char* end) {
+  json::od::object entry;
   if (value.get_object().get(entry) != simdjson::SUCCESS) {
     return TensorError(label, name, rules::kEntryNotObject);
   }
   TensorInfo info;
   info.name = std::string(name);
   bool have_dtype = false, have_shape = false, have_offsets = false;
-  for (auto field : entry) {
-    const std::string_view key = field.key;
-    bool* seen = key == "dtype"          ? &have_dtype
-                 : key == "shape"        ? &have_shape
-                 : key == "data_offsets" ? &have_offsets
-                                         : nullptr;
-    if (seen == nullptr) continue;  // unknown fields are ignored, as by the reference
-    if (*seen) return TensorError(label, name, rules::kDuplicateField, std::string(key));
+  for (auto item : entry) {
+    json::od::field field;
+    if (auto err = std::move(item).get(field)) return NotJson(label, err);
+    WEIGHTD_ASSIGN_OR_RETURN(const EntryField which, FieldOf(label, field, end));
+    if (which == EntryField::kOther) {  // ignored, as by the reference, once read as JSON
+      if (auto err = json::CheckValue(field.value(), 2)) return NotJson(label, err);
+      continue;
+    }
+    bool* seen = which == EntryField::kDType   ? &have_dtype
+                 : which == EntryField::kShape ? &have_shape
+                                               : &have_offsets;
+    const char* key = which == EntryField::kDType   ? "dtype"
+                      : which == EntryField::kShape ? "shape"
+                                                    : "data_offsets";
+    if (*seen) return TensorError(label, name, rules::kDuplicateField, key);
     *seen = true;
-    if (key == "dtype") {
+    if (which == EntryField::kDType) {
       std::string_view dtype_name;
-      if (field.value.get_string().get(dtype_name) != simdjson::SUCCESS) {
+      if (json::StringText(field.value()).get(dtype_name) != simdjson::SUCCESS) {
         return TensorError(label, name, rules::kUnknownDType, "dtype is not a string");
       }
       auto dtype = ParseDType(dtype_name);
       if (!dtype) return TensorError(label, name, rules::kUnknownDType, std::string(dtype_name));
       info.dtype = *dtype;
-    } else if (key == "shape") {
-      simdjson::dom::array dims;
-      if (field.value.get_array().get(dims) != simdjson::SUCCESS) {
+    } else if (which == EntryField::kShape) {
+      if (!ReadShape(field.value(), info.shape)) {
         return TensorError(label, name, rules::kBadShape);
       }
-      info.shape.reserve(dims.size());
-      for (auto dim : dims) {
-        uint64_t d;
-        if (dim.get_uint64().get(d) != simdjson::SUCCESS) {
-          return TensorError(label, name, rules::kBadShape);
-        }
-        info.shape.push_back(d);
-      }
     } else {
-      simdjson::dom::array offsets;
-      if (field.value.get_array().get(offsets) != simdjson::SUCCESS || offsets.size() != 2) {
-        return TensorError(label, name, rules::kBadOffsets);
-      }
-      if (offsets.at(0).get_uint64().get(info.begin) != simdjson::SUCCESS ||
-          offsets.at(1).get_uint64().get(info.end) != simdjson::SUCCESS) {
-        return TensorError(label, name, rules::kBadOffsets);
-      }
+      uint64_t offsets[2];
+      size_t n = 0;
+      const bool ok = ReadUnsigned(field.value(), [&](uint64_t o) {
+        if (n < 2) offsets[n] = o;
+        ++n;
+      });
+      if (!ok || n != 2) return TensorError(label, name, rules::kBadOffsets);
+      info.begin = offsets[0];
+      info.end = offsets[1];
     }
   }
   if (!have_dtype) return TensorError(label, name, rules::kMissingField, "dtype");
@@ -88,20 +139,27 @@ Result<TensorInfo> ParseTensorEntry(std::string_view label, std::string_view nam
   return info;
 }
 
-Status ParseMetadata(std::string_view label, simdjson::dom::element value,
+Status ParseMetadata(std::string_view label, json::od::value value, const char* end,
                      std::vector<std::pair<std::string, std::string>>& out) {
-  if (value.is_null()) return OkStatus();  // the reference reads a null map as none
-  simdjson::dom::object map;
+  bool null = false;
+  if (value.is_null().get(null) == simdjson::SUCCESS && null) {
+    return OkStatus();  // the reference reads a null map as none
+  }
+  json::od::object map;
   if (value.get_object().get(map) != simdjson::SUCCESS) {
     return FileError(label, rules::kMetadataNotStringMap);
   }
-  for (auto field : map) {
+  for (auto item : map) {
+    json::od::field field;
+    if (auto err = std::move(item).get(field)) return NotJson(label, err);
+    std::string_view key;
+    if (auto err = json::KeyText(field, end).get(key)) return NotJson(label, err);
     std::string_view text;
-    if (field.value.get_string().get(text) != simdjson::SUCCESS) {
+    if (json::StringText(field.value()).get(text) != simdjson::SUCCESS) {
       return FileError(label, rules::kMetadataNotStringMap,
-                       "value of `" + std::string(field.key) + "` is not a string");
+                       "value of `" + std::string(key) + "` is not a string");
     }
-    out.emplace_back(std::string(field.key), std::string(text));
+    out.emplace_back(std::string(key), std::string(text));
   }
   std::sort(out.begin(), out.end());
   for (size_t i = 1; i < out.size(); ++i) {
@@ -163,39 +221,62 @@ Result<uint64_t> ValidateLayout(std::string_view label, std::vector<TensorInfo>&
   return expected_begin;
 }
 
-Result<ShardHeader> ParsePadded(std::string_view label, const simdjson::padded_string& json,
-                                uint64_t file_size) {
-  if (!simdjson::validate_utf8(json.data(), json.size())) {
-    return FileError(label, rules::kHeaderNotUtf8);
-  }
-  const std::unique_lock<std::mutex> turn = TurnToParse(json.size());
-  simdjson::dom::parser parser;
-  if (parser.allocate(std::max<size_t>(json.size(), 64), kMaxJsonDepth) != simdjson::SUCCESS) {
+// The entries of the header `json` (`size` bytes, then at least
+// SIMDJSON_PADDING readable ones), in the file's order.
+Result<ShardHeader> ReadEntries(std::string_view label, const char* json, size_t size) {
+  json::od::parser parser;
+  if (parser.allocate(std::max<size_t>(size, 64), json::kParserDepth) != simdjson::SUCCESS) {
     return FileError(label, rules::kHeaderNotJson, "cannot allocate the parser");
   }
-  simdjson::dom::element root;
-  if (auto err = parser.parse(json).get(root); err != simdjson::SUCCESS) {
-    return FileError(label, rules::kHeaderNotJson, simdjson::error_message(err));
+  json::od::document doc;
+  if (auto err = parser.iterate(json, size, size + simdjson::SIMDJSON_PADDING).get(doc)) {
+    return NotJson(label, err);
   }
-  simdjson::dom::object object;
-  if (root.get_object().get(object) != simdjson::SUCCESS) {
+  json::od::object object;
+  if (doc.get_object().get(object) != simdjson::SUCCESS) {
     return FileError(label, rules::kHeaderNotObject);
   }
-
   ShardHeader header;
-  header.header_bytes = json.size();
-  header.tensors.reserve(object.size());
+  header.header_bytes = size;
+  size_t fields = 0;
+  if (auto err = object.count_fields().get(fields)) return NotJson(label, err);
+  header.tensors.reserve(fields);
+  const char* end = json + size;
   bool have_metadata = false;
-  for (auto field : object) {
-    if (field.key == "__metadata__") {
+  for (auto item : object) {
+    json::od::field field;
+    if (auto err = std::move(item).get(field)) return NotJson(label, err);
+    std::string_view name;
+    if (auto err = json::KeyText(field, end).get(name)) return NotJson(label, err);
+    if (name == "__metadata__") {
       if (have_metadata) return FileError(label, rules::kDuplicateName, "__metadata__");
       have_metadata = true;
-      WEIGHTD_RETURN_IF_ERROR(ParseMetadata(label, field.value, header.metadata));
+      WEIGHTD_RETURN_IF_ERROR(ParseMetadata(label, field.value(), end, header.metadata));
       continue;
     }
-    WEIGHTD_ASSIGN_OR_RETURN(TensorInfo info, ParseTensorEntry(label, field.key, field.value));
+    WEIGHTD_ASSIGN_OR_RETURN(TensorInfo info, ParseTensorEntry(label, name, field.value(), end));
     header.tensors.push_back(std::move(info));
   }
+  if (!json::AtEnd(doc)) return NotJson(label, simdjson::TRAILING_CONTENT);
+  return header;
+}
+
+// Parses and validates the header `json` (`size` bytes, then at least
+// SIMDJSON_PADDING readable ones) of a file of `file_size` bytes.
+Result<ShardHeader> ParseJson(std::string_view label, const char* json, size_t size,
+                              uint64_t file_size) {
+  if (!simdjson::validate_utf8(json, size)) {
+    return FileError(label, rules::kHeaderNotUtf8);
+  }
+  const std::unique_lock<std::mutex> turn = TurnToParse(size);
+  auto entries = ReadEntries(label, json, size);
+  if (!entries.ok()) {
+    // Reading stops at the first thing amiss, which is the JSON itself
+    // where a full parse finds it broken anywhere: then that is the error.
+    if (auto err = json::DomError(json, size)) return NotJson(label, err);
+    return entries.error();
+  }
+  ShardHeader header = std::move(entries).value();
 
   // Writers mostly list tensors by name already; checking is cheaper than
   // sorting 70,000 names again.
@@ -261,25 +342,38 @@ Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std:
 
 Result<ShardHeader> ParseHeader(std::string_view label, std::span<const std::byte> json,
                                 uint64_t file_size) {
-  simdjson::padded_string padded(reinterpret_cast<const char*>(json.data()), json.size());
-  return ParsePadded(label, padded, file_size);
+  const simdjson::padded_string padded(reinterpret_cast<const char*>(json.data()), json.size());
+  return ParseJson(label, padded.data(), padded.size(), file_size);
+}
+
+static_assert(kParsePaddingBytes >= simdjson::SIMDJSON_PADDING);
+
+Result<ShardHeader> ParsePaddedHeader(std::string_view label, std::span<const std::byte> json,
+                                      uint64_t file_size) {
+  return ParseJson(label, reinterpret_cast<const char*>(json.data()), json.size(), file_size);
 }
 
 Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::string_view label,
-                                    std::string* raw) {
+                                    HeaderBytes* raw) {
   std::byte prefix[kHeaderLengthBytes] = {};
   const uint64_t size = file.size();
   if (size >= kHeaderLengthBytes) WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(0, prefix));
   WEIGHTD_ASSIGN_OR_RETURN(uint64_t n, DecodeHeaderLength(label, prefix, size));
-  // Read straight into simdjson's padded buffer: the header is copied once.
-  simdjson::padded_string json(static_cast<size_t>(n));
-  WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(
-      kHeaderLengthBytes, std::span(reinterpret_cast<std::byte*>(json.data()), json.size())));
-  if (raw != nullptr) {
-    raw->assign(reinterpret_cast<const char*>(prefix), sizeof prefix);
-    raw->append(json.data(), json.size());
-  }
-  return ParsePadded(label, json, size);
+  // The prefix and the JSON in one buffer, with the parser's padding after
+  // them: read once, parsed where they lie, and kept as the raw bytes.
+  HeaderBytes bytes;
+  bytes.size_ = static_cast<size_t>(kHeaderLengthBytes + n);
+  bytes.bytes_ = std::make_unique_for_overwrite<std::byte[]>(bytes.size_ + kParsePaddingBytes);
+  std::memcpy(bytes.bytes_.get(), prefix, sizeof prefix);
+  std::memset(bytes.bytes_.get() + bytes.size_, 0, kParsePaddingBytes);
+  WEIGHTD_RETURN_IF_ERROR(
+      file.ReadExactly(kHeaderLengthBytes,
+                       std::span(bytes.bytes_.get() + kHeaderLengthBytes, static_cast<size_t>(n))));
+  auto header =
+      ParseJson(label, reinterpret_cast<const char*>(bytes.bytes_.get()) + kHeaderLengthBytes,
+                static_cast<size_t>(n), size);
+  if (header.ok() && raw != nullptr) *raw = std::move(bytes);
+  return header;
 }
 
 }  // namespace weightd::format

@@ -14,6 +14,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <span>
 #include <string>
@@ -73,17 +74,40 @@ Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std:
 Result<ShardHeader> ParseHeader(std::string_view label, std::span<const std::byte> json,
                                 uint64_t file_size);
 
-// simdjson's DOM needs about ten times a document's size while it parses,
-// and many headers (and indexes) are parsed at once: large ones, from 4 MiB
-// (a real 70,000-tensor shard's header is about 8 MB, a hostile one up to
-// 100 MB), take turns, so a directory of crafted files cannot multiply that
-// peak by the thread count. Hold what this returns while parsing `bytes`.
+// Readable bytes the parser may look at past the JSON's end.
+inline constexpr size_t kParsePaddingBytes = 64;
+
+// The same, where the caller's buffer has kParsePaddingBytes readable bytes
+// (of any value) after `json`: parsed where it lies, not copied.
+Result<ShardHeader> ParsePaddedHeader(std::string_view label, std::span<const std::byte> json,
+                                      uint64_t file_size);
+
+// A parse reserves about six times a document's size (the parser's index
+// of its structure and string buffer), and an invalid one is parsed a
+// second time, whole, at ten times its size, to tell which error it is. Many
+// headers (and indexes) are parsed at once: large ones, from 4 MiB (a real
+// 70,000-tensor shard's header is about 8 MB, a hostile one up to 100 MB),
+// take turns, so a directory of crafted files cannot multiply that peak by
+// the thread count. Hold what this returns while parsing `bytes`.
 std::unique_lock<std::mutex> TurnToParse(size_t bytes);
 
+// A shard's first bytes exactly as in the file: the length prefix and the
+// JSON header, which the sampled fingerprint hashes. They are the buffer the
+// header was read into and parsed from, kept: not a copy.
+class HeaderBytes {
+ public:
+  std::span<const std::byte> raw() const { return {bytes_.get(), size_}; }
+
+ private:
+  friend Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile&, std::string_view,
+                                             HeaderBytes*);
+  std::unique_ptr<std::byte[]> bytes_;  // and the parser's padding after size_
+  size_t size_ = 0;
+};
+
 // Reads the prefix and the header of an open file and validates them.
-// `raw` (optional) receives the prefix and the JSON exactly as in the file
-// (what the sampled fingerprint hashes).
+// `raw` (optional) receives the bytes read, when they are valid.
 Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::string_view label,
-                                    std::string* raw = nullptr);
+                                    HeaderBytes* raw = nullptr);
 
 }  // namespace weightd::format

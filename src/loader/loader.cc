@@ -43,7 +43,7 @@ constexpr uint64_t kBufferBudget = 512ull << 20;
 struct OpenShard {
   std::unique_ptr<io::RandomAccessFile> file;
   io::StatSignature signature;
-  std::string raw_header;  // length prefix and JSON, as in the file
+  format::HeaderBytes raw_header;  // length prefix and JSON, as in the file
   bool in_page_cache = false;
 };
 
@@ -719,8 +719,7 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   if (stream) {
     for (size_t s = 0; s < shards.size(); ++s) {
       hashers.push_back(std::make_unique<fingerprint::SampledShardHasher>(
-          headers[s].file_size,
-          std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size()))));
+          headers[s].file_size, shards[s].raw_header.raw()));
       streams.push_back(hashers.back().get());
     }
     shard_jobs.assign(shards.size() + 1, 0);
@@ -792,10 +791,8 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
       shard_samples.push_back(std::span(at, static_cast<size_t>(src.sample_bytes)));
     }
     digests[s].name = headers[s].name;
-    digests[s].digest = fingerprint::SampledShardDigest(
-        headers[s].file_size,
-        std::as_bytes(std::span(shards[s].raw_header.data(), shards[s].raw_header.size())),
-        shard_samples);
+    digests[s].digest = fingerprint::SampledShardDigest(headers[s].file_size,
+                                                        shards[s].raw_header.raw(), shard_samples);
   };
   auto shard_of = [&](size_t job) {
     return job < copies.size()

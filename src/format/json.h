@@ -1,0 +1,63 @@
+// What the format layer's JSON readers (shard headers, the index) share.
+// They read with simdjson's On-Demand API, which builds no tape and copies
+// no string: a 70,000-tensor checkpoint's headers and index are 14 MB of
+// JSON, and the tape and string copies of a DOM parse took as much memory
+// again, all of it fresh pages in a process that has just started.
+//
+// On-Demand checks only what it is asked to read, so the readers ask for
+// everything: `CheckValue` walks the values they would otherwise skip, and
+// `AtEnd` refuses trailing content. An error found while reading is then
+// either the file's JSON (`DomError`, the verdict of a full parse, settles
+// which) or a rule of the format, and is reported as the same one a full
+// parse would have led to.
+//
+// Internal to src/format. Thread safety: pure functions.
+#pragma once
+
+#include <simdjson.h>
+
+#include <cstddef>
+#include <optional>
+#include <string_view>
+
+namespace weightd::format::json {
+
+namespace od = simdjson::ondemand;
+
+// Containers nest at most this deep, the root counted: serde_json, which
+// the reference implementation parses with, stops at 128; a valid header
+// needs 3. The bound also bounds CheckValue's recursion on hostile input.
+inline constexpr int kMaxDepth = 128;
+// The depth to allocate an On-Demand parser for: its own count starts at
+// the document, one above the root, and it keeps a position for the level
+// below the deepest container too.
+inline constexpr size_t kParserDepth = kMaxDepth + 2;
+
+// A string's text, where it holds no escape: the bytes from `raw` (just
+// past its opening quote) to its closing quote, which are then the string
+// itself. `end` is the end of the document (the quote is before it: the
+// parser's first stage saw every string closed). nullopt where there is an
+// escape: the caller unescapes.
+std::optional<std::string_view> PlainText(const char* raw, const char* end);
+
+// A key's text: its bytes where they hold no escape, else unescaped into
+// the parser's buffer (valid until its next document). `end` as above.
+simdjson::simdjson_result<std::string_view> KeyText(od::field& field, const char* end);
+
+// A string value's text, as KeyText.
+simdjson::simdjson_result<std::string_view> StringText(od::value& value);
+
+// Reads `value` whole, whatever it holds, so that it is checked as JSON:
+// every string, number and literal, and containers nested at most kMaxDepth
+// deep counting `depth` levels above it.
+simdjson::error_code CheckValue(od::value value, int depth);
+
+// Whether the document has been read to its end (no trailing content).
+bool AtEnd(od::document& doc);
+
+// The error a full (DOM) parse of `json` finds, with `json` padded as
+// simdjson needs; SUCCESS when it is valid JSON. For errors only: it costs
+// ten times the document's size.
+simdjson::error_code DomError(const char* json, size_t size);
+
+}  // namespace weightd::format::json
