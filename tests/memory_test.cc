@@ -598,6 +598,46 @@ TEST(Manifest, RoundTripsAndAlignsEveryTensor) {
   EXPECT_FALSE(memory::PlanSegment({{"x", "F32", {}, 4, 0}, {"x", "F32", {}, 4, 0}}).ok());
 }
 
+// Streamed a few bytes at a time, the manifest comes in order and whole,
+// zeros after the names included; the first error ends it.
+TEST(Manifest, StreamedInPiecesItIsTheSameManifest) {
+  const std::vector<uint64_t> b_shape = {3, 5}, c_shape = {7};
+  auto plan = memory::PlanSegment(
+      {{"bb", "BF16", b_shape, 30, 0}, {"a", "F32", {}, 4, 0}, {"c", "U8", c_shape, 7, 0}});
+  ASSERT_TRUE(plan.ok());
+  std::vector<std::byte> streamed(plan->total_bytes, std::byte{0xee});
+  uint64_t next = 0;
+  int pieces = 0;
+  ASSERT_TRUE(memory::StreamManifest(*plan, 7, [&](uint64_t at, std::span<const std::byte> piece) {
+                EXPECT_EQ(at, next);
+                EXPECT_LE(piece.size(), 7u);
+                std::copy(piece.begin(), piece.end(),
+                          streamed.begin() + static_cast<ptrdiff_t>(at));
+                next = at + piece.size();
+                ++pieces;
+                return OkStatus();
+              }).ok());
+  EXPECT_EQ(next, plan->manifest_bytes);
+  EXPECT_EQ(pieces, static_cast<int>((plan->manifest_bytes + 6) / 7));
+  // Its last bytes, after the names, are zeros written, not left as found.
+  EXPECT_EQ(streamed[plan->manifest_bytes - 1], std::byte{0});
+  auto m = memory::ReadManifest(std::span(streamed));
+  ASSERT_TRUE(m.ok()) << m.error().message();
+  ASSERT_EQ(m->tensors.size(), 3u);
+  EXPECT_EQ(m->tensors[1].name, "bb");
+  EXPECT_EQ(std::vector<uint64_t>(m->tensors[1].shape.begin(), m->tensors[1].shape.end()), b_shape);
+  EXPECT_EQ(m->tensors[2].offset, plan->tensors[2].offset);
+
+  int calls = 0;
+  auto failed = memory::StreamManifest(*plan, 7, [&](uint64_t, std::span<const std::byte>) {
+    ++calls;
+    return Status(Error("disk full"));
+  });
+  ASSERT_FALSE(failed.ok());
+  EXPECT_EQ(failed.error().message(), "disk full");
+  EXPECT_EQ(calls, 1);
+}
+
 // Tensors placed by the caller keep their offsets; the plan says how big
 // the manifest before them is, and refuses names out of order, a name
 // twice, and a tensor before the data, off the alignment or past the end.

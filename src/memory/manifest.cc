@@ -132,8 +132,56 @@ Result<SegmentPlan> PlanSegment(std::vector<TensorLayout> tensors) {
   return plan;
 }
 
-void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment) {
-  std::byte* base = segment.data();
+namespace {
+
+// Bytes handed on in order, a piece at a time.
+class PieceWriter {
+ public:
+  PieceWriter(size_t piece_bytes,
+              const std::function<Status(uint64_t, std::span<const std::byte>)>& put)
+      : piece_bytes_(std::max<size_t>(piece_bytes, 1)), put_(put) {
+    buffer_.reserve(piece_bytes_);
+  }
+
+  Status Add(const void* data, size_t n) {
+    const auto* from = static_cast<const std::byte*>(data);
+    while (n > 0) {
+      const size_t take = std::min(n, piece_bytes_ - buffer_.size());
+      buffer_.insert(buffer_.end(), from, from + take);
+      from += take;
+      n -= take;
+      if (buffer_.size() == piece_bytes_) WEIGHTD_RETURN_IF_ERROR(Flush());
+    }
+    return OkStatus();
+  }
+  Status Zeros(uint64_t n) {
+    static constexpr std::byte kZeros[256] = {};
+    for (; n > 0; n -= std::min<uint64_t>(n, sizeof kZeros)) {
+      WEIGHTD_RETURN_IF_ERROR(
+          Add(kZeros, static_cast<size_t>(std::min<uint64_t>(n, sizeof kZeros))));
+    }
+    return OkStatus();
+  }
+  Status Flush() {
+    if (buffer_.empty()) return OkStatus();
+    WEIGHTD_RETURN_IF_ERROR(put_(at_, buffer_));
+    at_ += buffer_.size();
+    buffer_.clear();
+    return OkStatus();
+  }
+  uint64_t written() const { return at_ + buffer_.size(); }
+
+ private:
+  const size_t piece_bytes_;
+  const std::function<Status(uint64_t, std::span<const std::byte>)>& put_;
+  std::vector<std::byte> buffer_;
+  uint64_t at_ = 0;
+};
+
+}  // namespace
+
+Status StreamManifest(const SegmentPlan& plan, size_t piece_bytes,
+                      const std::function<Status(uint64_t, std::span<const std::byte>)>& put) {
   uint64_t dims = 0, strings = 0;
   for (const TensorLayout& t : plan.tensors) {
     dims += t.shape.size();
@@ -147,14 +195,11 @@ void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment) {
   h.string_bytes = strings;
   h.data_offset = plan.data_offset;
   h.data_bytes = plan.total_bytes - plan.data_offset;
-  std::memcpy(base, &h, sizeof h);
-
-  const uint64_t records_at = kHeaderBytes;
-  const uint64_t dims_at = records_at + plan.tensors.size() * kRecordBytes;
-  const uint64_t strings_at = dims_at + dims * 8;
+  // The header, the records, the dimensions, the names: back to back.
+  PieceWriter out(piece_bytes, put);
+  WEIGHTD_RETURN_IF_ERROR(out.Add(&h, sizeof h));
   uint64_t dim = 0, name_at = 0;
-  for (size_t i = 0; i < plan.tensors.size(); ++i) {
-    const TensorLayout& t = plan.tensors[i];
+  for (const TensorLayout& t : plan.tensors) {
     Record r{};
     r.name_offset = name_at;
     r.name_length = static_cast<uint32_t>(t.name.size());
@@ -163,14 +208,26 @@ void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment) {
     r.offset = t.offset;
     r.bytes = t.bytes;
     std::memcpy(r.dtype, t.dtype.data(), t.dtype.size());
-    std::memcpy(base + records_at + i * kRecordBytes, &r, sizeof r);
-    if (!t.shape.empty()) {
-      std::memcpy(base + dims_at + dim * 8, t.shape.data(), t.shape.size() * 8);
-    }
-    std::memcpy(base + strings_at + name_at, t.name.data(), t.name.size());
+    WEIGHTD_RETURN_IF_ERROR(out.Add(&r, sizeof r));
     dim += t.shape.size();
     name_at += t.name.size();
   }
+  for (const TensorLayout& t : plan.tensors) {
+    WEIGHTD_RETURN_IF_ERROR(out.Add(t.shape.data(), t.shape.size() * sizeof(uint64_t)));
+  }
+  for (const TensorLayout& t : plan.tensors) {
+    WEIGHTD_RETURN_IF_ERROR(out.Add(t.name.data(), t.name.size()));
+  }
+  WEIGHTD_RETURN_IF_ERROR(out.Zeros(plan.manifest_bytes - out.written()));
+  return out.Flush();
+}
+
+void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment) {
+  // Into memory the caller sized: nothing can fail.
+  (void)StreamManifest(plan, 1 << 16, [&](uint64_t at, std::span<const std::byte> piece) {
+    std::memcpy(segment.data() + at, piece.data(), piece.size());
+    return OkStatus();
+  });
 }
 
 namespace {

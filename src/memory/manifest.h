@@ -71,6 +71,14 @@ Result<SegmentPlan> PlanPlacedSegment(std::vector<TensorLayout> tensors, uint64_
 // plan.manifest_bytes long).
 void WriteManifest(const SegmentPlan& plan, std::span<std::byte> segment);
 
+// Hands the manifest of `plan` to `put` in pieces of at most `piece_bytes`
+// (at least 1), in order: offset 0 first, each piece where the one before
+// ended, plan.manifest_bytes in all. The first error `put` returns ends it.
+// The manifest of 70,000 tensors is 8 MB: written this way into a segment,
+// it needs no buffer of its size.
+Status StreamManifest(const SegmentPlan& plan, size_t piece_bytes,
+                      const std::function<Status(uint64_t, std::span<const std::byte>)>& put);
+
 struct TensorRecord {
   std::string_view name;
   std::string_view dtype;
