@@ -45,7 +45,8 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto json = file.subspan(kHeaderLengthBytes, *n);
   auto header = ParseHeader("fuzz.safetensors", json, size);
   const simdjson::padded_string padded(reinterpret_cast<const char*>(json.data()), json.size());
-  const bool valid_json = json::DomError(padded.data(), padded.size()) == simdjson::SUCCESS;
+  const bool valid_json =
+      json::DomError(padded.data(), padded.size(), json::kMaxHeaderDepth) == simdjson::SUCCESS;
   if (!valid_json && header.ok()) __builtin_trap();
   if (!valid_json && simdjson::validate_utf8(padded.data(), padded.size()) &&
       header.error().message().find(rules::kHeaderNotJson) == std::string::npos) {

@@ -12,7 +12,9 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   auto map = weightd::format::ParseIndex(
       "fuzz.index.json", std::string_view(reinterpret_cast<const char*>(data), size));
   const simdjson::padded_string padded(reinterpret_cast<const char*>(data), size);
-  if (map.ok() && weightd::format::json::DomError(padded.data(), padded.size())) __builtin_trap();
+  if (map.ok() && weightd::format::json::DomError(padded.data(), padded.size(),
+                                                  weightd::format::json::kMaxIndexDepth))
+    __builtin_trap();
   if (map.ok()) {
     const auto& entries = map->entries();
     for (size_t i = 1; i < entries.size(); ++i) {

@@ -245,13 +245,16 @@ TEST(Index, BrokenJsonAnywhereAndAmbiguousMapsAreErrors) {
     EXPECT_NE(map.error().message().find(rules::kIndexNotJson), std::string::npos)
         << map.error().message();
   }
-  // The index's object and 127 arrays are 128 levels, the most.
-  auto nested = [](int depth) {
+  // The index's object and 1023 arrays are 1024 levels, the most; a value
+  // in the last array is a level below it.
+  auto nested = [](int depth, const std::string& inside = "") {
     return R"({"weight_map":{"a":"s"},"x":)" + std::string(static_cast<size_t>(depth), '[') +
-           std::string(static_cast<size_t>(depth), ']') + "}";
+           inside + std::string(static_cast<size_t>(depth), ']') + "}";
   };
-  EXPECT_TRUE(ParseIndex("i.json", nested(127)).ok());
-  EXPECT_FALSE(ParseIndex("i.json", nested(128)).ok());
+  EXPECT_TRUE(ParseIndex("i.json", nested(1023)).ok());
+  EXPECT_FALSE(ParseIndex("i.json", nested(1024)).ok());
+  EXPECT_TRUE(ParseIndex("i.json", nested(1022, "0")).ok());
+  EXPECT_FALSE(ParseIndex("i.json", nested(1023, "0")).ok());
   auto twice = ParseIndex("i.json", R"({"weight_map":{"a":"s"},"weight_map":{"b":"t"}})");
   ASSERT_FALSE(twice.ok());
   EXPECT_NE(twice.error().message().find("weight_map given twice"), std::string::npos)

@@ -77,6 +77,11 @@ TEST(Header, RulesOfTheEntries) {
              "a");
   ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1.0],"data_offsets":[0,1]}})", 1),
              rules::kBadShape, "a");
+  // -0 is a float to the reference's parser, not a size.
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[-0],"data_offsets":[0,0]}})", 0), rules::kBadShape,
+             "a");
+  ExpectRule(File(R"({"a":{"dtype":"U8","shape":[0],"data_offsets":[-0,0]}})", 0),
+             rules::kBadOffsets, "a");
   ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1,2]}})", 1),
              rules::kBadOffsets, "a");
   ExpectRule(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,-1]}})", 1),
@@ -167,17 +172,21 @@ TEST(Header, LengthPrefixRules) {
 TEST(Header, NestingIsCappedAt128Levels) {
   // 200 levels: over our cap, under simdjson's own default of 1024, so this
   // fails if the cap is lost. 100 levels (legal JSON, ignored field) pass.
-  auto nested = [](int depth) {
+  auto nested = [](int depth, const std::string& inside = "") {
     std::string json = R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"x":)";
-    return json + std::string(static_cast<size_t>(depth), '[') +
+    return json + std::string(static_cast<size_t>(depth), '[') + inside +
            std::string(static_cast<size_t>(depth), ']') + "}}";
   };
   ExpectRule(File(nested(200), 1), rules::kHeaderNotJson);
   EXPECT_TRUE(Parse(File(nested(100), 1)).ok());
   // The header's object, the entry's, and 126 arrays: 128 levels, the
-  // most; one more is too deep.
+  // most; one more is too deep. So is a value in the 126th array, a level
+  // below it, as a full parse counts.
   EXPECT_TRUE(Parse(File(nested(126), 1)).ok());
   ExpectRule(File(nested(127), 1), rules::kHeaderNotJson);
+  EXPECT_TRUE(Parse(File(nested(125, "0"), 1)).ok());
+  ExpectRule(File(nested(126, "0"), 1), rules::kHeaderNotJson);
+  ExpectRule(File(nested(126, "{}"), 1), rules::kHeaderNotJson);
 }
 
 TEST(Header, MillionsOfEntriesOnTheSameBytesCostLinearTime) {

@@ -108,7 +108,9 @@ struct ShardWork {
   format::ShardRef ref;
   std::unique_ptr<io::RandomAccessFile> file;
   io::StatSignature signature;
-  std::string head;  // bytes [0, head.size()) of the file; freed after stage 1
+  // The file's first bytes (where the header outgrew the first read, the
+  // header and then zeros for the parser's padding); freed after stage 1.
+  std::string head;
   // The shard's digest so far: size and raw header, hashed as soon as they
   // are read so the header's bytes need not be kept.
   std::unique_ptr<Xxh3> hash;
@@ -210,23 +212,25 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
   // hundreds of shards cannot each hold one at the same time.
   std::unique_lock<std::mutex> turn(large_header_turn, std::defer_lock);
   if (header_end >= kLargeHeaderBytes) turn.lock();
-  if (header_end > w.head.size()) {
+  uint64_t read_bytes = w.head.size();  // of the file, from its start
+  if (header_end > read_bytes) {
     // The header outgrew the speculative read: fetch exactly the rest,
-    // with room for the parser's padding after it.
+    // then zeros for the parser's padding after it.
     const uint64_t had = w.head.size();
-    w.head.reserve(static_cast<size_t>(header_end + format::kParsePaddingBytes));
     w.head.resize(static_cast<size_t>(header_end));
     if (Status s = read_into(had); !s.ok()) {
       w.error = s.error();
       return;
     }
+    read_bytes = header_end;
+    w.head.resize(static_cast<size_t>(header_end + format::kParsePaddingBytes));
   }
-  // Parsed where it was read when the padding the parser needs is there
-  // (file bytes past the header, or the room reserved): 8 MB not copied for
-  // a 70,000-tensor shard.
+  // Parsed where it was read where the padding the parser needs is there
+  // (file bytes past the header, or the zeros): 8 MB not copied for a
+  // 70,000-tensor shard.
   const auto json =
       std::as_bytes(std::span(w.head.data() + format::kHeaderLengthBytes, static_cast<size_t>(*n)));
-  auto header = w.head.capacity() >= header_end + format::kParsePaddingBytes
+  auto header = w.head.size() >= header_end + format::kParsePaddingBytes
                     ? format::ParsePaddedHeader(w.ref.path, json, size)
                     : format::ParseHeader(w.ref.path, json, size);
   if (!header.ok()) {
@@ -241,12 +245,12 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
   size_t in_head = 0;
   for (const format::TensorInfo& info : header->tensors) {
     const auto [offset, length] = sample_of(info);
-    if (offset + length <= w.head.size()) in_head += static_cast<size_t>(length);
+    if (offset + length <= read_bytes) in_head += static_cast<size_t>(length);
   }
   w.head_samples.reserve(in_head);  // never grown past: the views stay valid
   for (size_t t = 0; t < header->tensors.size(); ++t) {
     const auto [offset, length] = sample_of(header->tensors[t]);
-    if (offset + length <= w.head.size()) {
+    if (offset + length <= read_bytes) {
       const size_t at = w.head_samples.size();
       w.head_samples.insert(w.head_samples.end(), w.head.data() + offset,
                             w.head.data() + offset + length);

@@ -159,7 +159,7 @@ Result<WeightMap> IndexParser::Parse(std::string_view label, simdjson::padded_st
   if (!map.ok()) {
     // Reading stops at the first thing amiss, which is the JSON itself
     // where a full parse finds it broken anywhere: then that is the error.
-    if (auto err = json::DomError(text->text.data(), text->text.size())) {
+    if (auto err = json::DomError(text->text.data(), text->text.size(), json::kMaxIndexDepth)) {
       return Error(std::string(label) + ": " + std::string(rules::kIndexNotJson) + " (" +
                    simdjson::error_message(err) + ")");
     }
@@ -191,7 +191,8 @@ Result<WeightMap> IndexParser::Read(std::string_view label, IndexText& text) {
   };
   auto not_json = [&](simdjson::error_code err) { return fail(simdjson::error_message(err)); };
   json::od::parser parser;
-  if (parser.allocate(std::max<size_t>(json.size(), 64), json::kParserDepth) != simdjson::SUCCESS) {
+  if (parser.allocate(std::max<size_t>(json.size(), 64), json::ParserDepth(json::kMaxIndexDepth)) !=
+      simdjson::SUCCESS) {
     return fail("cannot allocate the parser");
   }
   json::od::document doc;
@@ -207,7 +208,7 @@ Result<WeightMap> IndexParser::Read(std::string_view label, IndexText& text) {
     std::string_view key;
     if (auto err = json::KeyText(field, end).get(key)) return not_json(err);
     if (key != "weight_map") {
-      if (auto err = json::CheckValue(field.value(), 1)) return not_json(err);
+      if (auto err = json::CheckValue(field.value(), 1, json::kMaxIndexDepth)) return not_json(err);
       continue;
     }
     // Readers differ on which of two counts (the first, or the last as
@@ -226,8 +227,10 @@ Result<WeightMap> IndexParser::Read(std::string_view label, IndexText& text) {
       json::od::field f;
       if (auto err = std::move(tensor).get(f)) return not_json(err);
       std::string_view name, shard;
-      if (auto err = json::KeyText(f, end).get(name)) return not_json(err);
-      if (name.data() < json.data() || name.data() >= end) {  // unescaped, in the parser's buffer
+      if (auto plain = json::PlainText(f.key().raw(), end)) {
+        name = *plain;
+      } else {  // unescaped into the parser's buffer: kept apart
+        if (auto err = f.unescaped_key().get(name)) return not_json(err);
         name = text.unescaped.emplace_back(name);
       }
       if (json::StringText(f.value()).get(shard) != simdjson::SUCCESS) {

@@ -30,23 +30,22 @@ simdjson::simdjson_result<std::string_view> StringText(od::value& value) {
   return value.get_string();
 }
 
-simdjson::error_code CheckValue(od::value value, int depth) {
+simdjson::error_code CheckValue(od::value value, int depth, int max_depth) {
+  if (depth >= max_depth) return simdjson::DEPTH_ERROR;  // `value` is a level below
   od::json_type type;
   if (auto err = value.type().get(type)) return err;
   switch (type) {
     case od::json_type::array: {
-      if (depth >= kMaxDepth) return simdjson::DEPTH_ERROR;
       od::array array;
       if (auto err = value.get_array().get(array)) return err;
       for (auto element : array) {
         od::value v;
         if (auto err = std::move(element).get(v)) return err;
-        if (auto err = CheckValue(v, depth + 1)) return err;
+        if (auto err = CheckValue(v, depth + 1, max_depth)) return err;
       }
       return simdjson::SUCCESS;
     }
     case od::json_type::object: {
-      if (depth >= kMaxDepth) return simdjson::DEPTH_ERROR;
       od::object object;
       if (auto err = value.get_object().get(object)) return err;
       for (auto field : object) {
@@ -54,7 +53,7 @@ simdjson::error_code CheckValue(od::value value, int depth) {
         if (auto err = std::move(field).get(f)) return err;
         std::string_view key;
         if (auto err = f.unescaped_key().get(key)) return err;
-        if (auto err = CheckValue(f.value(), depth + 1)) return err;
+        if (auto err = CheckValue(f.value(), depth + 1, max_depth)) return err;
       }
       return simdjson::SUCCESS;
     }
@@ -75,9 +74,11 @@ simdjson::error_code CheckValue(od::value value, int depth) {
 
 bool AtEnd(od::document& doc) { return doc.current_location().error() == simdjson::OUT_OF_BOUNDS; }
 
-simdjson::error_code DomError(const char* json, size_t size) {
+simdjson::error_code DomError(const char* json, size_t size, int max_depth) {
   simdjson::dom::parser parser;
-  if (auto err = parser.allocate(std::max<size_t>(size, 64), kMaxDepth)) return err;
+  if (auto err = parser.allocate(std::max<size_t>(size, 64), static_cast<size_t>(max_depth))) {
+    return err;
+  }
   simdjson::dom::element root;
   return parser.parse(json, size, /*realloc_if_needed=*/false).get(root);
 }

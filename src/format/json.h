@@ -24,14 +24,20 @@ namespace weightd::format::json {
 
 namespace od = simdjson::ondemand;
 
-// Containers nest at most this deep, the root counted: serde_json, which
-// the reference implementation parses with, stops at 128; a valid header
-// needs 3. The bound also bounds CheckValue's recursion on hostile input.
-inline constexpr int kMaxDepth = 128;
-// The depth to allocate an On-Demand parser for: its own count starts at
-// the document, one above the root, and it keeps a position for the level
-// below the deepest container too.
-inline constexpr size_t kParserDepth = kMaxDepth + 2;
+// How deep values nest at most, the root at level 1 and each container's
+// values one level below it, as simdjson's full parse counts (an empty
+// container may sit at the last level: nothing is below it). A header:
+// serde_json, which the reference implementation parses with, stops at
+// 128, and a valid header needs 4. An index: 1024, the full parse's
+// default, which indexes were read with before. The bound also bounds
+// CheckValue's recursion on hostile input.
+inline constexpr int kMaxHeaderDepth = 128;
+inline constexpr int kMaxIndexDepth = 1024;
+
+// The depth to allocate an On-Demand parser for, values nesting at most
+// `max_depth` deep: its own count starts at the document, one above the
+// root, and it keeps a position for the level below the deepest container.
+constexpr size_t ParserDepth(int max_depth) { return static_cast<size_t>(max_depth) + 2; }
 
 // A string's text, where it holds no escape: the bytes from `raw` (just
 // past its opening quote) to its closing quote, which are then the string
@@ -48,16 +54,16 @@ simdjson::simdjson_result<std::string_view> KeyText(od::field& field, const char
 simdjson::simdjson_result<std::string_view> StringText(od::value& value);
 
 // Reads `value` whole, whatever it holds, so that it is checked as JSON:
-// every string, number and literal, and containers nested at most kMaxDepth
-// deep counting `depth` levels above it.
-simdjson::error_code CheckValue(od::value value, int depth);
+// every string, number and literal, nested at most `max_depth` deep, the
+// container holding `value` being at level `depth`.
+simdjson::error_code CheckValue(od::value value, int depth, int max_depth);
 
 // Whether the document has been read to its end (no trailing content).
 bool AtEnd(od::document& doc);
 
-// The error a full (DOM) parse of `json` finds, with `json` padded as
-// simdjson needs; SUCCESS when it is valid JSON. For errors only: it costs
-// ten times the document's size.
-simdjson::error_code DomError(const char* json, size_t size);
+// The error a full (DOM) parse of `json` finds, values nesting at most
+// `max_depth` deep, with `json` padded as simdjson needs; SUCCESS when it
+// is valid JSON. For errors only: it costs ten times the document's size.
+simdjson::error_code DomError(const char* json, size_t size, int max_depth);
 
 }  // namespace weightd::format::json

@@ -98,7 +98,8 @@ Result<TensorInfo> ParseTensorEntry(std::string_view label, std::string_view nam
     if (auto err = std::move(item).get(field)) return NotJson(label, err);
     WEIGHTD_ASSIGN_OR_RETURN(const EntryField which, FieldOf(label, field, end));
     if (which == EntryField::kOther) {  // ignored, as by the reference, once read as JSON
-      if (auto err = json::CheckValue(field.value(), 2)) return NotJson(label, err);
+      if (auto err = json::CheckValue(field.value(), 2, json::kMaxHeaderDepth))
+        return NotJson(label, err);
       continue;
     }
     bool* seen = which == EntryField::kDType   ? &have_dtype
@@ -225,7 +226,8 @@ Result<uint64_t> ValidateLayout(std::string_view label, std::vector<TensorInfo>&
 // SIMDJSON_PADDING readable ones), in the file's order.
 Result<ShardHeader> ReadEntries(std::string_view label, const char* json, size_t size) {
   json::od::parser parser;
-  if (parser.allocate(std::max<size_t>(size, 64), json::kParserDepth) != simdjson::SUCCESS) {
+  if (parser.allocate(std::max<size_t>(size, 64), json::ParserDepth(json::kMaxHeaderDepth)) !=
+      simdjson::SUCCESS) {
     return FileError(label, rules::kHeaderNotJson, "cannot allocate the parser");
   }
   json::od::document doc;
@@ -273,7 +275,7 @@ Result<ShardHeader> ParseJson(std::string_view label, const char* json, size_t s
   if (!entries.ok()) {
     // Reading stops at the first thing amiss, which is the JSON itself
     // where a full parse finds it broken anywhere: then that is the error.
-    if (auto err = json::DomError(json, size)) return NotJson(label, err);
+    if (auto err = json::DomError(json, size, json::kMaxHeaderDepth)) return NotJson(label, err);
     return entries.error();
   }
   ShardHeader header = std::move(entries).value();

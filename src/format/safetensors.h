@@ -96,6 +96,12 @@ std::unique_lock<std::mutex> TurnToParse(size_t bytes);
 // header was read into and parsed from, kept: not a copy.
 class HeaderBytes {
  public:
+  HeaderBytes() = default;
+  HeaderBytes(const HeaderBytes&) = delete;
+  HeaderBytes& operator=(const HeaderBytes&) = delete;
+  HeaderBytes(HeaderBytes&&) = default;
+  HeaderBytes& operator=(HeaderBytes&&) = default;
+
   std::span<const std::byte> raw() const { return {bytes_.get(), size_}; }
 
  private:
