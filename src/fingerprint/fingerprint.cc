@@ -108,8 +108,8 @@ struct ShardWork {
   format::ShardRef ref;
   std::unique_ptr<io::RandomAccessFile> file;
   io::StatSignature signature;
-  // The file's first bytes (where the header outgrew the first read, the
-  // header and then zeros for the parser's padding); freed after stage 1.
+  // The file's first bytes, then zeros where the header's parser needs
+  // padding past what was read; freed after stage 1.
   std::string head;
   // The shard's digest so far: size and raw header, hashed as soon as they
   // are read so the header's bytes need not be kept.
@@ -214,8 +214,7 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
   if (header_end >= kLargeHeaderBytes) turn.lock();
   uint64_t read_bytes = w.head.size();  // of the file, from its start
   if (header_end > read_bytes) {
-    // The header outgrew the speculative read: fetch exactly the rest,
-    // then zeros for the parser's padding after it.
+    // The header outgrew the speculative read: fetch exactly the rest.
     const uint64_t had = w.head.size();
     w.head.resize(static_cast<size_t>(header_end));
     if (Status s = read_into(had); !s.ok()) {
@@ -223,16 +222,16 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
       return;
     }
     read_bytes = header_end;
+  }
+  // Parsed where it was read, not copied (8 MB for a 70,000-tensor shard):
+  // the padding the parser needs is file bytes past the header, or zeros.
+  if (w.head.size() < header_end + format::kParsePaddingBytes) {
     w.head.resize(static_cast<size_t>(header_end + format::kParsePaddingBytes));
   }
-  // Parsed where it was read where the padding the parser needs is there
-  // (file bytes past the header, or the zeros): 8 MB not copied for a
-  // 70,000-tensor shard.
-  const auto json =
-      std::as_bytes(std::span(w.head.data() + format::kHeaderLengthBytes, static_cast<size_t>(*n)));
-  auto header = w.head.size() >= header_end + format::kParsePaddingBytes
-                    ? format::ParsePaddedHeader(w.ref.path, json, size)
-                    : format::ParseHeader(w.ref.path, json, size);
+  auto header = format::ParsePaddedHeader(
+      w.ref.path,
+      std::as_bytes(std::span(w.head.data() + format::kHeaderLengthBytes, static_cast<size_t>(*n))),
+      size);
   if (!header.ok()) {
     w.error = header.error();
     return;

@@ -770,24 +770,21 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
     if (!segment_plan) {
       WEIGHTD_ASSIGN_OR_RETURN(segment_plan, plan_placed());
     }
+    // A piece at a time: 70,000 tensors' manifest is 8 MB, which a buffer
+    // of its own would take in fresh pages. A segment this process cannot
+    // read (a GPU's) needs the manifest kept here too: it gets it whole.
     const bool all_readable = std::all_of(
         targets.begin(), targets.end(), [](const Target& t) { return t.segment->readable_here(); });
-    if (all_readable) {
-      // A piece at a time: 70,000 tensors' manifest is 8 MB, which a
-      // buffer of its own would take in fresh pages.
-      return memory::StreamManifest(*segment_plan, kStepBytes,
-                                    [&](uint64_t at, std::span<const std::byte> piece) -> Status {
-                                      for (const Target& t : targets)
-                                        WEIGHTD_RETURN_IF_ERROR(t.segment->Write(at, piece));
-                                      return OkStatus();
-                                    });
-    }
-    // A segment this process cannot read needs the manifest kept here too.
-    std::vector<std::byte> manifest(static_cast<size_t>(segment_plan->manifest_bytes));
-    memory::WriteManifest(*segment_plan, manifest);
-    for (const Target& t : targets) WEIGHTD_RETURN_IF_ERROR(t.segment->Write(0, manifest));
-    model.manifest = std::move(manifest);
-    return OkStatus();
+    if (!all_readable) model.manifest.reserve(static_cast<size_t>(segment_plan->manifest_bytes));
+    return memory::StreamManifest(
+        *segment_plan,
+        all_readable ? kStepBytes : static_cast<size_t>(segment_plan->manifest_bytes),
+        [&](uint64_t at, std::span<const std::byte> piece) -> Status {
+          for (const Target& t : targets) WEIGHTD_RETURN_IF_ERROR(t.segment->Write(at, piece));
+          if (!all_readable)
+            model.manifest.insert(model.manifest.end(), piece.begin(), piece.end());
+          return OkStatus();
+        });
   };
   // The sampled fingerprint of what was read, shard by shard: of a shard as
   // soon as its last job is done and every sample of it was caught (while
