@@ -163,6 +163,58 @@ TEST(Sampled, CoalescingMergesNeighbouringSamples) {
   EXPECT_LT(b.reads, a.reads / 10);
 }
 
+// The samples are read in file order, a window at a time into a buffer that
+// is used again, and hashed in name order: in a file whose tensors are laid
+// out widest dtype first, the two orders differ.
+TEST(Sampled, SamplesOutOfFileOrderAreHashedInNameOrder) {
+  TempDir dir;
+  std::vector<format::TensorData> tensors;
+  uint32_t state = 12345;
+  auto next = [&state] { return state = state * 1103515245u + 12345u; };
+  for (int i = 0; i < 400; ++i) {
+    char name[8];
+    std::snprintf(name, sizeof name, "t%03d", i);
+    const format::DType dtype = i % 3 == 0   ? format::DType::kU8
+                                : i % 3 == 1 ? format::DType::kF32
+                                             : format::DType::kBF16;
+    const uint64_t elements = i == 7 ? 0 : 50 + next() % 700;
+    format::TensorData t{{name, dtype, {elements}}, {}};
+    t.bytes.resize(elements * format::DTypeBits(dtype) / 8);
+    for (std::byte& b : t.bytes) b = static_cast<std::byte>(next() >> 16);
+    tensors.push_back(std::move(t));
+  }
+  const std::string path = dir.Join("mixed.safetensors");
+  ASSERT_TRUE(format::WriteSafetensors(path, tensors).ok());
+
+  // The digest from the whole file's bytes, samples in name order.
+  const std::vector<std::byte> bytes = testing::ReadFileBytes(path);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), sizeof n);  // little-endian, as on this machine
+  auto header = format::ParseHeader("mixed", std::span(bytes).subspan(8, n), bytes.size());
+  ASSERT_TRUE(header.ok()) << header.error().message();
+  ASSERT_NE(header->tensors.front().begin, 0u) << "t000 is first in the file; the test needs not";
+  std::vector<std::span<const std::byte>> samples;
+  for (const format::TensorInfo& t : header->tensors) {
+    samples.push_back(std::span(bytes).subspan(header->data_offset() + t.begin,
+                                               std::min<uint64_t>(1024, t.bytes())));
+  }
+  const std::string expected =
+      SampledShardDigest(bytes.size(), std::span(bytes).first(8 + n), samples);
+
+  for (uint64_t window : {uint64_t{1}, uint64_t{4096}, Options{}.local_window_bytes}) {
+    for (bool coalesce : {false, true}) {
+      for (uint64_t speculative : {uint64_t{8}, uint64_t{4096}}) {
+        const Fingerprint fp = Fp(
+            path,
+            {.coalesce = coalesce, .speculative_bytes = speculative, .local_window_bytes = window});
+        ASSERT_EQ(fp.shards.size(), 1u);
+        EXPECT_EQ(fp.shards[0].digest, expected)
+            << "window " << window << " coalesce " << coalesce << " speculative " << speculative;
+      }
+    }
+  }
+}
+
 TEST(Sampled, WithoutShardsThereIsNoFingerprint) {
   TempDir dir;
   auto fp = FingerprintCheckpoint(io::PosixFileSystem(), dir.path(), {});

@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstring>
 #include <ctime>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -114,11 +115,14 @@ struct ShardWork {
   // The shard's digest so far: size and raw header, hashed as soon as they
   // are read so the header's bytes need not be kept.
   std::unique_ptr<Xxh3> hash;
-  // Per tensor, in name order: views into `head_samples` or into the reads
-  // of stage 2, which live until the digest. A 70,000-tensor shard's
-  // samples are tens of megabytes: copied one by one, they were as many
-  // allocations and as much fresh memory again.
-  std::vector<std::string_view> samples;
+  // Per tensor, in name order: a view into `head_samples` or into a read of
+  // stage 2 once that read is in. A 70,000-tensor shard's samples are tens
+  // of megabytes: copied one by one, they were as many allocations and as
+  // much fresh memory again.
+  std::vector<std::optional<std::string_view>> samples;
+  // How many samples, from the first in name order, are in `hash` already:
+  // the views before this one are not used again.
+  size_t hashed = 0;
   // The samples the first read held, together; a vector, whose bytes stay
   // put when the work moves.
   std::vector<char> head_samples;
@@ -137,7 +141,6 @@ struct PendingSample {
 struct MergedRead {
   size_t shard;
   uint64_t offset;
-  std::unique_ptr<char[]> buffer;  // not zeroed: the read fills it
   uint64_t bytes = 0;
   std::vector<PendingSample> samples;
 };
@@ -275,21 +278,82 @@ std::vector<MergedRead> PlanReads(std::vector<PendingSample> pending, const Opti
     const bool merge = o.coalesce && !reads.empty() && reads.back().shard == p.shard &&
                        p.offset >= end && p.offset - end <= o.max_gap_bytes &&
                        p.offset + p.length - reads.back().offset <= o.max_merged_bytes;
-    if (!merge) reads.push_back({p.shard, p.offset, {}, 0, {}});
+    if (!merge) reads.push_back({p.shard, p.offset, 0, {}});
     reads.back().samples.push_back(p);
     end = p.offset + p.length;
   }
   for (MergedRead& r : reads) {
     const PendingSample& last = r.samples.back();
     r.bytes = last.offset + last.length - r.offset;
-    r.buffer = std::make_unique_for_overwrite<char[]>(static_cast<size_t>(r.bytes));
   }
   return reads;
 }
 
-std::string ShardDigest(ShardWork& w) {
-  for (std::string_view sample : w.samples) w.hash->Update(sample.data(), sample.size());
-  return w.hash->Tagged();
+// Hashes the shard's samples that are in, in name order, up to the first
+// that is not.
+void HashReadySamples(ShardWork& w) {
+  for (; w.hashed < w.samples.size() && w.samples[w.hashed]; ++w.hashed) {
+    w.hash->Update(w.samples[w.hashed]->data(), w.samples[w.hashed]->size());
+  }
+}
+
+// Reads the samples of `reads`, many in flight, and hashes each shard's in
+// name order as soon as those before them are in; returns how many waves of
+// reads that took. Reads go a window of `window_bytes` at a time (at least
+// one read) into one buffer, used again once the samples it held are hashed.
+// That takes name order to be file order, as it mostly is; a buffer that
+// still holds samples to hash is kept, and another one taken.
+//
+// On a network file system the window is everything, since each wave costs
+// a round trip. On a local one a read costs none, and a model of small
+// tensors has nearly every byte sampled: fresh memory for all of them (90 MB
+// for 70,000 tensors) cost more than the reads.
+Result<uint64_t> ReadSamples(const std::vector<MergedRead>& reads, uint64_t window_bytes,
+                             const Options& o, std::vector<ShardWork>& work, io::ReadStats& stats) {
+  std::unique_ptr<char[]> buffer;  // not zeroed: the reads fill it
+  uint64_t buffer_bytes = 0;
+  std::vector<std::unique_ptr<char[]>> kept;
+  std::vector<io::ReadRequest> requests;
+  uint64_t waves = 0;
+  for (size_t first = 0, end = 0; first < reads.size(); first = end) {
+    uint64_t bytes = 0;
+    for (end = first;
+         end < reads.size() && (end == first || bytes + reads[end].bytes <= window_bytes); ++end) {
+      bytes += reads[end].bytes;
+    }
+    if (bytes > buffer_bytes) {
+      buffer = std::make_unique_for_overwrite<char[]>(static_cast<size_t>(bytes));
+      buffer_bytes = bytes;
+    }
+    const std::span window = std::span(reads).subspan(first, end - first);
+    requests.clear();
+    for (uint64_t at = 0; const MergedRead& r : window) {
+      requests.push_back(
+          {work[r.shard].file.get(), r.offset,
+           std::as_writable_bytes(std::span(buffer.get() + at, static_cast<size_t>(r.bytes)))});
+      at += r.bytes;
+    }
+    WEIGHTD_RETURN_IF_ERROR(io::ReadMany(requests, {.max_inflight = o.max_inflight}, &stats));
+    waves += (requests.size() + o.max_inflight - 1) / std::max(o.max_inflight, 1);
+    for (size_t k = 0; k < window.size(); ++k) {
+      const char* data = reinterpret_cast<const char*>(requests[k].dst.data());
+      for (const PendingSample& p : window[k].samples) {
+        work[p.shard].samples[p.tensor] =
+            std::string_view(data + (p.offset - window[k].offset), static_cast<size_t>(p.length));
+      }
+    }
+    bool all_hashed = true;
+    for (const MergedRead& r : window) {
+      ShardWork& w = work[r.shard];
+      HashReadySamples(w);
+      for (const PendingSample& p : r.samples) all_hashed &= p.tensor < w.hashed;
+    }
+    if (!all_hashed) {
+      kept.push_back(std::move(buffer));
+      buffer_bytes = 0;
+    }
+  }
+  return waves;
 }
 
 // Stage 1 started from the directory listing while the index is still being
@@ -439,28 +503,20 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
     all_pending.insert(all_pending.end(), pending[i].begin(), pending[i].end());
   }
 
-  // Stage 2: the remaining samples, many in flight.
-  std::vector<MergedRead> reads = PlanReads(std::move(all_pending), o);
-  std::vector<io::ReadRequest> requests;
-  requests.reserve(reads.size());
-  for (MergedRead& r : reads) {
-    requests.push_back(
-        {work[r.shard].file.get(), r.offset,
-         std::as_writable_bytes(std::span(r.buffer.get(), static_cast<size_t>(r.bytes)))});
+  // Stage 2: the remaining samples.
+  for (ShardWork& w : work) {
+    if (!w.result.cached) HashReadySamples(w);
   }
   io::ReadStats sample_stats;
-  WEIGHTD_RETURN_IF_ERROR(io::ReadMany(requests, {.max_inflight = o.max_inflight}, &sample_stats));
+  WEIGHTD_ASSIGN_OR_RETURN(
+      const uint64_t waves,
+      ReadSamples(PlanReads(std::move(all_pending), o),
+                  listing.remote ? std::numeric_limits<uint64_t>::max() : o.local_window_bytes, o,
+                  work, sample_stats));
   fp.reads += sample_stats.reads;
   fp.bytes_read += sample_stats.bytes;
-  const uint64_t waves = (reads.size() + o.max_inflight - 1) / std::max(o.max_inflight, 1);
-  for (const MergedRead& r : reads) {
-    for (const PendingSample& p : r.samples) {
-      work[p.shard].samples[p.tensor] =
-          std::string_view(r.buffer.get() + (p.offset - r.offset), static_cast<size_t>(p.length));
-    }
-  }
 
-  // Stage 3: digests, in name order whatever the read order was.
+  // Stage 3: the files unchanged, the digests.
   for (ShardWork& w : work) {
     if (!w.result.cached) {
       auto after = w.file->Stat();
@@ -468,7 +524,10 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
       if (!(*after == w.signature)) {
         return Error(w.ref.path + ": changed while being fingerprinted; try again");
       }
-      w.result.digest = ShardDigest(w);
+      if (w.hashed != w.samples.size()) {
+        return Error(w.ref.path + ": internal error: a sample was never read");
+      }
+      w.result.digest = w.hash->Tagged();
       if (o.cache != nullptr && !TooFreshToCache(w.signature, o.racy_seconds)) {
         o.cache->Insert(CacheKind(o), w.signature, w.result.digest);
       }

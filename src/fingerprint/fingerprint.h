@@ -60,6 +60,12 @@ struct Options {
   // The first read of each shard: prefix, header and the first samples.
   uint64_t speculative_bytes = 256 << 10;
   uint64_t sample_bytes = 1024;
+  // On a local file system the samples past each shard's first read are
+  // read this many bytes at a time (or one merged read, if larger) into one
+  // buffer, used again once the samples it held are hashed. On a network
+  // file system they all go out at once: there each window would cost a
+  // round trip.
+  uint64_t local_window_bytes = 8 << 20;
   // Stat shortcut; nullptr turns it off. Not owned.
   StatCache* cache = nullptr;
   // false: the cache is not asked, only told what was computed (its
