@@ -104,6 +104,13 @@ bool TooFreshToCache(const io::StatSignature& sig, double window) {
   return std::max(sig.mtime_ns, sig.ctime_ns) > now_ns - static_cast<int64_t>(window * 1e9);
 }
 
+// A sample that the shard's first read did not hold.
+struct PendingSample {
+  size_t tensor;  // in name order
+  uint64_t offset;
+  uint64_t length;
+};
+
 // One shard's progress through the sampled plan.
 struct ShardWork {
   format::ShardRef ref;
@@ -123,27 +130,23 @@ struct ShardWork {
   // How many samples, from the first in name order, are in `hash` already:
   // the views before this one are not used again.
   size_t hashed = 0;
-  // The samples the first read held, together; a vector, whose bytes stay
-  // put when the work moves.
+  // The samples the first read held that wait for one it did not: a
+  // vector, whose bytes stay put when the work moves.
   std::vector<char> head_samples;
+  // The samples still to read, by offset once the reads are planned.
+  std::vector<PendingSample> pending;
   uint64_t round_trips = 0;
   std::optional<Error> error;
   ShardFingerprint result;
 };
 
-struct PendingSample {
-  size_t shard;
-  size_t tensor;
-  uint64_t offset;
-  uint64_t length;
-};
-
-struct MergedRead {
-  size_t shard;
-  uint64_t offset;
-  uint64_t bytes = 0;
-  std::vector<PendingSample> samples;
-};
+// Hashes the shard's samples that are in, in name order, up to the first
+// that is not.
+void HashReadySamples(ShardWork& w) {
+  for (; w.hashed < w.samples.size() && w.samples[w.hashed]; ++w.hashed) {
+    w.hash->Update(w.samples[w.hashed]->data(), w.samples[w.hashed]->size());
+  }
+}
 
 // Stage 1 for one shard: stat shortcut, or open, speculative first read,
 // header, and the samples that first read already holds.
@@ -168,7 +171,6 @@ bool FromCache(io::FileSystem& fs, const Options& o, ShardWork& w) {
 }
 
 void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::ReadStats& stats,
-                     std::vector<PendingSample>& pending, size_t shard_index,
                      bool cache_checked = false) {
   w.result.name = w.ref.name;
   if (!cache_checked && FromCache(fs, o, w)) return;
@@ -240,61 +242,77 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
     return;
   }
   w.result.tensors = header->tensors.size();
-  w.samples.resize(header->tensors.size());
-  auto sample_of = [&](const format::TensorInfo& info) {
-    return std::pair(header->data_offset() + info.begin, std::min(o.sample_bytes, info.bytes()));
-  };
-  size_t in_head = 0;
-  for (const format::TensorInfo& info : header->tensors) {
-    const auto [offset, length] = sample_of(info);
-    if (offset + length <= read_bytes) in_head += static_cast<size_t>(length);
-  }
-  w.head_samples.reserve(in_head);  // never grown past: the views stay valid
-  for (size_t t = 0; t < header->tensors.size(); ++t) {
-    const auto [offset, length] = sample_of(header->tensors[t]);
-    if (offset + length <= read_bytes) {
-      const size_t at = w.head_samples.size();
-      w.head_samples.insert(w.head_samples.end(), w.head.data() + offset,
-                            w.head.data() + offset + length);
-      w.samples[t] = std::string_view(w.head_samples.data() + at, static_cast<size_t>(length));
-    } else {
-      pending.push_back({shard_index, t, offset, length});
-    }
-  }
   w.hash = std::make_unique<Xxh3>();
   w.hash->U64(size);
   w.hash->Update(w.head.data(), static_cast<size_t>(header_end));
+  // The samples the first read holds are hashed where they lie, up to the
+  // first one it does not hold (in name order); those after that one are
+  // copied out before the read's buffer goes.
+  auto sample_of = [&](const format::TensorInfo& info) {
+    return std::pair(header->data_offset() + info.begin, std::min(o.sample_bytes, info.bytes()));
+  };
+  size_t pending = 0;
+  for (const format::TensorInfo& info : header->tensors) {
+    const auto [offset, length] = sample_of(info);
+    pending += offset + length > read_bytes;
+  }
+  w.pending.reserve(pending);
+  w.samples.resize(header->tensors.size());
+  for (size_t t = 0; t < header->tensors.size(); ++t) {
+    const auto [offset, length] = sample_of(header->tensors[t]);
+    if (offset + length <= read_bytes) {
+      w.samples[t] = std::string_view(w.head.data() + offset, static_cast<size_t>(length));
+    } else {
+      w.pending.push_back({t, offset, length});
+    }
+  }
+  HashReadySamples(w);
+  size_t waiting = 0;
+  for (size_t t = w.hashed; t < w.samples.size(); ++t)
+    waiting += w.samples[t] ? w.samples[t]->size() : 0;
+  w.head_samples.reserve(waiting);  // never grown past: the views stay valid
+  for (size_t t = w.hashed; t < w.samples.size(); ++t) {
+    if (!w.samples[t]) continue;
+    const size_t at = w.head_samples.size();
+    w.head_samples.insert(w.head_samples.end(), w.samples[t]->begin(), w.samples[t]->end());
+    w.samples[t] = std::string_view(w.head_samples.data() + at, w.samples[t]->size());
+  }
   w.head = std::string();
 }
 
-// Groups one shard's pending samples (sorted by offset) into reads.
-std::vector<MergedRead> PlanReads(std::vector<PendingSample> pending, const Options& o) {
-  std::sort(pending.begin(), pending.end(), [](const PendingSample& a, const PendingSample& b) {
-    return std::tie(a.shard, a.offset) < std::tie(b.shard, b.offset);
-  });
+// One read of stage 2: the samples work[shard].pending[first, end).
+struct MergedRead {
+  size_t shard;
+  uint64_t offset;
+  uint64_t bytes;
+  size_t first;
+  size_t end;
+};
+
+// Groups each shard's pending samples, sorted by offset, into reads.
+std::vector<MergedRead> PlanReads(std::vector<ShardWork>& work, const Options& o) {
+  auto by_offset = [](const PendingSample& a, const PendingSample& b) {
+    return a.offset < b.offset;
+  };
   std::vector<MergedRead> reads;
-  uint64_t end = 0;
-  for (const PendingSample& p : pending) {
-    const bool merge = o.coalesce && !reads.empty() && reads.back().shard == p.shard &&
-                       p.offset >= end && p.offset - end <= o.max_gap_bytes &&
-                       p.offset + p.length - reads.back().offset <= o.max_merged_bytes;
-    if (!merge) reads.push_back({p.shard, p.offset, 0, {}});
-    reads.back().samples.push_back(p);
-    end = p.offset + p.length;
-  }
-  for (MergedRead& r : reads) {
-    const PendingSample& last = r.samples.back();
-    r.bytes = last.offset + last.length - r.offset;
+  for (size_t shard = 0; shard < work.size(); ++shard) {
+    std::vector<PendingSample>& pending = work[shard].pending;
+    if (!std::is_sorted(pending.begin(), pending.end(), by_offset)) {
+      std::sort(pending.begin(), pending.end(), by_offset);
+    }
+    uint64_t end = 0;
+    for (size_t i = 0; i < pending.size(); ++i) {
+      const PendingSample& p = pending[i];
+      const bool merge = o.coalesce && i > 0 && p.offset >= end &&
+                         p.offset - end <= o.max_gap_bytes &&
+                         p.offset + p.length - reads.back().offset <= o.max_merged_bytes;
+      if (!merge) reads.push_back({shard, p.offset, 0, i, i});
+      end = p.offset + p.length;
+      reads.back().bytes = end - reads.back().offset;
+      reads.back().end = i + 1;
+    }
   }
   return reads;
-}
-
-// Hashes the shard's samples that are in, in name order, up to the first
-// that is not.
-void HashReadySamples(ShardWork& w) {
-  for (; w.hashed < w.samples.size() && w.samples[w.hashed]; ++w.hashed) {
-    w.hash->Update(w.samples[w.hashed]->data(), w.samples[w.hashed]->size());
-  }
 }
 
 // Reads the samples of `reads`, many in flight, and hashes each shard's in
@@ -337,8 +355,10 @@ Result<uint64_t> ReadSamples(const std::vector<MergedRead>& reads, uint64_t wind
     waves += (requests.size() + o.max_inflight - 1) / std::max(o.max_inflight, 1);
     for (size_t k = 0; k < window.size(); ++k) {
       const char* data = reinterpret_cast<const char*>(requests[k].dst.data());
-      for (const PendingSample& p : window[k].samples) {
-        work[p.shard].samples[p.tensor] =
+      ShardWork& w = work[window[k].shard];
+      for (const PendingSample& p :
+           std::span(w.pending).subspan(window[k].first, window[k].end - window[k].first)) {
+        w.samples[p.tensor] =
             std::string_view(data + (p.offset - window[k].offset), static_cast<size_t>(p.length));
       }
     }
@@ -346,7 +366,7 @@ Result<uint64_t> ReadSamples(const std::vector<MergedRead>& reads, uint64_t wind
     for (const MergedRead& r : window) {
       ShardWork& w = work[r.shard];
       HashReadySamples(w);
-      for (const PendingSample& p : r.samples) all_hashed &= p.tensor < w.hashed;
+      for (size_t i = r.first; i < r.end; ++i) all_hashed &= w.pending[i].tensor < w.hashed;
     }
     if (!all_hashed) {
       kept.push_back(std::move(buffer));
@@ -378,7 +398,6 @@ class EarlyHeads {
       std::sort(names_.begin(), names_.end());
       work_.resize(names_.size());
       taken_.assign(names_.size(), 0);
-      pending_.resize(names_.size());
       stats_.resize(names_.size());
       thread_ = std::jthread([this] {
         std::atomic<size_t> next{0};
@@ -389,7 +408,7 @@ class EarlyHeads {
                 for (size_t i; (i = next.fetch_add(1)) < work_.size();) {
                   const std::string path = io::JoinPath(dir_, names_[i]);
                   work_[i].ref = {names_[i], path, path};
-                  OpenAndReadHead(fs_, o_, work_[i], stats_[i], pending_[i], i);
+                  OpenAndReadHead(fs_, o_, work_[i], stats_[i]);
                 }
               });
         } catch (...) {
@@ -413,10 +432,9 @@ class EarlyHeads {
 
   // Moves the early work for `ref` into `w` when it was done on the very file
   // the listing checked: named directly in the directory, not through a
-  // symlink, and with the same signature now. Its pending samples get
-  // `shard_index`.
-  bool Take(const format::ShardRef& ref, const std::string& real_dir, size_t shard_index,
-            ShardWork& w, io::ReadStats& stats, std::vector<PendingSample>& pending) {
+  // symlink, and with the same signature now.
+  bool Take(const format::ShardRef& ref, const std::string& real_dir, ShardWork& w,
+            io::ReadStats& stats) {
     if (failed_) return false;
     auto it = std::lower_bound(names_.begin(), names_.end(), ref.name);
     if (it == names_.end() || *it != ref.name) return false;
@@ -430,10 +448,6 @@ class EarlyHeads {
     w = std::move(early);
     w.ref = ref;
     stats = stats_[i];
-    for (PendingSample p : pending_[i]) {
-      p.shard = shard_index;
-      pending.push_back(p);
-    }
     return true;
   }
 
@@ -454,7 +468,6 @@ class EarlyHeads {
   const Options& o_;
   std::vector<std::string> names_;  // sorted
   std::vector<ShardWork> work_;
-  std::vector<std::vector<PendingSample>> pending_;
   std::vector<io::ReadStats> stats_;
   // One flag per early shard; each is touched by the one worker that takes
   // that shard's name (names are unique).
@@ -467,7 +480,6 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
                             const Options& o, EarlyHeads& early) {
   const std::vector<format::ShardRef>& refs = listing.shards;
   std::vector<ShardWork> work(refs.size());
-  std::vector<std::vector<PendingSample>> pending(work.size());
   std::vector<io::ReadStats> head_stats(work.size());
   // On a local file system the stat shortcut goes first, on this thread: a
   // warm fingerprint then starts no thread at all.
@@ -480,37 +492,30 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
   // listing (one stat, usually answered from the attribute cache, to check
   // it is the same file) or opens and reads its head now.
   std::atomic<size_t> next{0};
-  io::RunTeam(
-      static_cast<int>(std::min<size_t>(todo.size(), std::max(o.max_inflight, 1))), [&](int) {
-        for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
-          const size_t i = todo[k];
-          if (early.Take(refs[i], listing.real_dir, i, work[i], head_stats[i], pending[i])) {
-            continue;
-          }
-          work[i].ref = refs[i];
-          OpenAndReadHead(fs, o, work[i], head_stats[i], pending[i], i,
-                          /*cache_checked=*/!listing.remote && o.cache != nullptr);
-        }
-      });
+  io::RunTeam(static_cast<int>(std::min<size_t>(todo.size(), std::max(o.max_inflight, 1))),
+              [&](int) {
+                for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
+                  const size_t i = todo[k];
+                  if (early.Take(refs[i], listing.real_dir, work[i], head_stats[i])) continue;
+                  work[i].ref = refs[i];
+                  OpenAndReadHead(fs, o, work[i], head_stats[i],
+                                  /*cache_checked=*/!listing.remote && o.cache != nullptr);
+                }
+              });
   Fingerprint fp;
   uint64_t slowest_shard = 0;
-  std::vector<PendingSample> all_pending;
   for (size_t i = 0; i < work.size(); ++i) {
     if (work[i].error) return *work[i].error;
     fp.reads += head_stats[i].reads;
     fp.bytes_read += head_stats[i].bytes;
     slowest_shard = std::max(slowest_shard, work[i].round_trips);
-    all_pending.insert(all_pending.end(), pending[i].begin(), pending[i].end());
   }
 
   // Stage 2: the remaining samples.
-  for (ShardWork& w : work) {
-    if (!w.result.cached) HashReadySamples(w);
-  }
   io::ReadStats sample_stats;
   WEIGHTD_ASSIGN_OR_RETURN(
       const uint64_t waves,
-      ReadSamples(PlanReads(std::move(all_pending), o),
+      ReadSamples(PlanReads(work, o),
                   listing.remote ? std::numeric_limits<uint64_t>::max() : o.local_window_bytes, o,
                   work, sample_stats));
   fp.reads += sample_stats.reads;
