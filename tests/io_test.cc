@@ -1,6 +1,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <linux/magic.h>
+#include <sys/mman.h>
 #include <sys/mount.h>
 #include <sys/stat.h>
 #include <sys/statfs.h>
@@ -20,6 +21,7 @@
 #include <thread>
 
 #include "io/file.h"
+#include "io/private_memory.h"
 #include "io/read_many.h"
 #include "io/worker_pool.h"
 #include "test_util.h"
@@ -395,6 +397,73 @@ TEST(Paths, JoinBaseNameAndDirName) {
   EXPECT_EQ(DirName("/x/y/model.safetensors"), "/x/y");
   EXPECT_EQ(DirName("weightd.toml"), ".");
   EXPECT_EQ(DirName("/weightd.toml"), "/");
+}
+
+TEST(PrivateMemory, BigBlocksAreWholeAlignedHugePagesAndSmallOnesWholePages) {
+  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
+  const size_t huge = kPrivateHugePageBytes;
+  EXPECT_EQ(PrivateMappedBytes(0), page);
+  EXPECT_EQ(PrivateMappedBytes(page + 1), 2 * page);
+  EXPECT_EQ(PrivateMappedBytes(huge - 1), huge);
+  EXPECT_EQ(PrivateMappedBytes(huge + 1), 2 * huge);
+  EXPECT_EQ(PrivateMappedBytes(SIZE_MAX - 10), 0u);
+  EXPECT_EQ(MapPrivate(SIZE_MAX - 10), nullptr);
+  for (const size_t bytes : {size_t{1}, 3 * page + 5, huge, 3 * huge + 17}) {
+    std::byte* p = MapPrivate(bytes);
+    ASSERT_NE(p, nullptr) << bytes;
+    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % (bytes >= huge ? huge : page), 0u) << bytes;
+    // Zeroed and writable to the last byte mapped.
+    const size_t mapped = PrivateMappedBytes(bytes);
+    EXPECT_EQ(p[0], std::byte{0});
+    EXPECT_EQ(p[mapped - 1], std::byte{0});
+    p[mapped - 1] = std::byte{1};
+    UnmapPrivate(p, bytes);
+    // All of it is given back, the last page too.
+    errno = 0;
+    EXPECT_NE(::msync(p + mapped - page, page, MS_ASYNC), 0) << bytes;
+    EXPECT_EQ(errno, ENOMEM) << bytes;
+  }
+}
+
+TEST(PrivateMemory, AVectorKeepsItsElementsAsItGrowsIntoHugePages) {
+  std::vector<uint64_t, PrivateAllocator<uint64_t>> v;
+  const size_t n = 3 * kPrivateHugePageBytes / sizeof(uint64_t);
+  for (uint64_t i = 0; i < n; ++i) v.push_back(i * 7);
+  ASSERT_EQ(v.size(), n);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(v.data()) % kPrivateHugePageBytes, 0u);
+  for (uint64_t i = 0; i < n; i += 4099) ASSERT_EQ(v[i], i * 7) << i;
+  EXPECT_EQ(v.back(), (n - 1) * 7);
+  v.resize(3);
+  v.shrink_to_fit();
+  EXPECT_EQ(v[2], 14u);
+}
+
+// The bytes are mapped while one buffer owns them, and given back once none
+// does: moved, the memory stays; replaced or destroyed, it goes.
+TEST(PrivateMemory, ABufferOwnsItsMemoryUntilItGoes) {
+  const size_t huge = kPrivateHugePageBytes;
+  auto mapped = [](const std::byte* p) {
+    errno = 0;
+    return ::msync(const_cast<std::byte*>(p), 1, MS_ASYNC) == 0;
+  };
+  PrivateBuffer a(huge + 5);
+  ASSERT_NE(a.data(), nullptr);
+  EXPECT_EQ(a.size(), huge + 5);
+  EXPECT_EQ(reinterpret_cast<uintptr_t>(a.data()) % huge, 0u);
+  a.data()[huge + 4] = std::byte{7};
+  const std::byte* first = a.data();
+  PrivateBuffer b(std::move(a));
+  EXPECT_EQ(a.data(), nullptr);
+  EXPECT_EQ(a.size(), 0u);
+  EXPECT_EQ(b.data(), first);
+  EXPECT_EQ(b.data()[huge + 4], std::byte{7});
+  b = PrivateBuffer(100);
+  EXPECT_FALSE(mapped(first));
+  const std::byte* second = b.data();
+  EXPECT_TRUE(mapped(second));
+  { PrivateBuffer gone = std::move(b); }
+  EXPECT_FALSE(mapped(second));
+  EXPECT_THROW(PrivateBuffer(SIZE_MAX - 10), std::bad_alloc);
 }
 
 }  // namespace

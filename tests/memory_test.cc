@@ -32,7 +32,6 @@
 #include "memory/cuda.h"
 #include "memory/host_memory.h"
 #include "memory/manifest.h"
-#include "memory/private_memory.h"
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
@@ -1639,45 +1638,6 @@ TEST(HostMemory, RoomIsTheLimitLessWhatTheGroupCannotGiveBack) {
   ASSERT_TRUE(here);
   EXPECT_GT(here->free, 0u);
   EXPECT_LE(here->free, here->limit);
-}
-
-TEST(PrivateMemory, BigBlocksAreWholeAlignedHugePagesAndSmallOnesWholePages) {
-  const size_t page = static_cast<size_t>(::sysconf(_SC_PAGESIZE));
-  const size_t huge = memory::kPrivateHugePageBytes;
-  EXPECT_EQ(memory::PrivateMappedBytes(0), page);
-  EXPECT_EQ(memory::PrivateMappedBytes(page + 1), 2 * page);
-  EXPECT_EQ(memory::PrivateMappedBytes(huge - 1), huge);
-  EXPECT_EQ(memory::PrivateMappedBytes(huge + 1), 2 * huge);
-  EXPECT_EQ(memory::PrivateMappedBytes(SIZE_MAX - 10), 0u);
-  EXPECT_EQ(memory::MapPrivate(SIZE_MAX - 10), nullptr);
-  for (const size_t bytes : {size_t{1}, 3 * page + 5, huge, 3 * huge + 17}) {
-    std::byte* p = memory::MapPrivate(bytes);
-    ASSERT_NE(p, nullptr) << bytes;
-    EXPECT_EQ(reinterpret_cast<uintptr_t>(p) % (bytes >= huge ? huge : page), 0u) << bytes;
-    // Zeroed and writable to the last byte mapped.
-    const size_t mapped = memory::PrivateMappedBytes(bytes);
-    EXPECT_EQ(p[0], std::byte{0});
-    EXPECT_EQ(p[mapped - 1], std::byte{0});
-    p[mapped - 1] = std::byte{1};
-    memory::UnmapPrivate(p, bytes);
-    // All of it is given back, the last page too.
-    errno = 0;
-    EXPECT_NE(::msync(p + mapped - page, page, MS_ASYNC), 0) << bytes;
-    EXPECT_EQ(errno, ENOMEM) << bytes;
-  }
-}
-
-TEST(PrivateMemory, AVectorKeepsItsElementsAsItGrowsIntoHugePages) {
-  std::vector<uint64_t, memory::PrivateAllocator<uint64_t>> v;
-  const size_t n = 3 * memory::kPrivateHugePageBytes / sizeof(uint64_t);
-  for (uint64_t i = 0; i < n; ++i) v.push_back(i * 7);
-  ASSERT_EQ(v.size(), n);
-  EXPECT_EQ(reinterpret_cast<uintptr_t>(v.data()) % memory::kPrivateHugePageBytes, 0u);
-  for (uint64_t i = 0; i < n; i += 4099) ASSERT_EQ(v[i], i * 7) << i;
-  EXPECT_EQ(v.back(), (n - 1) * 7);
-  v.resize(3);
-  v.shrink_to_fit();
-  EXPECT_EQ(v[2], 14u);
 }
 
 }  // namespace

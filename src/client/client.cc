@@ -21,11 +21,11 @@
 #include "fingerprint/fingerprint.h"
 #include "format/dtype.h"
 #include "io/file.h"
+#include "io/private_memory.h"
 #include "loader/loader.h"
 #include "memory/cuda.h"
 #include "memory/host_memory.h"
 #include "memory/manifest.h"
-#include "memory/private_memory.h"
 #include "memory/segment.h"
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
@@ -122,14 +122,14 @@ class OwnedBytes {
                    " bytes of memory are available (" + room->source +
                    "); zero_copy maps the daemon's copy instead");
     }
-    // Huge pages from 2 MiB up (memory/private_memory.h).
-    std::byte* p = memory::MapPrivate(from.size());
+    // Huge pages from 2 MiB up (io/private_memory.h).
+    std::byte* p = io::MapPrivate(from.size());
     if (p == nullptr) {
       return Error("cannot allocate " + std::to_string(from.size()) + " bytes for a copy");
     }
     std::memcpy(p, from.data(), from.size());
     // Read-only from here on, as every other view is.
-    ::mprotect(p, memory::PrivateMappedBytes(from.size()), PROT_READ);
+    ::mprotect(p, io::PrivateMappedBytes(from.size()), PROT_READ);
     OwnedBytes b;
     b.data_ = p;
     b.size_ = from.size();
@@ -142,7 +142,7 @@ class OwnedBytes {
     std::swap(size_, o.size_);
     return *this;
   }
-  ~OwnedBytes() { memory::UnmapPrivate(data_, size_); }
+  ~OwnedBytes() { io::UnmapPrivate(data_, size_); }
   std::span<const std::byte> bytes() const { return {data_, size_}; }
 
  private:
@@ -187,7 +187,7 @@ class WeightsImpl final : public Weights {
   std::vector<std::byte> manifest_copy;               // a GPU segment's, in host memory
 
   // 80 bytes a tensor: 5.6 MB for 70,000, in huge pages.
-  std::vector<Tensor, memory::PrivateAllocator<Tensor>> tensors_;
+  std::vector<Tensor, io::PrivateAllocator<Tensor>> tensors_;
   std::string source_;
   std::string reason_;
   MissKind miss_kind_ = MissKind::kNone;

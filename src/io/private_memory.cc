@@ -1,11 +1,11 @@
-#include "memory/private_memory.h"
+#include "io/private_memory.h"
 
 #include <sys/mman.h>
 #include <unistd.h>
 
 #include <cstdint>
 
-namespace weightd::memory {
+namespace weightd::io {
 namespace {
 
 size_t PageBytes() {
@@ -52,4 +52,17 @@ void UnmapPrivate(std::byte* p, size_t bytes) {
   if (p != nullptr) ::munmap(p, PrivateMappedBytes(bytes));
 }
 
-}  // namespace weightd::memory
+PrivateBuffer::PrivateBuffer(size_t bytes) : data_(MapPrivate(bytes)), size_(bytes) {
+  if (data_ == nullptr) throw std::bad_alloc();
+}
+
+PrivateBuffer& PrivateBuffer::operator=(PrivateBuffer&& other) noexcept {
+  if (this != &other) {
+    UnmapPrivate(data_, size_);
+    data_ = std::exchange(other.data_, nullptr);
+    size_ = std::exchange(other.size_, 0);
+  }
+  return *this;
+}
+
+}  // namespace weightd::io

@@ -1,5 +1,6 @@
 // This process's own memory for what is big and written once: an engine's
-// copy of a model (copy mode) and the table of its tensors. From 2 MiB up it
+// copy of a model (copy mode), the table of its tensors, the buffers a
+// fingerprint reads its samples into. From 2 MiB up it
 // is 2 MiB-aligned and asks for transparent huge pages (the kernel's policy
 // `madvise` gives them on request, `always` anyway, `never` not): a fault
 // and a zeroing per 2 MiB instead of per 4 KiB. On a virtual machine where a
@@ -7,15 +8,17 @@
 // 5.6 MB table of a 70,000-tensor model from ~10 ms of faults to well
 // under one. Where the kernel refuses huge pages the memory is normal pages.
 //
-// Thread safety: free functions, no shared state.
+// Thread safety: free functions, no shared state; a PrivateBuffer is one
+// thread's at a time.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <new>
+#include <utility>
 
-namespace weightd::memory {
+namespace weightd::io {
 
 inline constexpr size_t kPrivateHugePageBytes = size_t{2} << 20;
 
@@ -31,6 +34,24 @@ size_t PrivateMappedBytes(size_t bytes);
 // `bytes`; all PrivateMappedBytes(bytes) of it may be mprotect-ed.
 std::byte* MapPrivate(size_t bytes);
 void UnmapPrivate(std::byte* p, size_t bytes);
+
+// MapPrivate's memory, owned: a buffer that reads land in.
+class PrivateBuffer {
+ public:
+  PrivateBuffer() = default;
+  // Throws std::bad_alloc where MapPrivate gives nothing, as new would.
+  explicit PrivateBuffer(size_t bytes);
+  PrivateBuffer(PrivateBuffer&& other) noexcept { *this = std::move(other); }
+  PrivateBuffer& operator=(PrivateBuffer&& other) noexcept;
+  ~PrivateBuffer() { UnmapPrivate(data_, size_); }
+
+  std::byte* data() const { return data_; }
+  size_t size() const { return size_; }
+
+ private:
+  std::byte* data_ = nullptr;
+  size_t size_ = 0;
+};
 
 // A std::allocator that takes what reaches kPrivateHugePageBytes from
 // MapPrivate (std::allocator the rest): for a big vector that is filled
@@ -64,4 +85,4 @@ class PrivateAllocator {
   }
 };
 
-}  // namespace weightd::memory
+}  // namespace weightd::io
