@@ -86,13 +86,12 @@ Result<std::string> CheckShardPath(io::FileSystem& fs, const std::string& label,
                " (it resolves to " + *real + ")");
 }
 
-// The whole file, read straight into simdjson's padded buffer (parsed
-// where it lies, not copied: an index of 70,000 tensors is 6 MB), and
+// The whole file, read straight into a padded buffer (parsed where it
+// lies, not copied: an index of 70,000 tensors is 6 MB), and
 // (when `signature` is given) the signature of the bytes read: the same
 // before and after the read, or an error.
-Result<simdjson::padded_string> ReadWholeFile(io::FileSystem& fs, const std::string& path,
-                                              uint64_t limit,
-                                              io::StatSignature* signature = nullptr) {
+Result<json::PaddedText> ReadWholeFile(io::FileSystem& fs, const std::string& path, uint64_t limit,
+                                       io::StatSignature* signature = nullptr) {
   WEIGHTD_ASSIGN_OR_RETURN(auto file, fs.Open(path));
   if (file->size() > limit) {
     return Error(path + ": file of " + std::to_string(file->size()) +
@@ -102,7 +101,7 @@ Result<simdjson::padded_string> ReadWholeFile(io::FileSystem& fs, const std::str
   if (signature != nullptr) {
     WEIGHTD_ASSIGN_OR_RETURN(before, file->Stat());
   }
-  simdjson::padded_string text(static_cast<size_t>(file->size()));
+  json::PaddedText text(static_cast<size_t>(file->size()));
   WEIGHTD_RETURN_IF_ERROR(
       file->ReadExactly(0, std::span(reinterpret_cast<std::byte*>(text.data()), text.size())));
   if (signature != nullptr) {
@@ -138,20 +137,20 @@ uint64_t Checkpoint::file_bytes() const {
 // What a WeightMap's names are views into: the index's text, and the few
 // names that spell a character with an escape, unescaped.
 struct IndexText {
-  simdjson::padded_string text;
+  json::PaddedText text;
   std::deque<std::string> unescaped;  // a deque: adding moves no name
 };
 
 struct IndexParser {
-  static Result<WeightMap> Parse(std::string_view label, simdjson::padded_string json);
+  static Result<WeightMap> Parse(std::string_view label, json::PaddedText json);
   static Result<WeightMap> Read(std::string_view label, IndexText& text);
 };
 
 Result<WeightMap> ParseIndex(std::string_view label, std::string_view json) {
-  return IndexParser::Parse(label, simdjson::padded_string(json));
+  return IndexParser::Parse(label, json::PaddedText(json));
 }
 
-Result<WeightMap> IndexParser::Parse(std::string_view label, simdjson::padded_string json) {
+Result<WeightMap> IndexParser::Parse(std::string_view label, json::PaddedText json) {
   const std::unique_lock<std::mutex> turn = TurnToParse(json.size());
   auto text = std::make_shared<IndexText>();
   text->text = std::move(json);
@@ -184,7 +183,7 @@ Result<WeightMap> IndexParser::Parse(std::string_view label, simdjson::padded_st
 
 // The weight_map of the index, its names views into `text`.
 Result<WeightMap> IndexParser::Read(std::string_view label, IndexText& text) {
-  const simdjson::padded_string& json = text.text;
+  const json::PaddedText& json = text.text;
   auto fail = [&](const std::string& detail) {
     return Error(std::string(label) + ": " + std::string(rules::kIndexNotJson) + " (" + detail +
                  ")");
@@ -196,7 +195,7 @@ Result<WeightMap> IndexParser::Read(std::string_view label, IndexText& text) {
     return fail("cannot allocate the parser");
   }
   json::od::document doc;
-  if (auto err = parser.iterate(json).get(doc)) return not_json(err);
+  if (auto err = parser.iterate(json.view()).get(doc)) return not_json(err);
   json::od::object root;
   if (doc.get_object().get(root) != simdjson::SUCCESS) return fail("no weight_map object");
   const char* end = json.data() + json.size();
@@ -325,7 +324,7 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   }
   if (has_index && names.empty()) {
     io::StatSignature read_signature;
-    WEIGHTD_ASSIGN_OR_RETURN(simdjson::padded_string text,
+    WEIGHTD_ASSIGN_OR_RETURN(json::PaddedText text,
                              ReadWholeFile(fs, index_path, kMaxIndexBytes, &read_signature));
     listing.bytes_read = text.size();
     WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map, IndexParser::Parse(index_path, std::move(text)));
