@@ -4,9 +4,10 @@
 // split across two ranks by name (`c...` by columns, `r...` by rows, `v...` as a vocabulary);
 // cast to BF16; and split and quantized to FP8 blocks. A file the format's rules refuse fails the
 // load; one they accept loads or fails with an error (a shape a split cannot cut). A load that
-// succeeds has the fingerprint's digest, a manifest with every tensor the plan makes, and every
-// tensor kept in its dtype holds, in every rank's segment, the file's bytes cut as the split says
-// (cut again here, with zero rows for a vocabulary's padding). The layout and the copy jobs are
+// succeeds has the fingerprint's digest (the same whatever the fingerprint's read schedule), a
+// manifest with every tensor the plan makes, and every tensor kept in its dtype holds, in every
+// rank's segment, the file's bytes cut as the split says (cut again here, with zero rows for a
+// vocabulary's padding). The layout and the copy jobs are
 // made from the header alone (untrusted), and a run of small tensors read at once must cover each
 // of them whatever their order and sizes (tensors of no bytes included), and the manifest, made
 // while the reads run, takes every shard's tensors by name.
@@ -167,6 +168,14 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   io::FileSystem& files = io::PosixFileSystem();
   auto checkpoint = format::OpenCheckpoint(files, Dir());
   auto fingerprint = fingerprint::FingerprintCheckpoint(files, Dir(), {});
+  // The digest does not depend on the read schedule: here a first read of
+  // the length prefix alone, then one sample a read, one read a window, each
+  // window's buffer used again when its samples are hashed.
+  auto one_by_one = fingerprint::FingerprintCheckpoint(
+      files, Dir(),
+      {.max_inflight = 1, .coalesce = false, .speculative_bytes = 8, .local_window_bytes = 1});
+  if (fingerprint.ok() != one_by_one.ok()) __builtin_trap();
+  if (fingerprint.ok() && fingerprint->digest != one_by_one->digest) __builtin_trap();
   static const auto ways = [] {
     using weightd::transform::Processing;
     using weightd::transform::ResolveProcessing;
