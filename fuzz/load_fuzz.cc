@@ -171,9 +171,12 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   // The digest does not depend on the read schedule: here a first read of
   // the length prefix alone, then one sample a read, one read a window, each
   // window's buffer used again when its samples are hashed.
-  auto one_by_one = fingerprint::FingerprintCheckpoint(
-      files, Dir(),
-      {.max_inflight = 1, .coalesce = false, .speculative_bytes = 8, .local_window_bytes = 1});
+  auto one_by_one = fingerprint::FingerprintCheckpoint(files, Dir(),
+                                                       {.max_inflight = 1,
+                                                        .coalesce = false,
+                                                        .speculative_bytes = 8,
+                                                        .local_window_bytes = 1,
+                                                        .remote_window_bytes = 1});
   if (fingerprint.ok() != one_by_one.ok()) __builtin_trap();
   if (fingerprint.ok() && fingerprint->digest != one_by_one->digest) __builtin_trap();
   static const auto ways = [] {

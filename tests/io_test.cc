@@ -453,8 +453,8 @@ TEST(PrivateMemory, ABufferOwnsItsMemoryUntilItGoes) {
   a.data()[huge + 4] = std::byte{7};
   const std::byte* first = a.data();
   PrivateBuffer b(std::move(a));
-  EXPECT_EQ(a.data(), nullptr);
-  EXPECT_EQ(a.size(), 0u);
+  EXPECT_EQ(a.data(), nullptr);  // NOLINT(bugprone-use-after-move): what a move leaves
+  EXPECT_EQ(a.size(), 0u);       // NOLINT(bugprone-use-after-move)
   EXPECT_EQ(b.data(), first);
   EXPECT_EQ(b.data()[huge + 4], std::byte{7});
   b = PrivateBuffer(100);

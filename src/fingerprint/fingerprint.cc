@@ -8,7 +8,6 @@
 #include <chrono>
 #include <cstring>
 #include <ctime>
-#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -123,13 +122,14 @@ struct ShardWork {
   // The shard's digest so far: size and raw header, hashed as soon as they
   // are read so the header's bytes need not be kept.
   std::unique_ptr<Xxh3> hash;
-  // Per tensor, in name order: a view into `head_samples` or into a read of
-  // stage 2 once that read is in. A 70,000-tensor shard's samples are tens
-  // of megabytes: copied one by one, they were as many allocations and as
-  // much fresh memory again.
+  // Per tensor, in name order: a view into `head` while the first read is
+  // looked at, into `head_samples`, or into a read of stage 2 once that read
+  // is in. A 70,000-tensor shard's samples are tens of megabytes: copied
+  // one by one, they were as many allocations and as much fresh memory
+  // again.
   std::vector<std::optional<std::string_view>> samples;
-  // How many samples, from the first in name order, are in `hash` already:
-  // the views before this one are not used again.
+  // How many samples, from the first in name order, are in `hash` already;
+  // the views before this one are not used again (and may dangle).
   size_t hashed = 0;
   // The samples the first read held that wait for one it did not: a
   // vector, whose bytes stay put when the work moves.
@@ -149,8 +149,6 @@ void HashReadySamples(ShardWork& w) {
   }
 }
 
-// Stage 1 for one shard: stat shortcut, or open, speculative first read,
-// header, and the samples that first read already holds.
 // The stat shortcut for one shard: true when the shard is done (its digest
 // came from the cache, or its stat failed and w.error says why).
 bool FromCache(io::FileSystem& fs, const Options& o, ShardWork& w) {
@@ -171,6 +169,8 @@ bool FromCache(io::FileSystem& fs, const Options& o, ShardWork& w) {
   return true;
 }
 
+// Stage 1 for one shard: stat shortcut, or open, speculative first read,
+// header, and the samples that first read already holds.
 void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::ReadStats& stats,
                      bool cache_checked = false) {
   w.result.name = w.ref.name;
@@ -278,7 +278,7 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
     w.head_samples.insert(w.head_samples.end(), w.samples[t]->begin(), w.samples[t]->end());
     w.samples[t] = std::string_view(w.head_samples.data() + at, w.samples[t]->size());
   }
-  w.head = std::string();
+  std::string().swap(w.head);  // an assignment would keep the capacity
 }
 
 // One read of stage 2: the samples work[shard].pending[first, end).
@@ -292,8 +292,10 @@ struct MergedRead {
 
 // Groups each shard's pending samples, sorted by offset, into reads.
 std::vector<MergedRead> PlanReads(std::vector<ShardWork>& work, const Options& o) {
+  // By length too: a sample of no bytes at another's offset goes first,
+  // and never moves a merged read's end back.
   auto by_offset = [](const PendingSample& a, const PendingSample& b) {
-    return a.offset < b.offset;
+    return std::tie(a.offset, a.length) < std::tie(b.offset, b.length);
   };
   std::vector<MergedRead> reads;
   for (size_t shard = 0; shard < work.size(); ++shard) {
@@ -510,9 +512,8 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
   io::ReadStats sample_stats;
   WEIGHTD_ASSIGN_OR_RETURN(
       const uint64_t waves,
-      ReadSamples(PlanReads(work, o),
-                  listing.remote ? std::numeric_limits<uint64_t>::max() : o.local_window_bytes, o,
-                  work, sample_stats));
+      ReadSamples(PlanReads(work, o), listing.remote ? o.remote_window_bytes : o.local_window_bytes,
+                  o, work, sample_stats));
   fp.reads += sample_stats.reads;
   fp.bytes_read += sample_stats.bytes;
 

@@ -15,8 +15,9 @@
 // a round trip: all shards are opened at once; each shard's first read takes
 // the header and the first tensors' samples together; the remaining samples
 // go out many at a time, with neighbours merged into one read when the gap
-// between them costs less than a round trip. The digest never depends on
-// that schedule. With a StatCache, a shard whose stat signature is known
+// between them costs less than a round trip (on a local file system, a
+// window of them at a time, into a buffer used again). The digest never
+// depends on that schedule. With a StatCache, a shard whose stat signature is known
 // costs one stat and no read.
 //
 // Thread safety: FingerprintCheckpoint may run concurrently with itself; an
@@ -60,12 +61,14 @@ struct Options {
   // The first read of each shard: prefix, header and the first samples.
   uint64_t speculative_bytes = 256 << 10;
   uint64_t sample_bytes = 1024;
-  // On a local file system the samples past each shard's first read are
-  // read this many bytes at a time (or one merged read, if larger) into one
-  // buffer, used again once the samples it held are hashed. On a network
-  // file system they all go out at once: there each window would cost a
-  // round trip.
+  // The samples past each shard's first read are read this many bytes at
+  // a time (or one merged read, if larger) into one buffer, used again once
+  // the samples it held are hashed: on a local file system 8 MiB, on one
+  // where a stat was seen to cost a round trip (a network or FUSE file
+  // system: format::ShardListing::remote) all at once, since there each
+  // window costs a round trip.
   uint64_t local_window_bytes = 8 << 20;
+  uint64_t remote_window_bytes = UINT64_MAX;
   // Stat shortcut; nullptr turns it off. Not owned.
   StatCache* cache = nullptr;
   // false: the cache is not asked, only told what was computed (its

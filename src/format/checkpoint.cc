@@ -5,7 +5,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <deque>
+#include <new>
 #include <optional>
 #include <system_error>
 #include <thread>
@@ -86,6 +88,16 @@ Result<std::string> CheckShardPath(io::FileSystem& fs, const std::string& label,
                " (it resolves to " + *real + ")");
 }
 
+// `size` bytes of JSON to fill, or an error naming `label` where there is no
+// memory for them.
+Result<json::PaddedText> NewText(std::string_view label, size_t size) {
+  try {
+    return json::PaddedText(size);
+  } catch (const std::bad_alloc&) {
+    return Error(std::string(label) + ": no memory for " + std::to_string(size) + " bytes of JSON");
+  }
+}
+
 // The whole file, read straight into a padded buffer (parsed where it
 // lies, not copied: an index of 70,000 tensors is 6 MB), and
 // (when `signature` is given) the signature of the bytes read: the same
@@ -101,7 +113,8 @@ Result<json::PaddedText> ReadWholeFile(io::FileSystem& fs, const std::string& pa
   if (signature != nullptr) {
     WEIGHTD_ASSIGN_OR_RETURN(before, file->Stat());
   }
-  json::PaddedText text(static_cast<size_t>(file->size()));
+  const auto size = static_cast<size_t>(file->size());
+  WEIGHTD_ASSIGN_OR_RETURN(json::PaddedText text, NewText(path, size));
   WEIGHTD_RETURN_IF_ERROR(
       file->ReadExactly(0, std::span(reinterpret_cast<std::byte*>(text.data()), text.size())));
   if (signature != nullptr) {
@@ -147,7 +160,9 @@ struct IndexParser {
 };
 
 Result<WeightMap> ParseIndex(std::string_view label, std::string_view json) {
-  return IndexParser::Parse(label, json::PaddedText(json));
+  WEIGHTD_ASSIGN_OR_RETURN(json::PaddedText text, NewText(label, json.size()));
+  if (!json.empty()) std::memcpy(text.data(), json.data(), json.size());
+  return IndexParser::Parse(label, std::move(text));
 }
 
 Result<WeightMap> IndexParser::Parse(std::string_view label, json::PaddedText json) {

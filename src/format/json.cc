@@ -76,10 +76,6 @@ bool AtEnd(od::document& doc) { return doc.current_location().error() == simdjso
 
 PaddedText::PaddedText(size_t size) : bytes_(size + simdjson::SIMDJSON_PADDING), size_(size) {}
 
-PaddedText::PaddedText(std::string_view text) : PaddedText(text.size()) {
-  if (!text.empty()) std::memcpy(data(), text.data(), text.size());
-}
-
 simdjson::error_code DomError(const char* json, size_t size, int max_depth) {
   simdjson::dom::parser parser;
   if (auto err = parser.allocate(std::max<size_t>(size, 64), static_cast<size_t>(max_depth))) {

@@ -11,7 +11,8 @@
 // which) or a rule of the format, and is reported as the same one a full
 // parse would have led to.
 //
-// Internal to src/format. Thread safety: pure functions.
+// Internal to src/format. Thread safety: pure functions; a PaddedText is
+// one thread's to change, any thread's to read.
 #pragma once
 
 #include <simdjson.h>
@@ -19,6 +20,7 @@
 #include <cstddef>
 #include <optional>
 #include <string_view>
+#include <utility>
 
 #include "io/private_memory.h"
 
@@ -70,9 +72,18 @@ bool AtEnd(od::document& doc);
 class PaddedText {
  public:
   PaddedText() = default;
-  // `size` bytes for the caller to fill.
+  // `size` bytes for the caller to fill; throws std::bad_alloc where there
+  // is no memory for them.
   explicit PaddedText(size_t size);
-  explicit PaddedText(std::string_view text);
+  PaddedText(const PaddedText&) = delete;
+  PaddedText& operator=(const PaddedText&) = delete;
+  PaddedText(PaddedText&& other) noexcept
+      : bytes_(std::move(other.bytes_)), size_(std::exchange(other.size_, 0)) {}
+  PaddedText& operator=(PaddedText&& other) noexcept {
+    bytes_ = std::move(other.bytes_);
+    size_ = std::exchange(other.size_, 0);
+    return *this;
+  }
 
   char* data() { return reinterpret_cast<char*>(bytes_.data()); }
   const char* data() const { return reinterpret_cast<const char*>(bytes_.data()); }

@@ -1,6 +1,6 @@
 // This process's own memory for what is big and written once: an engine's
-// copy of a model (copy mode), the table of its tensors, the buffers a
-// fingerprint reads its samples into. From 2 MiB up it
+// copy of a model (copy mode), the table of its tensors, an index's text,
+// the buffers a fingerprint reads its samples into. From 2 MiB up it
 // is 2 MiB-aligned and asks for transparent huge pages (the kernel's policy
 // `madvise` gives them on request, `always` anyway, `never` not): a fault
 // and a zeroing per 2 MiB instead of per 4 KiB. On a virtual machine where a
@@ -41,6 +41,8 @@ class PrivateBuffer {
   PrivateBuffer() = default;
   // Throws std::bad_alloc where MapPrivate gives nothing, as new would.
   explicit PrivateBuffer(size_t bytes);
+  PrivateBuffer(const PrivateBuffer&) = delete;
+  PrivateBuffer& operator=(const PrivateBuffer&) = delete;
   PrivateBuffer(PrivateBuffer&& other) noexcept { *this = std::move(other); }
   PrivateBuffer& operator=(PrivateBuffer&& other) noexcept;
   ~PrivateBuffer() { UnmapPrivate(data_, size_); }
