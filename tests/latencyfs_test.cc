@@ -12,7 +12,9 @@
 #include <memory>
 #include <nlohmann/json.hpp>
 
+#include "fingerprint/fingerprint.h"
 #include "format/synthetic.h"
+#include "io/file.h"
 #include "protocol/cache_key.h"
 #include "protocol/channel.h"
 #include "test_util.h"
@@ -124,6 +126,34 @@ TEST(Latencyfs, FingerprintThroughTheMountMatchesAndReadsAreCounted) {
   // One open per shard and the index.
   EXPECT_EQ(served["open"], through["shards"].get<int>() + 1) << served.dump();
   EXPECT_EQ(through["shard_digests"].size(), through["shards"].get<size_t>());
+}
+
+// Where a stat costs a round trip, each wave of reads costs one too: the
+// fingerprint's samples all go out at once there, whatever a local file
+// system's window would be.
+TEST(Latencyfs, OnASlowMountEverySampleReadGoesOutAtOnce) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  TempDir dir;
+  const std::string src = dir.Join("src"), mnt = dir.Join("mnt"), stats = dir.Join("stats.json");
+  ASSERT_TRUE(
+      format::WriteSyntheticCheckpoint(src, {.preset = "many-tensors", .tensors = 600, .shards = 2})
+          .ok());
+  ::mkdir(mnt.c_str(), 0700);
+  // A sample a read, none in the first read, a window of one read where
+  // the file system is local.
+  const fingerprint::Options one_by_one{
+      .coalesce = false, .speculative_bytes = 8, .local_window_bytes = 1};
+  auto direct = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), src, one_by_one);
+  ASSERT_TRUE(direct.ok()) << direct.error().message();
+  Mount mount(src, mnt, stats, "1ms");
+  ASSERT_TRUE(mount.mounted()) << "latencyfs did not mount";
+  auto through = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), mnt, one_by_one);
+  ASSERT_TRUE(through.ok()) << through.error().message();
+  EXPECT_EQ(through->digest, direct->digest);
+  ASSERT_GE(through->reads, 600u);
+  // The listing's and each shard's few, and 600 sample reads in two waves
+  // of at most 512: not one per read.
+  EXPECT_LT(through->round_trips, 20u) << through->reads << " reads";
 }
 
 // On a slow mount the fingerprint opens the shards it sees in the listing
