@@ -224,6 +224,31 @@ TEST(Sampled, SamplesOutOfFileOrderAreHashedInNameOrder) {
   }
 }
 
+// The key of a known file, pinned. Daemons and engines of different
+// versions compare keys, and stat caches keep digests across upgrades (as
+// `sampled-1024` and `full`): a change of these values is a change of what
+// the key means (docs/fingerprint.md), which needs new cache kinds, not new
+// values here. Every read schedule gives the same ones.
+TEST(Sampled, TheKeyOfAKnownFileIsPinned) {
+  const std::string file = testing::ConformanceDir() + "/safetensors-samples/overall.safetensors";
+  for (const Options& o : {Options{}, Options{.max_inflight = 1,
+                                      .coalesce = false,
+                                      .speculative_bytes = 8,
+                                      .local_window_bytes = 1,
+                                      .remote_window_bytes = 1}}) {
+    const Fingerprint fp = Fp(file, o);
+    ASSERT_EQ(fp.shards.size(), 1u);
+    EXPECT_EQ(fp.shards[0].digest, "xxh3-128:fbeb75c1065c0755fd252005dac4d3df");
+    EXPECT_EQ(fp.digest, "xxh3-128:ea9d233a1701f28a0172c9d5eb8cf297");
+  }
+  // The shard's is `sha256sum` of the file.
+  const Fingerprint full = Fp(file, {.mode = Mode::kFull});
+  ASSERT_EQ(full.shards.size(), 1u);
+  EXPECT_EQ(full.shards[0].digest,
+            "sha256:cca72ad6c59a46eaf1a240bc171b9d24e9af5e19bab12989321eb4c12f5a403b");
+  EXPECT_EQ(full.digest, "sha256:00b8ed8eb06fa6726bcb91163cbe2a5ac934d79f71e6c7e2f91a384d7dad5464");
+}
+
 TEST(Sampled, WithoutShardsThereIsNoFingerprint) {
   TempDir dir;
   auto fp = FingerprintCheckpoint(io::PosixFileSystem(), dir.path(), {});
