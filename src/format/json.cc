@@ -74,8 +74,6 @@ simdjson::error_code CheckValue(od::value value, int depth, int max_depth) {
 
 bool AtEnd(od::document& doc) { return doc.current_location().error() == simdjson::OUT_OF_BOUNDS; }
 
-PaddedText::PaddedText(size_t size) : bytes_(size + simdjson::SIMDJSON_PADDING), size_(size) {}
-
 simdjson::error_code DomError(const char* json, size_t size, int max_depth) {
   simdjson::dom::parser parser;
   if (auto err = parser.allocate(std::max<size_t>(size, 64), static_cast<size_t>(max_depth))) {

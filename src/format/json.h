@@ -20,7 +20,6 @@
 #include <cstddef>
 #include <optional>
 #include <string_view>
-#include <utility>
 
 #include "io/private_memory.h"
 
@@ -74,27 +73,19 @@ class PaddedText {
   PaddedText() = default;
   // `size` bytes for the caller to fill; throws std::bad_alloc where there
   // is no memory for them.
-  explicit PaddedText(size_t size);
-  PaddedText(const PaddedText&) = delete;
-  PaddedText& operator=(const PaddedText&) = delete;
-  PaddedText(PaddedText&& other) noexcept
-      : bytes_(std::move(other.bytes_)), size_(std::exchange(other.size_, 0)) {}
-  PaddedText& operator=(PaddedText&& other) noexcept {
-    bytes_ = std::move(other.bytes_);
-    size_ = std::exchange(other.size_, 0);
-    return *this;
-  }
+  explicit PaddedText(size_t size) : bytes_(size + simdjson::SIMDJSON_PADDING) {}
 
   char* data() { return reinterpret_cast<char*>(bytes_.data()); }
   const char* data() const { return reinterpret_cast<const char*>(bytes_.data()); }
-  size_t size() const { return size_; }
+  size_t size() const {
+    return bytes_.size() == 0 ? 0 : bytes_.size() - simdjson::SIMDJSON_PADDING;
+  }
   simdjson::padded_string_view view() const {
-    return simdjson::padded_string_view(data(), size_, size_ + simdjson::SIMDJSON_PADDING);
+    return simdjson::padded_string_view(data(), size(), bytes_.size());
   }
 
  private:
-  io::PrivateBuffer bytes_;
-  size_t size_ = 0;
+  io::PrivateBuffer bytes_;  // moved from, empty
 };
 
 // The error a full (DOM) parse of `json` finds, values nesting at most
