@@ -11,6 +11,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <span>
 #include <thread>
 
 #include "format/checkpoint.h"
@@ -116,13 +117,10 @@ struct ShardWork {
   format::ShardRef ref;
   std::unique_ptr<io::RandomAccessFile> file;
   io::StatSignature signature;
-  // The file's first bytes, then zeros where the header's parser needs
-  // padding past what was read; freed after stage 1.
-  std::string head;
   // The shard's digest so far: size and raw header, hashed as soon as they
   // are read so the header's bytes need not be kept.
   std::unique_ptr<Xxh3> hash;
-  // Per tensor, in name order: a view into `head` while the first read is
+  // Per tensor, in name order: a view into the first read while it is
   // looked at, into `head_samples`, or into a read of stage 2 once that read
   // is in. A 70,000-tensor shard's samples are tens of megabytes: copied
   // one by one, they were as many allocations and as much fresh memory
@@ -169,10 +167,46 @@ bool FromCache(io::FileSystem& fs, const Options& o, ShardWork& w) {
   return true;
 }
 
-// Stage 1 for one shard: stat shortcut, or open, speculative first read,
-// header, and the samples that first read already holds.
+// Where stage 1 reads shards' first bytes: a slot per worker, all in one
+// mapping (so in huge pages), used again for each shard the worker takes.
+// A zero-filled buffer of 256 KiB per shard was the costliest fresh memory
+// of a cold fingerprint on a slow mount: for 66 shards, 4,200 page faults
+// and over half of its reading threads' CPU.
+class HeadSlots {
+ public:
+  // Throws std::bad_alloc where there is no memory for them.
+  HeadSlots(size_t workers, const Options& o) : slot_bytes_(SlotBytes(o)) {
+    size_t bytes;
+    if (__builtin_mul_overflow(workers, slot_bytes_, &bytes)) throw std::bad_alloc();
+    if (bytes > 0) buffer_ = io::PrivateBuffer(bytes);
+  }
+
+  // The first read's size, and room after it for the parser's padding.
+  std::span<char> operator[](int worker) const {
+    return {reinterpret_cast<char*>(buffer_.data()) + static_cast<size_t>(worker) * slot_bytes_,
+            slot_bytes_};
+  }
+
+  static uint64_t FirstReadBytes(const Options& o) {
+    return std::max<uint64_t>(o.speculative_bytes, format::kHeaderLengthBytes);
+  }
+
+ private:
+  static size_t SlotBytes(const Options& o) {
+    const uint64_t first = FirstReadBytes(o);
+    if (first > SIZE_MAX - format::kParsePaddingBytes) throw std::bad_alloc();
+    return static_cast<size_t>(first) + format::kParsePaddingBytes;
+  }
+
+  size_t slot_bytes_;
+  io::PrivateBuffer buffer_;
+};
+
+// Stage 1 for one shard: stat shortcut, or open, speculative first read
+// (into `slot`, from HeadSlots), header, and the samples that first read
+// already holds.
 void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::ReadStats& stats,
-                     bool cache_checked = false) {
+                     std::span<char> slot, bool cache_checked = false) {
   w.result.name = w.ref.name;
   if (!cache_checked && FromCache(fs, o, w)) return;
   auto file = fs.Open(w.ref.resolved);
@@ -195,20 +229,23 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
     return;
   }
 
-  w.head.resize(static_cast<size_t>(std::min(size, std::max<uint64_t>(o.speculative_bytes, 8))));
+  // The file's first bytes, then zeros where the header's parser needs
+  // padding past what was read: in `slot`, or in `grown` where the header
+  // is longer than the first read.
+  std::span<char> head =
+      slot.first(static_cast<size_t>(std::min(size, HeadSlots::FirstReadBytes(o))));
+  io::PrivateBuffer grown;
   auto read_into = [&](uint64_t from) {
     ++stats.reads;
-    stats.bytes += w.head.size() - from;
+    stats.bytes += head.size() - from;
     ++w.round_trips;
-    return w.file->ReadExactly(
-        from, std::span(reinterpret_cast<std::byte*>(w.head.data()) + from, w.head.size() - from));
+    return w.file->ReadExactly(from, std::as_writable_bytes(head.subspan(from)));
   };
   if (Status s = read_into(0); !s.ok()) {
     w.error = s.error();
     return;
   }
-  auto n = format::DecodeHeaderLength(w.ref.path,
-                                      std::as_bytes(std::span(w.head.data(), w.head.size())), size);
+  auto n = format::DecodeHeaderLength(w.ref.path, std::as_bytes(head), size);
   if (!n.ok()) {
     w.error = n.error();
     return;
@@ -218,11 +255,13 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
   // hundreds of shards cannot each hold one at the same time.
   std::unique_lock<std::mutex> turn(large_header_turn, std::defer_lock);
   if (header_end >= kLargeHeaderBytes) turn.lock();
-  uint64_t read_bytes = w.head.size();  // of the file, from its start
+  uint64_t read_bytes = head.size();  // of the file, from its start
   if (header_end > read_bytes) {
     // The header outgrew the speculative read: fetch exactly the rest.
-    const uint64_t had = w.head.size();
-    w.head.resize(static_cast<size_t>(header_end));
+    grown = io::PrivateBuffer(static_cast<size_t>(header_end + format::kParsePaddingBytes));
+    std::memcpy(grown.data(), head.data(), head.size());
+    const uint64_t had = head.size();
+    head = std::span(reinterpret_cast<char*>(grown.data()), static_cast<size_t>(header_end));
     if (Status s = read_into(had); !s.ok()) {
       w.error = s.error();
       return;
@@ -230,13 +269,15 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
     read_bytes = header_end;
   }
   // Parsed where it was read, not copied (8 MB for a 70,000-tensor shard):
-  // the padding the parser needs is file bytes past the header, or zeros.
-  if (w.head.size() < header_end + format::kParsePaddingBytes) {
-    w.head.resize(static_cast<size_t>(header_end + format::kParsePaddingBytes));
+  // the padding the parser needs is file bytes past the header, or zeros
+  // (a slot holds an earlier shard's bytes there).
+  if (head.size() < header_end + format::kParsePaddingBytes) {
+    const size_t had = head.size();
+    head = std::span(head.data(), static_cast<size_t>(header_end + format::kParsePaddingBytes));
+    std::memset(head.data() + had, 0, head.size() - had);
   }
   auto header = format::ParsePaddedHeader(
-      w.ref.path,
-      std::as_bytes(std::span(w.head.data() + format::kHeaderLengthBytes, static_cast<size_t>(*n))),
+      w.ref.path, std::as_bytes(head.subspan(format::kHeaderLengthBytes, static_cast<size_t>(*n))),
       size);
   if (!header.ok()) {
     w.error = header.error();
@@ -245,7 +286,7 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
   w.result.tensors = header->tensors.size();
   w.hash = std::make_unique<Xxh3>();
   w.hash->U64(size);
-  w.hash->Update(w.head.data(), static_cast<size_t>(header_end));
+  w.hash->Update(head.data(), static_cast<size_t>(header_end));
   // The samples the first read holds are hashed where they lie, up to the
   // first one it does not hold (in name order); those after that one are
   // copied out before the read's buffer goes.
@@ -262,7 +303,7 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
   for (size_t t = 0; t < header->tensors.size(); ++t) {
     const auto [offset, length] = sample_of(header->tensors[t]);
     if (offset + length <= read_bytes) {
-      w.samples[t] = std::string_view(w.head.data() + offset, static_cast<size_t>(length));
+      w.samples[t] = std::string_view(head.data() + offset, static_cast<size_t>(length));
     } else {
       w.pending.push_back({t, offset, length});
     }
@@ -278,7 +319,6 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
     w.head_samples.insert(w.head_samples.end(), w.samples[t]->begin(), w.samples[t]->end());
     w.samples[t] = std::string_view(w.head_samples.data() + at, w.samples[t]->size());
   }
-  std::string().swap(w.head);  // an assignment would keep the capacity
 }
 
 // One read of stage 2: the samples work[shard].pending[first, end).
@@ -399,15 +439,15 @@ class EarlyHeads {
       thread_ = std::jthread([this] {
         std::atomic<size_t> next{0};
         try {
-          io::RunTeam(
-              static_cast<int>(std::min<size_t>(work_.size(), std::max(o_.max_inflight, 1))),
-              [&](int) {
-                for (size_t i; (i = next.fetch_add(1)) < work_.size();) {
-                  const std::string path = io::JoinPath(dir_, names_[i]);
-                  work_[i].ref = {names_[i], path, path};
-                  OpenAndReadHead(fs_, o_, work_[i], stats_[i]);
-                }
-              });
+          const size_t workers = std::min<size_t>(work_.size(), std::max(o_.max_inflight, 1));
+          const HeadSlots slots(workers, o_);
+          io::RunTeam(static_cast<int>(workers), [&](int worker) {
+            for (size_t i; (i = next.fetch_add(1)) < work_.size();) {
+              const std::string path = io::JoinPath(dir_, names_[i]);
+              work_[i].ref = {names_[i], path, path};
+              OpenAndReadHead(fs_, o_, work_[i], stats_[i], slots[worker]);
+            }
+          });
         } catch (...) {
           // Some shard's work may be half done: none is taken, every shard
           // is opened again after the index.
@@ -489,16 +529,17 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
   // listing (one stat, usually answered from the attribute cache, to check
   // it is the same file) or opens and reads its head now.
   std::atomic<size_t> next{0};
-  io::RunTeam(static_cast<int>(std::min<size_t>(todo.size(), std::max(o.max_inflight, 1))),
-              [&](int) {
-                for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
-                  const size_t i = todo[k];
-                  if (early.Take(refs[i], listing.real_dir, work[i], head_stats[i])) continue;
-                  work[i].ref = refs[i];
-                  OpenAndReadHead(fs, o, work[i], head_stats[i],
-                                  /*cache_checked=*/!listing.remote && o.cache != nullptr);
-                }
-              });
+  const size_t workers = std::min<size_t>(todo.size(), std::max(o.max_inflight, 1));
+  const HeadSlots slots(workers, o);
+  io::RunTeam(static_cast<int>(workers), [&](int worker) {
+    for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
+      const size_t i = todo[k];
+      if (early.Take(refs[i], listing.real_dir, work[i], head_stats[i])) continue;
+      work[i].ref = refs[i];
+      OpenAndReadHead(fs, o, work[i], head_stats[i], slots[worker],
+                      /*cache_checked=*/!listing.remote && o.cache != nullptr);
+    }
+  });
   Fingerprint fp;
   uint64_t slowest_shard = 0;
   for (size_t i = 0; i < work.size(); ++i) {
