@@ -9,14 +9,22 @@
 #include <xxhash.h>
 
 #include <algorithm>
+#include <chrono>
+#include <condition_variable>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
+#include <mutex>
 #include <sstream>
+#include <thread>
+#include <tuple>
 
 #include "format/checkpoint.h"
+#include "format/safetensors.h"
 #include "format/synthetic.h"
+#include "io/file.h"
 #include "test_util.h"
 
 namespace weightd::fingerprint {
@@ -147,6 +155,176 @@ TEST(Sampled, DigestDoesNotDependOnScheduling) {
         }
       }
     }
+  }
+}
+
+// A file system whose directory stat is slow enough for the listing to take
+// it as remote. Each read takes `read_delay`, and counts while it is out.
+// With `hold_first`, that shard's first read is held until a read of
+// `release_by` at `release_from` or past goes out (or 10 s pass).
+class SlowLookingFileSystem final : public io::FileSystem {
+ public:
+  struct Hold {
+    std::string hold_first, release_by;
+    uint64_t release_from = 0;
+  };
+  explicit SlowLookingFileSystem(std::chrono::microseconds read_delay) : read_delay_(read_delay) {}
+  SlowLookingFileSystem(std::chrono::microseconds read_delay, Hold hold)
+      : read_delay_(read_delay), hold_(std::move(hold)) {}
+
+  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& path) override {
+    WEIGHTD_ASSIGN_OR_RETURN(auto file, base_.Open(path));
+    return std::unique_ptr<io::RandomAccessFile>(new File(std::move(file), this));
+  }
+  Result<io::StatSignature> Stat(const std::string& p) override { return base_.Stat(p); }
+  Result<bool> IsDirectory(const std::string& p) override {
+    ::usleep(5000);  // a round trip
+    return base_.IsDirectory(p);
+  }
+  Result<bool> Exists(const std::string& p) override { return base_.Exists(p); }
+  Result<std::vector<io::DirEntry>> ListDirectory(const std::string& p) override {
+    return base_.ListDirectory(p);
+  }
+  Result<std::string> RealPath(const std::string& p) override { return base_.RealPath(p); }
+
+  // Whether the held read was let go by the read it waited for, not by the
+  // clock.
+  bool released_by_read() {
+    std::lock_guard lock(mu_);
+    return released_by_read_;
+  }
+  int most_reads_out() {
+    std::lock_guard lock(mu_);
+    return most_out_;
+  }
+  int reads_of(const std::string& name) {
+    std::lock_guard lock(mu_);
+    return reads_of_[name];
+  }
+
+ private:
+  class File final : public io::RandomAccessFile {
+   public:
+    File(std::unique_ptr<io::RandomAccessFile> f, SlowLookingFileSystem* fs)
+        : f_(std::move(f)), fs_(fs) {}
+    const std::string& path() const override { return f_->path(); }
+    uint64_t size() const override { return f_->size(); }
+    Status ReadExactly(uint64_t offset, std::span<std::byte> dst) const override {
+      const std::string name = io::BaseName(f_->path());
+      {
+        std::unique_lock lock(fs_->mu_);
+        fs_->most_out_ = std::max(fs_->most_out_, ++fs_->out_);
+        ++fs_->reads_of_[name];
+        const Hold& hold = fs_->hold_;
+        if (name == hold.hold_first && offset == 0) {
+          fs_->released_by_read_ =
+              fs_->cv_.wait_for(lock, std::chrono::seconds(10), [&] { return fs_->released_; });
+        } else if (name == hold.release_by && offset >= hold.release_from) {
+          fs_->released_ = true;
+          fs_->cv_.notify_all();
+        }
+      }
+      std::this_thread::sleep_for(fs_->read_delay_);
+      Status s = f_->ReadExactly(offset, dst);
+      std::lock_guard lock(fs_->mu_);
+      --fs_->out_;
+      return s;
+    }
+    Result<io::StatSignature> Stat() const override { return f_->Stat(); }
+
+   private:
+    std::unique_ptr<io::RandomAccessFile> f_;
+    SlowLookingFileSystem* fs_;
+  };
+
+  io::FileSystem& base_ = io::PosixFileSystem();
+  const std::chrono::microseconds read_delay_;
+  const Hold hold_{};
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool released_ = false;
+  bool released_by_read_ = false;
+  int out_ = 0, most_out_ = 0;
+  std::map<std::string, int> reads_of_;
+};
+
+// Where each read costs a round trip, a shard's samples are read as soon as
+// its own header is in: they do not wait for the slowest shard's first read
+// (here, one held until they have gone out). Shards that are files of the
+// directory are opened from its listing, while the index is read; shards
+// that are symlinks (as in Hugging Face's cache) after it.
+TEST(Sampled, OnASlowFileSystemEachShardsSamplesFollowItsOwnHeader) {
+  TempDir dir;
+  const std::string m = Make(dir, "many", {.preset = "many-tensors", .tensors = 600, .shards = 2});
+  std::vector<std::string> shards;
+  for (const auto& e : fs::directory_iterator(m)) {
+    if (e.path().extension() == ".safetensors") shards.push_back(e.path().filename());
+  }
+  std::sort(shards.begin(), shards.end());
+  ASSERT_EQ(shards.size(), 2u);
+  const std::vector<std::byte> second = testing::ReadFileBytes(m + "/" + shards[1]);
+  uint64_t header_bytes = 0;
+  std::memcpy(&header_bytes, second.data(), sizeof header_bytes);  // little-endian, as here
+  // A first read of the length alone: every sample is past it.
+  const Options o{.speculative_bytes = 8};
+  const std::string reference = Digest(m, o);
+
+  // The hub's cache: a snapshot's files are symlinks into the model's blobs.
+  const std::string hub = dir.Join("models--org--many"), linked = hub + "/snapshots/rev",
+                    blobs = hub + "/blobs";
+  fs::create_directories(linked);
+  fs::create_directories(blobs);
+  fs::copy_file(m + "/model.safetensors.index.json", linked + "/model.safetensors.index.json");
+  for (size_t i = 0; i < shards.size(); ++i) {
+    fs::copy_file(m + "/" + shards[i], blobs + "/blob" + std::to_string(i));
+    fs::create_symlink("../../blobs/blob" + std::to_string(i), linked + "/" + shards[i]);
+  }
+  using Layout = std::tuple<std::string, std::string, std::string>;  // dir, first, second
+  for (const auto& [path, first, later] :
+       {Layout(m, shards[0], shards[1]), Layout(linked, "blob0", "blob1")}) {
+    SlowLookingFileSystem held(std::chrono::microseconds(0),
+                               {first, later, format::kHeaderLengthBytes + header_bytes});
+    auto fp = FingerprintCheckpoint(held, path, o);
+    ASSERT_TRUE(fp.ok()) << fp.error().message();
+    EXPECT_TRUE(held.released_by_read()) << path;
+    EXPECT_EQ(fp->digest, reference) << path;
+  }
+}
+
+// On a slow mount the directory's shard files are opened before the index
+// is in; one the index does not name (a consolidated copy beside the
+// shards, as some model repositories ship) costs its first reads, not its
+// samples.
+TEST(Sampled, OnASlowFileSystemAFileTheIndexLeavesOutCostsOnlyItsHead) {
+  TempDir dir;
+  const std::string m = Make(dir, "many", {.preset = "many-tensors", .tensors = 600, .shards = 2});
+  // A first read of the length alone: the header is a second read.
+  const Options o{.coalesce = false, .speculative_bytes = 8};
+  const std::string reference = Digest(m, o);
+  fs::copy_file(m + "/model-00001-of-00002.safetensors", m + "/consolidated.safetensors");
+  SlowLookingFileSystem slow(std::chrono::microseconds(0));
+  auto fp = FingerprintCheckpoint(slow, m, o);
+  ASSERT_TRUE(fp.ok()) << fp.error().message();
+  EXPECT_EQ(fp->digest, reference);
+  EXPECT_EQ(slow.reads_of("consolidated.safetensors"), 2);
+  EXPECT_GT(slow.reads_of("model-00001-of-00002.safetensors"), 100);
+}
+
+// Shards reading their samples as their heads come in still keep to
+// max_inflight reads out at once, all of them together: where their reads
+// would go past it, the rest wait for stage 2.
+TEST(Sampled, OnASlowFileSystemNoMoreThanMaxInflightReadsAreOut) {
+  TempDir dir;
+  const std::string m = Make(dir, "many", {.preset = "many-tensors", .tensors = 600, .shards = 3});
+  // A read per sample, none in the first read: 200 sample reads a shard.
+  for (int inflight : {4, 64}) {
+    const Options o{.max_inflight = inflight, .coalesce = false, .speculative_bytes = 8};
+    SlowLookingFileSystem slow(std::chrono::milliseconds(2));
+    auto fp = FingerprintCheckpoint(slow, m, o);
+    ASSERT_TRUE(fp.ok()) << fp.error().message();
+    EXPECT_EQ(fp->digest, Digest(m, o)) << inflight;
+    EXPECT_LE(slow.most_reads_out(), inflight);
+    EXPECT_GE(slow.most_reads_out(), inflight / 2) << "the reads went out one by one";
   }
 }
 

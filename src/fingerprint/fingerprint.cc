@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstring>
 #include <ctime>
 #include <memory>
@@ -331,7 +332,7 @@ struct MergedRead {
 };
 
 // Groups each shard's pending samples, sorted by offset, into reads.
-std::vector<MergedRead> PlanReads(std::vector<ShardWork>& work, const Options& o) {
+std::vector<MergedRead> PlanReads(std::span<ShardWork> work, const Options& o) {
   // By length too: a sample of no bytes at another's offset goes first,
   // and never moves a merged read's end back.
   auto by_offset = [](const PendingSample& a, const PendingSample& b) {
@@ -372,7 +373,7 @@ std::vector<MergedRead> PlanReads(std::vector<ShardWork>& work, const Options& o
 // pages where the kernel gives them (io/private_memory.h), so that what is
 // fresh costs a fault per 2 MiB, not per 4 KiB.
 Result<uint64_t> ReadSamples(const std::vector<MergedRead>& reads, uint64_t window_bytes,
-                             const Options& o, std::vector<ShardWork>& work, io::ReadStats& stats) {
+                             const Options& o, std::span<ShardWork> work, io::ReadStats& stats) {
   io::PrivateBuffer buffer;
   std::vector<io::PrivateBuffer> kept;
   std::vector<io::ReadRequest> requests;
@@ -413,6 +414,53 @@ Result<uint64_t> ReadSamples(const std::vector<MergedRead>& reads, uint64_t wind
   return waves;
 }
 
+// Reads that shards may have out for their samples before stage 2: what
+// max_inflight leaves beside the first reads, so that no more than that are
+// ever out at once.
+class ReadBudget {
+ public:
+  explicit ReadBudget(int64_t reads) : left_(std::max<int64_t>(reads, 0)) {}
+
+  bool TryTake(int64_t n) {
+    int64_t left = left_.load();
+    do {
+      if (left < n) return false;
+    } while (!left_.compare_exchange_weak(left, left - n));
+    return true;
+  }
+  void Give(int64_t n) { left_.fetch_add(n); }
+
+ private:
+  std::atomic<int64_t> left_;
+};
+
+// Stage 2 for one shard as soon as its head is in, on a file system where
+// each wave of reads costs a round trip: its sample reads then need not wait
+// for the slowest shard's head (80 ms of spread among 66 heads at 150 ms),
+// and a few hundred reads do not all go out, and come back, at one moment.
+// A shard whose reads the budget cannot take in one wave leaves them to
+// stage 2, which has them all.
+void ReadOwnSamples(const Options& o, ShardWork& w, io::ReadStats& stats, ReadBudget& budget) {
+  if (w.error || w.pending.empty()) return;
+  std::span<ShardWork> one(&w, 1);
+  const std::vector<MergedRead> reads = PlanReads(one, o);
+  const auto need =
+      static_cast<int64_t>(std::min<size_t>(reads.size(), std::max(o.max_inflight, 1)));
+  if (!budget.TryTake(need)) return;
+  struct GiveBack {
+    ReadBudget& budget;
+    int64_t n;
+    ~GiveBack() { budget.Give(n); }
+  } give_back{budget, need};
+  auto waves = ReadSamples(reads, o.remote_window_bytes, o, one, stats);
+  if (!waves.ok()) {
+    w.error = waves.error();
+    return;
+  }
+  w.round_trips += *waves;
+  w.pending.clear();  // read and hashed: none for stage 2
+}
+
 // Stage 1 started from the directory listing while the index is still being
 // read (on a remote file system, where ListShards lists the directory
 // early): every regular *.safetensors file is opened and its head read, so
@@ -423,6 +471,11 @@ class EarlyHeads {
  public:
   EarlyHeads(io::FileSystem& fs, std::string dir, const Options& o)
       : fs_(fs), dir_(std::move(dir)), o_(o) {}
+  // Where Finish was not reached (the listing threw), the early work is let
+  // go with no shard named rather than waited for forever.
+  ~EarlyHeads() {
+    if (thread_.joinable()) Finish(nullptr);
+  }
 
   // Called once, from ListShards's listing thread; returns at once.
   void Start(const std::vector<io::DirEntry>& entries) {
@@ -441,11 +494,13 @@ class EarlyHeads {
         try {
           const size_t workers = std::min<size_t>(work_.size(), std::max(o_.max_inflight, 1));
           const HeadSlots slots(workers, o_);
+          ReadBudget budget(o_.max_inflight - static_cast<int64_t>(workers));
           io::RunTeam(static_cast<int>(workers), [&](int worker) {
             for (size_t i; (i = next.fetch_add(1)) < work_.size();) {
               const std::string path = io::JoinPath(dir_, names_[i]);
               work_[i].ref = {names_[i], path, path};
               OpenAndReadHead(fs_, o_, work_[i], stats_[i], slots[worker]);
+              if (Named(i)) ReadOwnSamples(o_, work_[i], stats_[i], budget);
             }
           });
         } catch (...) {
@@ -462,8 +517,22 @@ class EarlyHeads {
     }
   }
 
-  // Waits for the early work; afterwards Take may be called.
-  void Finish() {
+  // Tells the early work which shards the index named (none, where the
+  // listing failed) and waits for it; afterwards Take may be called.
+  void Finish(const format::ShardListing* listing) {
+    {
+      std::lock_guard lock(named_mu_);
+      named_.assign(names_.size(), 0);
+      for (size_t k = 0; listing != nullptr && k < listing->shards.size(); ++k) {
+        const format::ShardRef& ref = listing->shards[k];
+        auto it = std::lower_bound(names_.begin(), names_.end(), ref.name);
+        if (it == names_.end() || *it != ref.name) continue;
+        if (ref.resolved != io::JoinPath(listing->real_dir, ref.name)) continue;  // as Take
+        named_[static_cast<size_t>(it - names_.begin())] = 1;
+      }
+      named_known_ = true;
+    }
+    named_cv_.notify_all();
     if (thread_.joinable()) thread_.join();
   }
 
@@ -488,6 +557,16 @@ class EarlyHeads {
     return true;
   }
 
+  // Whether the index names early shard i, once it is known. A shard's
+  // samples are read only then: a file the index leaves out (a consolidated
+  // copy beside the shards) costs its first read, not all its samples, and
+  // the index is in a round trip before the heads are.
+  bool Named(size_t i) {
+    std::unique_lock lock(named_mu_);
+    named_cv_.wait(lock, [this] { return named_known_; });
+    return named_[i] != 0;
+  }
+
   // Reads issued for shards that were not taken.
   io::ReadStats Unused() const {
     io::ReadStats unused;
@@ -509,7 +588,11 @@ class EarlyHeads {
   // One flag per early shard; each is touched by the one worker that takes
   // that shard's name (names are unique).
   std::vector<char> taken_;
-  bool failed_ = false;  // the early work threw; set before Finish joins
+  std::mutex named_mu_;
+  std::condition_variable named_cv_;
+  std::vector<char> named_;   // per early shard; guarded by named_mu_
+  bool named_known_ = false;  // guarded by named_mu_
+  bool failed_ = false;       // the early work threw; set before Finish joins
   std::jthread thread_;
 };
 
@@ -531,13 +614,16 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
   std::atomic<size_t> next{0};
   const size_t workers = std::min<size_t>(todo.size(), std::max(o.max_inflight, 1));
   const HeadSlots slots(workers, o);
+  ReadBudget budget(o.max_inflight - static_cast<int64_t>(workers));
   io::RunTeam(static_cast<int>(workers), [&](int worker) {
     for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
       const size_t i = todo[k];
-      if (early.Take(refs[i], listing.real_dir, work[i], head_stats[i])) continue;
-      work[i].ref = refs[i];
-      OpenAndReadHead(fs, o, work[i], head_stats[i], slots[worker],
-                      /*cache_checked=*/!listing.remote && o.cache != nullptr);
+      if (!early.Take(refs[i], listing.real_dir, work[i], head_stats[i])) {
+        work[i].ref = refs[i];
+        OpenAndReadHead(fs, o, work[i], head_stats[i], slots[worker],
+                        /*cache_checked=*/!listing.remote && o.cache != nullptr);
+      }
+      if (listing.remote) ReadOwnSamples(o, work[i], head_stats[i], budget);
     }
   });
   Fingerprint fp;
@@ -753,7 +839,7 @@ Result<Fingerprint> FingerprintCheckpoint(io::FileSystem& fs, const std::string&
     };
   }
   auto listing = format::ListShards(fs, path, list_options);
-  early.Finish();
+  early.Finish(listing.ok() ? &*listing : nullptr);
   if (!listing.ok()) return CannotFingerprint(path, listing.error());
   auto fp = options.mode == Mode::kFull ? Full(fs, listing->shards, options)
                                         : Sampled(fs, *listing, options, early);
