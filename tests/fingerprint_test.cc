@@ -158,6 +158,24 @@ TEST(Sampled, DigestDoesNotDependOnScheduling) {
   }
 }
 
+// A checkpoint's shard files, in name order.
+std::vector<std::string> ShardFiles(const std::string& dir) {
+  std::vector<std::string> shards;
+  for (const auto& e : fs::directory_iterator(dir)) {
+    if (e.path().extension() == ".safetensors") shards.push_back(e.path().filename());
+  }
+  std::sort(shards.begin(), shards.end());
+  return shards;
+}
+
+// Where a shard's header ends, and its samples begin.
+uint64_t HeaderEnd(const std::string& shard) {
+  const std::vector<std::byte> bytes = testing::ReadFileBytes(shard);
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), sizeof n);  // little-endian, as here
+  return format::kHeaderLengthBytes + n;
+}
+
 // A file system whose directory stat is slow enough for the listing to take
 // it as remote. Each read takes `read_delay`, and counts while it is out.
 // With `hold_first`, that shard's first read is held until a read of
@@ -256,15 +274,9 @@ class SlowLookingFileSystem final : public io::FileSystem {
 TEST(Sampled, OnASlowFileSystemEachShardsSamplesFollowItsOwnHeader) {
   TempDir dir;
   const std::string m = Make(dir, "many", {.preset = "many-tensors", .tensors = 600, .shards = 2});
-  std::vector<std::string> shards;
-  for (const auto& e : fs::directory_iterator(m)) {
-    if (e.path().extension() == ".safetensors") shards.push_back(e.path().filename());
-  }
-  std::sort(shards.begin(), shards.end());
+  const std::vector<std::string> shards = ShardFiles(m);
   ASSERT_EQ(shards.size(), 2u);
-  const std::vector<std::byte> second = testing::ReadFileBytes(m + "/" + shards[1]);
-  uint64_t header_bytes = 0;
-  std::memcpy(&header_bytes, second.data(), sizeof header_bytes);  // little-endian, as here
+  const uint64_t second_header_end = HeaderEnd(m + "/" + shards[1]);
   // A first read of the length alone: every sample is past it.
   const Options o{.speculative_bytes = 8};
   const std::string reference = Digest(m, o);
@@ -282,8 +294,7 @@ TEST(Sampled, OnASlowFileSystemEachShardsSamplesFollowItsOwnHeader) {
   using Layout = std::tuple<std::string, std::string, std::string>;  // dir, first, second
   for (const auto& [path, first, later] :
        {Layout(m, shards[0], shards[1]), Layout(linked, "blob0", "blob1")}) {
-    SlowLookingFileSystem held(std::chrono::microseconds(0),
-                               {first, later, format::kHeaderLengthBytes + header_bytes});
+    SlowLookingFileSystem held(std::chrono::microseconds(0), {first, later, second_header_end});
     auto fp = FingerprintCheckpoint(held, path, o);
     ASSERT_TRUE(fp.ok()) << fp.error().message();
     EXPECT_TRUE(held.released_by_read()) << path;
@@ -311,20 +322,33 @@ TEST(Sampled, OnASlowFileSystemAFileTheIndexLeavesOutCostsOnlyItsHead) {
 }
 
 // Shards reading their samples as their heads come in still keep to
-// max_inflight reads out at once, all of them together: where their reads
-// would go past it, the rest wait for stage 2.
+// max_inflight reads out at once, first reads included. Where a shard's
+// reads fit beside those out, they go out at once (the first shard's head
+// is held until the second's samples do); where they would go past the
+// limit, they wait for stage 2.
 TEST(Sampled, OnASlowFileSystemNoMoreThanMaxInflightReadsAreOut) {
   TempDir dir;
-  const std::string m = Make(dir, "many", {.preset = "many-tensors", .tensors = 600, .shards = 3});
-  // A read per sample, none in the first read: 200 sample reads a shard.
-  for (int inflight : {4, 64}) {
+  // A read per sample, none in the first read: 8 sample reads a shard in
+  // `small` (all six shards' fit in 64 beside their heads), 200 in `big`
+  // (none fit).
+  const std::string small =
+      Make(dir, "small", {.preset = "many-tensors", .tensors = 48, .shards = 6});
+  const std::string big = Make(dir, "big", {.preset = "many-tensors", .tensors = 600, .shards = 3});
+  for (const auto& [m, inflight] : {std::pair(small, 64), std::pair(big, 64), std::pair(big, 4)}) {
     const Options o{.max_inflight = inflight, .coalesce = false, .speculative_bytes = 8};
-    SlowLookingFileSystem slow(std::chrono::milliseconds(2));
+    const std::vector<std::string> shards = ShardFiles(m);
+    SlowLookingFileSystem::Hold hold;
+    if (m == small) hold = {shards[0], shards[1], HeaderEnd(m + "/" + shards[1])};
+    SlowLookingFileSystem slow(std::chrono::milliseconds(10), hold);
     auto fp = FingerprintCheckpoint(slow, m, o);
     ASSERT_TRUE(fp.ok()) << fp.error().message();
-    EXPECT_EQ(fp->digest, Digest(m, o)) << inflight;
-    EXPECT_LE(slow.most_reads_out(), inflight);
-    EXPECT_GE(slow.most_reads_out(), inflight / 2) << "the reads went out one by one";
+    EXPECT_EQ(fp->digest, Digest(m, o)) << m << " " << inflight;
+    EXPECT_LE(slow.most_reads_out(), inflight) << m;
+    if (m == small) {
+      EXPECT_TRUE(slow.released_by_read()) << "a shard's samples waited for another's head";
+    } else {
+      EXPECT_GE(slow.most_reads_out(), inflight / 2) << "the reads went out one by one";
+    }
   }
 }
 

@@ -169,7 +169,8 @@ bool FromCache(io::FileSystem& fs, const Options& o, ShardWork& w) {
 }
 
 // Where stage 1 reads shards' first bytes: a slot per worker, all in one
-// mapping (so in huge pages), used again for each shard the worker takes.
+// mapping (in huge pages from 8 workers up), used again for each shard the
+// worker takes.
 // A zero-filled buffer of 256 KiB per shard was the costliest fresh memory
 // of a cold fingerprint on a slow mount: for 66 shards, 4,200 page faults
 // and over half of its reading threads' CPU.
@@ -270,8 +271,9 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
     read_bytes = header_end;
   }
   // Parsed where it was read, not copied (8 MB for a 70,000-tensor shard):
-  // the padding the parser needs is file bytes past the header, or zeros
-  // (a slot holds an earlier shard's bytes there).
+  // the padding the parser needs is file bytes past the header, or zeros.
+  // Its values do not matter to the parser; zeroed, no byte of an earlier
+  // shard left in a slot is ever looked at.
   if (head.size() < header_end + format::kParsePaddingBytes) {
     const size_t had = head.size();
     head = std::span(head.data(), static_cast<size_t>(header_end + format::kParsePaddingBytes));
@@ -500,7 +502,13 @@ class EarlyHeads {
               const std::string path = io::JoinPath(dir_, names_[i]);
               work_[i].ref = {names_[i], path, path};
               OpenAndReadHead(fs_, o_, work_[i], stats_[i], slots[worker]);
-              if (Named(i)) ReadOwnSamples(o_, work_[i], stats_[i], budget);
+              ShardWork& w = work_[i];
+              // With heads still to read, not yet: Sampled() reads these
+              // samples once it takes the shard.
+              const bool heads_left = next.load() < work_.size();
+              if (!w.error && !w.pending.empty() && Named(i, /*wait=*/!heads_left)) {
+                ReadOwnSamples(o_, w, stats_[i], budget);
+              }
             }
           });
         } catch (...) {
@@ -520,16 +528,22 @@ class EarlyHeads {
   // Tells the early work which shards the index named (none, where the
   // listing failed) and waits for it; afterwards Take may be called.
   void Finish(const format::ShardListing* listing) {
-    {
-      std::lock_guard lock(named_mu_);
-      named_.assign(names_.size(), 0);
+    std::vector<char> named;
+    try {
+      named.assign(names_.size(), 0);
       for (size_t k = 0; listing != nullptr && k < listing->shards.size(); ++k) {
         const format::ShardRef& ref = listing->shards[k];
         auto it = std::lower_bound(names_.begin(), names_.end(), ref.name);
         if (it == names_.end() || *it != ref.name) continue;
         if (ref.resolved != io::JoinPath(listing->real_dir, ref.name)) continue;  // as Take
-        named_[static_cast<size_t>(it - names_.begin())] = 1;
+        named[static_cast<size_t>(it - names_.begin())] = 1;
       }
+    } catch (...) {
+      named.clear();  // no memory: none named, and Sampled() reads the samples
+    }
+    {
+      std::lock_guard lock(named_mu_);
+      named_ = std::move(named);
       named_known_ = true;
     }
     named_cv_.notify_all();
@@ -557,14 +571,16 @@ class EarlyHeads {
     return true;
   }
 
-  // Whether the index names early shard i, once it is known. A shard's
-  // samples are read only then: a file the index leaves out (a consolidated
-  // copy beside the shards) costs its first read, not all its samples, and
-  // the index is in a round trip before the heads are.
-  bool Named(size_t i) {
+  // Whether the listing named early shard i; with `wait`, once the listing
+  // is done (its index read and path checks), otherwise false until then.
+  // A shard's samples are read only once it is named: a file the index
+  // leaves out (a consolidated copy beside the shards) costs its first read,
+  // not all its samples. On a slow mount the listing is done about when the
+  // heads come back: the index read goes out with the shards' opens.
+  bool Named(size_t i, bool wait) {
     std::unique_lock lock(named_mu_);
-    named_cv_.wait(lock, [this] { return named_known_; });
-    return named_[i] != 0;
+    if (wait) named_cv_.wait(lock, [this] { return named_known_; });
+    return named_known_ && i < named_.size() && named_[i] != 0;
   }
 
   // Reads issued for shards that were not taken.
@@ -611,21 +627,23 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
   // The rest all at once: each either takes the work started from the
   // listing (one stat, usually answered from the attribute cache, to check
   // it is the same file) or opens and reads its head now.
-  std::atomic<size_t> next{0};
-  const size_t workers = std::min<size_t>(todo.size(), std::max(o.max_inflight, 1));
-  const HeadSlots slots(workers, o);
-  ReadBudget budget(o.max_inflight - static_cast<int64_t>(workers));
-  io::RunTeam(static_cast<int>(workers), [&](int worker) {
-    for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
-      const size_t i = todo[k];
-      if (!early.Take(refs[i], listing.real_dir, work[i], head_stats[i])) {
-        work[i].ref = refs[i];
-        OpenAndReadHead(fs, o, work[i], head_stats[i], slots[worker],
-                        /*cache_checked=*/!listing.remote && o.cache != nullptr);
+  {  // the slots are freed before stage 2
+    std::atomic<size_t> next{0};
+    const size_t workers = std::min<size_t>(todo.size(), std::max(o.max_inflight, 1));
+    const HeadSlots slots(workers, o);
+    ReadBudget budget(o.max_inflight - static_cast<int64_t>(workers));
+    io::RunTeam(static_cast<int>(workers), [&](int worker) {
+      for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
+        const size_t i = todo[k];
+        if (!early.Take(refs[i], listing.real_dir, work[i], head_stats[i])) {
+          work[i].ref = refs[i];
+          OpenAndReadHead(fs, o, work[i], head_stats[i], slots[worker],
+                          /*cache_checked=*/!listing.remote && o.cache != nullptr);
+        }
+        if (listing.remote) ReadOwnSamples(o, work[i], head_stats[i], budget);
       }
-      if (listing.remote) ReadOwnSamples(o, work[i], head_stats[i], budget);
-    }
-  });
+    });
+  }
   Fingerprint fp;
   uint64_t slowest_shard = 0;
   for (size_t i = 0; i < work.size(); ++i) {

@@ -114,7 +114,7 @@ void WorkerPool::WorkerLoop() {
   ::pthread_setname_np(::pthread_self(), "weightd-io");
   std::unique_lock lock(mu_);
   // When this thread may end if it has had no work since: set when it goes
-  // idle, kept across wake-ups that bring it none (every team wakes all),
+  // idle, kept across wake-ups that bring it none (a slot another thread took),
   // set anew when set_idle_exit changes the while.
   std::optional<std::chrono::steady_clock::time_point> idle_until;
   uint64_t idle_setting = 0;
