@@ -180,7 +180,7 @@ uint64_t HeaderEnd(const std::string& shard) {
 // it as remote. Each read takes `read_delay`, and counts while it is out.
 // With `hold_first`, that shard's first read is held until a read of
 // `release_by` at `release_from` or past goes out (or 10 s pass).
-class SlowLookingFileSystem final : public io::FileSystem {
+class SlowLookingFileSystem final : public testing::PassThroughFileSystem {
  public:
   struct Hold {
     std::string hold_first, release_by;
@@ -194,16 +194,10 @@ class SlowLookingFileSystem final : public io::FileSystem {
     WEIGHTD_ASSIGN_OR_RETURN(auto file, base_.Open(path));
     return std::unique_ptr<io::RandomAccessFile>(new File(std::move(file), this));
   }
-  Result<io::StatSignature> Stat(const std::string& p) override { return base_.Stat(p); }
   Result<bool> IsDirectory(const std::string& p) override {
     ::usleep(5000);  // a round trip
     return base_.IsDirectory(p);
   }
-  Result<bool> Exists(const std::string& p) override { return base_.Exists(p); }
-  Result<std::vector<io::DirEntry>> ListDirectory(const std::string& p) override {
-    return base_.ListDirectory(p);
-  }
-  Result<std::string> RealPath(const std::string& p) override { return base_.RealPath(p); }
 
   // Whether the held read was let go by the read it waited for, not by the
   // clock.
@@ -221,14 +215,12 @@ class SlowLookingFileSystem final : public io::FileSystem {
   }
 
  private:
-  class File final : public io::RandomAccessFile {
+  class File final : public testing::PassThroughFile {
    public:
     File(std::unique_ptr<io::RandomAccessFile> f, SlowLookingFileSystem* fs)
-        : f_(std::move(f)), fs_(fs) {}
-    const std::string& path() const override { return f_->path(); }
-    uint64_t size() const override { return f_->size(); }
+        : PassThroughFile(std::move(f)), fs_(fs) {}
     Status ReadExactly(uint64_t offset, std::span<std::byte> dst) const override {
-      const std::string name = io::BaseName(f_->path());
+      const std::string name = io::BaseName(path());
       {
         std::unique_lock lock(fs_->mu_);
         fs_->most_out_ = std::max(fs_->most_out_, ++fs_->out_);
@@ -243,19 +235,16 @@ class SlowLookingFileSystem final : public io::FileSystem {
         }
       }
       std::this_thread::sleep_for(fs_->read_delay_);
-      Status s = f_->ReadExactly(offset, dst);
+      Status s = PassThroughFile::ReadExactly(offset, dst);
       std::lock_guard lock(fs_->mu_);
       --fs_->out_;
       return s;
     }
-    Result<io::StatSignature> Stat() const override { return f_->Stat(); }
 
    private:
-    std::unique_ptr<io::RandomAccessFile> f_;
     SlowLookingFileSystem* fs_;
   };
 
-  io::FileSystem& base_ = io::PosixFileSystem();
   const std::chrono::microseconds read_delay_;
   const Hold hold_{};
   std::mutex mu_;

@@ -14,10 +14,13 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
+#include <span>
 #include <stdexcept>
 #include <string>
 #include <vector>
 
+#include "io/file.h"
 #include "memory/segment.h"
 
 namespace weightd::testing {
@@ -42,6 +45,40 @@ std::vector<std::byte> ReadFileBytes(const std::string& path);
 void WriteFileBytes(const std::string& path, const std::vector<std::byte>& bytes);
 void WriteFileText(const std::string& path, const std::string& text);
 std::vector<std::byte> Bytes(const std::string& text);
+
+// A file system that passes every call to the real one, for a test to
+// override what it watches or slows down.
+class PassThroughFileSystem : public io::FileSystem {
+ public:
+  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& p) override {
+    return base_.Open(p);
+  }
+  Result<io::StatSignature> Stat(const std::string& p) override { return base_.Stat(p); }
+  Result<bool> IsDirectory(const std::string& p) override { return base_.IsDirectory(p); }
+  Result<bool> Exists(const std::string& p) override { return base_.Exists(p); }
+  Result<std::vector<io::DirEntry>> ListDirectory(const std::string& p) override {
+    return base_.ListDirectory(p);
+  }
+  Result<std::string> RealPath(const std::string& p) override { return base_.RealPath(p); }
+
+ protected:
+  io::FileSystem& base_ = io::PosixFileSystem();
+};
+
+// A file that passes every call to another, for a test to override.
+class PassThroughFile : public io::RandomAccessFile {
+ public:
+  explicit PassThroughFile(std::unique_ptr<io::RandomAccessFile> f) : f_(std::move(f)) {}
+  const std::string& path() const override { return f_->path(); }
+  uint64_t size() const override { return f_->size(); }
+  Status ReadExactly(uint64_t offset, std::span<std::byte> dst) const override {
+    return f_->ReadExactly(offset, dst);
+  }
+  Result<io::StatSignature> Stat() const override { return f_->Stat(); }
+
+ private:
+  std::unique_ptr<io::RandomAccessFile> f_;
+};
 
 struct CommandResult {
   int exit_code = -1;

@@ -566,7 +566,7 @@ TEST(TensorPlan, OneRankWithoutQuantizationNeedsNoPlan) {
 // --- through the loader ---
 
 // Every read the loader makes, recorded (path, offset, bytes).
-class RecordingFileSystem final : public io::FileSystem {
+class RecordingFileSystem final : public testing::PassThroughFileSystem {
  public:
   struct Read {
     std::string path;
@@ -576,13 +576,6 @@ class RecordingFileSystem final : public io::FileSystem {
     WEIGHTD_ASSIGN_OR_RETURN(auto file, base_.Open(path));
     return std::unique_ptr<io::RandomAccessFile>(new File(std::move(file), this));
   }
-  Result<io::StatSignature> Stat(const std::string& p) override { return base_.Stat(p); }
-  Result<bool> IsDirectory(const std::string& p) override { return base_.IsDirectory(p); }
-  Result<bool> Exists(const std::string& p) override { return base_.Exists(p); }
-  Result<std::vector<io::DirEntry>> ListDirectory(const std::string& p) override {
-    return base_.ListDirectory(p);
-  }
-  Result<std::string> RealPath(const std::string& p) override { return base_.RealPath(p); }
 
   std::vector<Read> reads() {
     std::lock_guard lock(mu_);
@@ -590,27 +583,22 @@ class RecordingFileSystem final : public io::FileSystem {
   }
 
  private:
-  class File final : public io::RandomAccessFile {
+  class File final : public testing::PassThroughFile {
    public:
     File(std::unique_ptr<io::RandomAccessFile> f, RecordingFileSystem* fs)
-        : f_(std::move(f)), fs_(fs) {}
-    const std::string& path() const override { return f_->path(); }
-    uint64_t size() const override { return f_->size(); }
+        : PassThroughFile(std::move(f)), fs_(fs) {}
     Status ReadExactly(uint64_t offset, std::span<std::byte> dst) const override {
       {
         std::lock_guard lock(fs_->mu_);
-        fs_->reads_.push_back({f_->path(), offset, dst.size()});
+        fs_->reads_.push_back({path(), offset, dst.size()});
       }
-      return f_->ReadExactly(offset, dst);
+      return PassThroughFile::ReadExactly(offset, dst);
     }
-    Result<io::StatSignature> Stat() const override { return f_->Stat(); }
 
    private:
-    std::unique_ptr<io::RandomAccessFile> f_;
     RecordingFileSystem* fs_;
   };
 
-  io::FileSystem& base_ = io::PosixFileSystem();
   std::mutex mu_;
   std::vector<Read> reads_;
 };
