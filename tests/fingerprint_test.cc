@@ -17,6 +17,7 @@
 #include <fstream>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <sstream>
 #include <thread>
 #include <tuple>
@@ -308,6 +309,33 @@ TEST(Sampled, OnASlowFileSystemAFileTheIndexLeavesOutCostsOnlyItsHead) {
   EXPECT_EQ(fp->digest, reference);
   EXPECT_EQ(slow.reads_of("consolidated.safetensors"), 2);
   EXPECT_GT(slow.reads_of("model-00001-of-00002.safetensors"), 100);
+}
+
+// A header longer than the first read waits for its share of the parsing
+// budget before it takes memory for the rest and reads it: hundreds of
+// shards of crafted headers cannot each hold one at once. With the whole
+// budget held here, nothing past each shard's first read goes out.
+TEST(Sampled, AHeaderWaitsForItsParseTurnBeforeReadingPastTheFirstRead) {
+  TempDir dir;
+  const std::string m = Make(dir, "many", {.preset = "many-tensors", .tensors = 60, .shards = 2});
+  const Options o{.speculative_bytes = 8};
+  const std::string reference = Digest(m, o);
+  SlowLookingFileSystem slow(std::chrono::microseconds(0));
+  std::optional<format::ParseTurn> all(std::in_place, format::kParseBudgetBytes);
+  Result<Fingerprint> fp = Error("not run");
+  std::thread fingerprint([&] { fp = FingerprintCheckpoint(slow, m, o); });
+  const std::string first = "model-00001-of-00002.safetensors";
+  const std::string second = "model-00002-of-00002.safetensors";
+  EXPECT_TRUE(testing::Eventually(
+      [&] { return slow.reads_of(first) >= 1 && slow.reads_of(second) >= 1; }, 10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));
+  EXPECT_EQ(slow.reads_of(first), 1);
+  EXPECT_EQ(slow.reads_of(second), 1);
+  all.reset();
+  fingerprint.join();
+  ASSERT_TRUE(fp.ok()) << fp.error().message();
+  EXPECT_EQ(fp->digest, reference);
+  EXPECT_GT(slow.reads_of(first), 1);
 }
 
 // Shards reading their samples as their heads come in still keep to

@@ -2,9 +2,14 @@
 
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <chrono>
 #include <cstring>
+#include <optional>
+#include <thread>
 
 #include "format/rules.h"
+#include "test_util.h"
 
 namespace weightd::format {
 namespace {
@@ -207,6 +212,73 @@ TEST(Header, MillionsOfEntriesOnTheSameBytesCostLinearTime) {
   }
   bad.back() = '}';
   ExpectRule(File(bad, 4), rules::kOffsetsContiguous);
+}
+
+// A file held in memory that counts its reads.
+class CountingFile final : public io::RandomAccessFile {
+ public:
+  explicit CountingFile(std::vector<std::byte> bytes) : bytes_(std::move(bytes)) {}
+  const std::string& path() const override { return path_; }
+  uint64_t size() const override { return bytes_.size(); }
+  Status ReadExactly(uint64_t offset, std::span<std::byte> dst) const override {
+    ++reads_;
+    if (offset > bytes_.size() || dst.size() > bytes_.size() - offset) return Error("past the end");
+    std::memcpy(dst.data(), bytes_.data() + offset, dst.size());
+    return OkStatus();
+  }
+  Result<io::StatSignature> Stat() const override { return io::StatSignature{}; }
+  int reads() const { return reads_; }
+
+ private:
+  std::string path_ = "f.safetensors";
+  std::vector<std::byte> bytes_;
+  mutable std::atomic<int> reads_{0};
+};
+
+TEST(ParseTurn, ADocumentWaitsForRoomAndOneOverTheBudgetRunsAlone) {
+  std::optional<ParseTurn> held(std::in_place, kParseBudgetBytes - 10);
+  {
+    const ParseTurn fits(10);  // exactly what is left
+    EXPECT_EQ(fits.bytes(), 10u);
+  }
+  std::atomic<bool> in{false};
+  std::thread over([&] {
+    const ParseTurn one_more(11);
+    in = true;
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_FALSE(in.load());
+  held.reset();
+  over.join();
+  EXPECT_TRUE(in.load());
+  // Nothing held: a document over the budget by itself is parsed, alone.
+  ParseTurn huge(kParseBudgetBytes * 3);
+  EXPECT_EQ(huge.bytes(), kParseBudgetBytes * 3);
+  ParseTurn moved = std::move(huge);
+  EXPECT_EQ(huge.bytes(), 0u);  // NOLINT: a moved-from turn holds nothing
+  EXPECT_EQ(moved.bytes(), kParseBudgetBytes * 3);
+}
+
+// A header's text is allocated and read only once its turn is taken: many
+// threads reading crafted headers of up to 100 MB each wait first.
+TEST(ParseTurn, AShardsHeaderIsReadOnlyOnceItsTurnIsTaken) {
+  CountingFile file(File(R"({"a":{"dtype":"U8","shape":[3],"data_offsets":[0,3]}})", 3));
+  std::optional<ParseTurn> all(std::in_place, kParseBudgetBytes);
+  Result<ShardHeader> header = Error("not run");
+  std::atomic<bool> done{false};
+  std::thread reader([&] {
+    header = ReadShardHeader(file, "f.safetensors", nullptr);
+    done = true;
+  });
+  EXPECT_TRUE(testing::Eventually([&] { return file.reads() >= 1; }, 10));
+  std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  EXPECT_EQ(file.reads(), 1);  // the length prefix alone
+  EXPECT_FALSE(done.load());
+  all.reset();
+  reader.join();
+  ASSERT_TRUE(header.ok()) << header.error().message();
+  EXPECT_EQ(header->tensors.size(), 1u);
+  EXPECT_EQ(file.reads(), 2);
 }
 
 }  // namespace

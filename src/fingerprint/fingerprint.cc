@@ -86,10 +86,6 @@ Error CannotFingerprint(const std::string& path, const Error& why) {
   return Error("cannot fingerprint " + path + ": " + message);
 }
 
-// Large headers take turns (see OpenAndReadHead).
-constexpr uint64_t kLargeHeaderBytes = 4 << 20;
-std::mutex large_header_turn;
-
 // The cache separates digests that were computed differently.
 std::string CacheKind(const Options& o) {
   return o.mode == Mode::kFull ? "full" : "sampled-" + std::to_string(o.sample_bytes);
@@ -253,10 +249,10 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
     return;
   }
   const uint64_t header_end = format::kHeaderLengthBytes + *n;
-  // A large header (up to 100 MB, from an untrusted file) takes its turn, so
-  // hundreds of shards cannot each hold one at the same time.
-  std::unique_lock<std::mutex> turn(large_header_turn, std::defer_lock);
-  if (header_end >= kLargeHeaderBytes) turn.lock();
+  // A header (up to 100 MB, from an untrusted file) waits for its share of
+  // the parsing budget before it takes memory beyond the slot, so hundreds
+  // of shards cannot each hold one at the same time.
+  const format::ParseTurn turn(*n);
   uint64_t read_bytes = head.size();  // of the file, from its start
   if (header_end > read_bytes) {
     // The header outgrew the speculative read: fetch exactly the rest.
@@ -281,7 +277,7 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
   }
   auto header = format::ParsePaddedHeader(
       w.ref.path, std::as_bytes(head.subspan(format::kHeaderLengthBytes, static_cast<size_t>(*n))),
-      size);
+      size, turn);
   if (!header.ok()) {
     w.error = header.error();
     return;

@@ -101,9 +101,10 @@ Result<json::PaddedText> NewText(std::string_view label, size_t size) {
 // The whole file, read straight into a padded buffer (parsed where it
 // lies, not copied: an index of 70,000 tensors is 6 MB), and
 // (when `signature` is given) the signature of the bytes read: the same
-// before and after the read, or an error.
+// before and after the read, or an error. `turn` is taken for the text
+// before it is allocated.
 Result<json::PaddedText> ReadWholeFile(io::FileSystem& fs, const std::string& path, uint64_t limit,
-                                       io::StatSignature* signature = nullptr) {
+                                       ParseTurn& turn, io::StatSignature* signature = nullptr) {
   WEIGHTD_ASSIGN_OR_RETURN(auto file, fs.Open(path));
   if (file->size() > limit) {
     return Error(path + ": file of " + std::to_string(file->size()) +
@@ -114,6 +115,7 @@ Result<json::PaddedText> ReadWholeFile(io::FileSystem& fs, const std::string& pa
     WEIGHTD_ASSIGN_OR_RETURN(before, file->Stat());
   }
   const auto size = static_cast<size_t>(file->size());
+  turn = ParseTurn(size);
   WEIGHTD_ASSIGN_OR_RETURN(json::PaddedText text, NewText(path, size));
   WEIGHTD_RETURN_IF_ERROR(
       file->ReadExactly(0, std::span(reinterpret_cast<std::byte*>(text.data()), text.size())));
@@ -155,18 +157,21 @@ struct IndexText {
 };
 
 struct IndexParser {
-  static Result<WeightMap> Parse(std::string_view label, json::PaddedText json);
+  // `turn` is held for the text, and given back once it is parsed.
+  static Result<WeightMap> Parse(std::string_view label, json::PaddedText json,
+                                 [[maybe_unused]] ParseTurn turn);
   static Result<WeightMap> Read(std::string_view label, IndexText& text);
 };
 
 Result<WeightMap> ParseIndex(std::string_view label, std::string_view json) {
+  ParseTurn turn(json.size());
   WEIGHTD_ASSIGN_OR_RETURN(json::PaddedText text, NewText(label, json.size()));
   if (!json.empty()) std::memcpy(text.data(), json.data(), json.size());
-  return IndexParser::Parse(label, std::move(text));
+  return IndexParser::Parse(label, std::move(text), std::move(turn));
 }
 
-Result<WeightMap> IndexParser::Parse(std::string_view label, json::PaddedText json) {
-  const std::unique_lock<std::mutex> turn = TurnToParse(json.size());
+Result<WeightMap> IndexParser::Parse(std::string_view label, json::PaddedText json,
+                                     [[maybe_unused]] ParseTurn turn) {
   auto text = std::make_shared<IndexText>();
   text->text = std::move(json);
   auto map = Read(label, *text);
@@ -339,10 +344,12 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   }
   if (has_index && names.empty()) {
     io::StatSignature read_signature;
+    ParseTurn turn;
     WEIGHTD_ASSIGN_OR_RETURN(json::PaddedText text,
-                             ReadWholeFile(fs, index_path, kMaxIndexBytes, &read_signature));
+                             ReadWholeFile(fs, index_path, kMaxIndexBytes, turn, &read_signature));
     listing.bytes_read = text.size();
-    WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map, IndexParser::Parse(index_path, std::move(text)));
+    WEIGHTD_ASSIGN_OR_RETURN(listing.weight_map,
+                             IndexParser::Parse(index_path, std::move(text), std::move(turn)));
     // Remember the list under the signature of the bytes actually read.
     if (index_signature && !(*index_signature == read_signature)) index_signature.reset();
     // Neighbouring tensors mostly share a shard: sorted and made unique below.

@@ -3,6 +3,7 @@
 #include <simdjson.h>
 
 #include <algorithm>
+#include <condition_variable>
 #include <cstring>
 #include <mutex>
 #include <numeric>
@@ -12,8 +13,6 @@
 
 namespace weightd::format {
 namespace {
-
-constexpr size_t kLargeJsonBytes = 4 << 20;
 
 std::string Quote(std::string_view name) { return "tensor `" + std::string(name) + "`"; }
 
@@ -264,13 +263,13 @@ Result<ShardHeader> ReadEntries(std::string_view label, const char* json, size_t
 }
 
 // Parses and validates the header `json` (`size` bytes, then at least
-// SIMDJSON_PADDING readable ones) of a file of `file_size` bytes.
+// SIMDJSON_PADDING readable ones) of a file of `file_size` bytes. The caller
+// holds a ParseTurn for it.
 Result<ShardHeader> ParseJson(std::string_view label, const char* json, size_t size,
                               uint64_t file_size) {
   if (!simdjson::validate_utf8(json, size)) {
     return FileError(label, rules::kHeaderNotUtf8);
   }
-  const std::unique_lock<std::mutex> turn = TurnToParse(size);
   auto entries = ReadEntries(label, json, size);
   if (!entries.ok()) {
     // Reading stops at the first thing amiss, which is the JSON itself
@@ -303,10 +302,45 @@ Result<ShardHeader> ParseJson(std::string_view label, const char* json, size_t s
 
 }  // namespace
 
-std::unique_lock<std::mutex> TurnToParse(size_t bytes) {
-  static std::mutex large;
-  if (bytes < kLargeJsonBytes) return {};
-  return std::unique_lock(large);
+// What the ParseTurns held add up to, process-wide.
+struct ParseBudget {
+  std::mutex mu;
+  std::condition_variable room;
+  uint64_t held = 0;
+};
+
+ParseBudget& TheParseBudget() {
+  static ParseBudget budget;
+  return budget;
+}
+
+ParseTurn::ParseTurn(uint64_t bytes) {
+  if (bytes == 0) return;
+  ParseBudget& b = TheParseBudget();
+  std::unique_lock lock(b.mu);
+  // Alone where it is over the budget by itself.
+  b.room.wait(lock, [&] { return b.held == 0 || b.held + bytes <= kParseBudgetBytes; });
+  b.held += bytes;
+  bytes_ = bytes;
+}
+
+ParseTurn& ParseTurn::operator=(ParseTurn&& other) noexcept {
+  if (this != &other) {
+    Release();
+    bytes_ = std::exchange(other.bytes_, 0);
+  }
+  return *this;
+}
+
+void ParseTurn::Release() {
+  if (bytes_ == 0) return;
+  ParseBudget& b = TheParseBudget();
+  {
+    const std::lock_guard lock(b.mu);
+    b.held -= bytes_;
+  }
+  bytes_ = 0;
+  b.room.notify_all();
 }
 
 std::string ShapeString(std::span<const uint64_t> shape) {
@@ -344,6 +378,7 @@ Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std:
 
 Result<ShardHeader> ParseHeader(std::string_view label, std::span<const std::byte> json,
                                 uint64_t file_size) {
+  const ParseTurn turn(json.size());
   const simdjson::padded_string padded(reinterpret_cast<const char*>(json.data()), json.size());
   return ParseJson(label, padded.data(), padded.size(), file_size);
 }
@@ -351,7 +386,7 @@ Result<ShardHeader> ParseHeader(std::string_view label, std::span<const std::byt
 static_assert(kParsePaddingBytes >= simdjson::SIMDJSON_PADDING);
 
 Result<ShardHeader> ParsePaddedHeader(std::string_view label, std::span<const std::byte> json,
-                                      uint64_t file_size) {
+                                      uint64_t file_size, const ParseTurn& /*turn*/) {
   return ParseJson(label, reinterpret_cast<const char*>(json.data()), json.size(), file_size);
 }
 
@@ -361,6 +396,7 @@ Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::strin
   const uint64_t size = file.size();
   if (size >= kHeaderLengthBytes) WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(0, prefix));
   WEIGHTD_ASSIGN_OR_RETURN(uint64_t n, DecodeHeaderLength(label, prefix, size));
+  const ParseTurn turn(n);
   // The prefix and the JSON in one buffer, with the parser's padding after
   // them: read once, parsed where they lie, and kept as the raw bytes.
   HeaderBytes bytes;

@@ -15,7 +15,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <span>
 #include <string>
 #include <string_view>
@@ -69,8 +68,41 @@ std::string ShapeString(std::span<const uint64_t> shape);
 Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std::byte> prefix,
                                     uint64_t file_size);
 
+// A parse reserves about six times a document's size (the parser's index
+// of its structure and string buffer), and an invalid one is parsed a
+// second time, whole, at ten times its size, to tell which error it is.
+// Many headers (and indexes) are read and parsed at once, by up to hundreds
+// of threads: the JSON they hold for it, read or being parsed, stays within
+// kParseBudgetBytes for the whole process, and a document larger than that
+// (a real 70,000-tensor shard's header is about 8 MB, a hostile one up to
+// 100 MB) is parsed alone. So a directory of crafted files cannot multiply
+// that peak by the thread count.
+//
+// A ParseTurn holds a document's share of the budget: take it for the
+// document's size before its text is allocated, and keep it until its
+// parse ends. The constructor waits for room. A thread holding a turn must
+// not take another (it could wait for itself).
+inline constexpr uint64_t kParseBudgetBytes = uint64_t{32} << 20;
+
+class ParseTurn {
+ public:
+  ParseTurn() = default;  // holds nothing
+  explicit ParseTurn(uint64_t bytes);
+  ParseTurn(const ParseTurn&) = delete;
+  ParseTurn& operator=(const ParseTurn&) = delete;
+  ParseTurn(ParseTurn&& other) noexcept : bytes_(std::exchange(other.bytes_, 0)) {}
+  ParseTurn& operator=(ParseTurn&& other) noexcept;
+  ~ParseTurn() { Release(); }
+
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  void Release();
+  uint64_t bytes_ = 0;
+};
+
 // Parses and validates the N JSON bytes that follow the prefix of a file of
-// `file_size` bytes.
+// `file_size` bytes (taking a ParseTurn for them, and for its copy).
 Result<ShardHeader> ParseHeader(std::string_view label, std::span<const std::byte> json,
                                 uint64_t file_size);
 
@@ -78,18 +110,10 @@ Result<ShardHeader> ParseHeader(std::string_view label, std::span<const std::byt
 inline constexpr size_t kParsePaddingBytes = 64;
 
 // The same, where the caller's buffer has kParsePaddingBytes readable bytes
-// (of any value) after `json`: parsed where it lies, not copied.
+// (of any value) after `json`: parsed where it lies, not copied. The caller
+// holds `turn` for at least json.size() bytes, taken before the buffer was.
 Result<ShardHeader> ParsePaddedHeader(std::string_view label, std::span<const std::byte> json,
-                                      uint64_t file_size);
-
-// A parse reserves about six times a document's size (the parser's index
-// of its structure and string buffer), and an invalid one is parsed a
-// second time, whole, at ten times its size, to tell which error it is. Many
-// headers (and indexes) are parsed at once: large ones, from 4 MiB (a real
-// 70,000-tensor shard's header is about 8 MB, a hostile one up to 100 MB),
-// take turns, so a directory of crafted files cannot multiply that peak by
-// the thread count. Hold what this returns while parsing `bytes`.
-std::unique_lock<std::mutex> TurnToParse(size_t bytes);
+                                      uint64_t file_size, const ParseTurn& turn);
 
 // A shard's first bytes exactly as in the file: the length prefix and the
 // JSON header, which the sampled fingerprint hashes. They are the buffer the
