@@ -500,6 +500,30 @@ TEST(TensorPlan, SplitsCastsAndQuantizesWhatTheRulesSay) {
   EXPECT_EQ(find("model.layers.0.rotary.inv_freq").op, transform::Op::kCopy);  // never cast
 }
 
+// A tensor of no bytes may claim any first dimension; its share per rank
+// is rounded up without wrapping (it once came out as 0).
+TEST(TensorPlan, ADimensionNearTwoToTheSixtyFourIsCutWithoutWrapping) {
+  const uint64_t huge = UINT64_MAX;  // 2^64 - 1 rows of nothing
+  auto plan = PlanOf({T("model.embed_tokens.weight", DType::kBF16, {huge, 0}),
+                      T("model.layers.0.mlp.up_proj.weight", DType::kBF16, {0, huge}),
+                      T("model.layers.0.mlp.gate_proj.weight", DType::kBF16, {huge - 127, 0})},
+                     2, "keep", "fp8-block");
+  ASSERT_TRUE(plan.ok()) << plan.error().message();
+  auto find = [&](const std::string& name) -> const transform::OutputTensor& {
+    for (const auto& o : plan->outputs)
+      if (o.name == name) return o;
+    ADD_FAILURE() << name << " missing";
+    return plan->outputs[0];
+  };
+  EXPECT_EQ(find("model.embed_tokens.weight").shape,
+            (std::vector<uint64_t>{uint64_t{1} << 63, 0}));  // vocab: rounded up
+  EXPECT_EQ(find("model.embed_tokens.weight").bytes, 0u);
+  EXPECT_EQ(find("model.layers.0.mlp.up_proj.weight_scale_inv").shape,
+            (std::vector<uint64_t>{0, (uint64_t{1} << 57)}));
+  EXPECT_EQ(find("model.layers.0.mlp.gate_proj.weight_scale_inv").shape,
+            (std::vector<uint64_t>{uint64_t{1} << 56, 0}));
+}
+
 TEST(TensorPlan, HeaderOnlyChecksNameTheTensorAndTheRule) {
   // A split dimension not divisible by the rank count.
   EXPECT_NE(ErrorOf(PlanOf({T("a.q_proj.weight", DType::kBF16, {100, 8})}, 3))

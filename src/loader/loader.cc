@@ -348,7 +348,7 @@ Result<uint64_t> RunBand(const Context& c, const BandJob& job, Buffers& buf) {
   const bool quantize = out.op == transform::Op::kQuantize;
   const transform::OutputTensor* scale = quantize ? &c.plan.outputs[out.scale] : nullptr;
   const uint64_t scale_row = scale ? transform::OutputRowBytes(*scale) : 0;
-  const uint64_t scale_rows = scale ? (rows + transform::kFp8Block - 1) / transform::kFp8Block : 0;
+  const uint64_t scale_rows = scale ? transform::CeilDiv(rows, transform::kFp8Block) : 0;
   const std::span<std::byte> scales = buf.Get(buf.scales, scale_rows * scale_row);
   // Replicated outputs are the same for every rank: made once, written to all.
   const bool same_for_all = out.split == transform::Split::kReplicate;
@@ -910,9 +910,17 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   });
   if (error) return *error;
   const auto finishing = std::chrono::steady_clock::now();
-  for (const auto& [t, range] : zeros) {  // vocab padding
-    const std::vector<std::byte> zero(static_cast<size_t>(range.second));
-    WEIGHTD_RETURN_IF_ERROR(targets[t].segment->Write(range.first, zero));
+  // Vocab padding, from one small buffer: a crafted shape can make it as
+  // big as the segment, which may be a GPU's (not zeroed when made).
+  if (!zeros.empty()) {
+    const std::vector<std::byte> zero(static_cast<size_t>(kBandBytes));
+    for (const auto& [t, range] : zeros) {
+      for (uint64_t at = 0; at < range.second; at += zero.size()) {
+        const auto n = static_cast<size_t>(std::min<uint64_t>(zero.size(), range.second - at));
+        WEIGHTD_RETURN_IF_ERROR(
+            targets[t].segment->Write(range.first + at, std::span(zero).first(n)));
+      }
+    }
   }
 
   // Samples no read passed by (a rank that reads only part of a tensor).

@@ -299,7 +299,7 @@ void QuantizeBF16Row(const uint16_t* row, uint64_t cols, const float* scale, uin
 
 void QuantizeFp8Block(DType from, std::span<const std::byte> src, uint64_t stride, uint64_t rows,
                       uint64_t cols, std::span<std::byte> dst, std::span<std::byte> scale_inv) {
-  const uint64_t block_cols = (cols + kFp8Block - 1) / kFp8Block;
+  const uint64_t block_cols = CeilDiv(cols, kFp8Block);
   const bool bf16 = from == DType::kBF16;
   // One row at a time, copied to aligned memory (file bytes need not be).
   std::vector<float> row(bf16 ? 0 : cols);

@@ -38,6 +38,11 @@ void Cast(format::DType from, std::span<const std::byte> src, format::DType to,
           std::span<std::byte> dst, uint64_t count);
 
 inline constexpr uint64_t kFp8Block = 128;
+
+// How many pieces of `per` cover `n`, the last one partial: without the
+// wrap of (n + per - 1) / per, for sizes from files (a tensor of no bytes
+// may claim a dimension of 2^64 - 1).
+inline constexpr uint64_t CeilDiv(uint64_t n, uint64_t per) { return n / per + (n % per != 0); }
 inline constexpr float kE4M3Max = 448.0f;
 
 // Quantizes a [rows, cols] matrix of `from` (F16, BF16 or F32) into

@@ -184,7 +184,7 @@ Result<OutputTensor> Cut(const SourceTensor& s, Split split, int n) {
         return TensorError(s.name, how() + ": dim 0 (" + std::to_string(o.source_rows) +
                                        ") is not divisible by --tp-size " + std::to_string(n));
       }
-      o.rows = (o.source_rows + ranks - 1) / ranks;
+      o.rows = CeilDiv(o.source_rows, ranks);
       o.shape[0] = o.rows;
       break;
     case Split::kRow: {
@@ -222,8 +222,8 @@ Result<OutputTensor> CutScale(const SourceTensor& weight, const OutputTensor& cu
   if (weight.shape.size() != 2) {
     return TensorError(scale.name, "block scales for a weight that is not a matrix");
   }
-  const uint64_t block_rows = (weight.shape[0] + kFp8Block - 1) / kFp8Block;
-  const uint64_t block_cols = (weight.shape[1] + kFp8Block - 1) / kFp8Block;
+  const uint64_t block_rows = CeilDiv(weight.shape[0], kFp8Block);
+  const uint64_t block_cols = CeilDiv(weight.shape[1], kFp8Block);
   if (scale.dtype != DType::kF32 && scale.dtype != DType::kBF16) {
     return TensorError(scale.name, "block scales must be F32 or BF16");
   }
@@ -557,8 +557,8 @@ Result<TensorPlan> PlanTensors(const std::vector<SourceTensor>& sources, const P
       OutputTensor sc;
       sc.name = plan.made_names->emplace_back(std::string(s.name) + std::string(kScaleSuffix));
       sc.dtype = DType::kF32;
-      sc.rows = (o.rows + kFp8Block - 1) / kFp8Block;
-      sc.row_elems = (o.row_elems + kFp8Block - 1) / kFp8Block;
+      sc.rows = CeilDiv(o.rows, kFp8Block);
+      sc.row_elems = CeilDiv(o.row_elems, kFp8Block);
       sc.shape = {sc.rows, sc.row_elems};
       sc.bytes = sc.rows * sc.row_elems * 4;  // at most rows * cols / 4096: no overflow
       sc.source = i;
