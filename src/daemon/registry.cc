@@ -238,6 +238,11 @@ void Registry::Unreserve(const std::string& device, uint64_t bytes) {
   a.ended_bytes += bytes;
 }
 
+std::string Registry::NameOf(const ResidentModel& model) const {
+  std::lock_guard lock(mu_);
+  return model.name;
+}
+
 std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> model,
                                                  uint64_t reserved_bytes,
                                                  const std::vector<protocol::CacheKey>& group,

@@ -127,6 +127,10 @@ class Registry {
                                          std::vector<std::string>* taken_from = nullptr,
                                          bool inherit_name = false);
 
+  // `model`'s pinned name now (empty for none), read under the lock: a
+  // preload pinning the name elsewhere may take it at any time.
+  std::string NameOf(const ResidentModel& model) const;
+
   struct Lookup {
     std::shared_ptr<ResidentModel> model;             // set on a hit, with a lease taken
     std::vector<protocol::FieldDifference> mismatch;  // on a miss, against the closest model

@@ -1232,6 +1232,9 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       pollfd p{fd, 0, 0};
       return ::poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR)) != 0;
     };
+    // Room for the lease first: once taken, recording it cannot fail, and a
+    // lease recorded goes back when the connection ends, whatever fails.
+    leases.reserve(leases.size() + 1);
     Registry::Lookup found =
         registry.Acquire(key, trust,
                          std::chrono::steady_clock::now() +
@@ -1261,6 +1264,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       return ch.Send(
           {{"type", "miss"}, {"reason", found.reason}, {"mismatch", mismatch}, {"fields", fields}});
     }
+    leases.push_back(found.model);
     const ResidentModel& model = *found.model;
     // A GPU's segment goes with its manifest in host memory, that first.
     std::vector<memory::UniqueFd> handles;
@@ -1268,6 +1272,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       if (s == nullptr) continue;
       auto handle = s->Export();
       if (!handle.ok()) {
+        leases.pop_back();
         registry.Release(found.model);
         return ch.Send({{"type", "error"}, {"message", handle.error().message()}});
       }
@@ -1275,7 +1280,6 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     }
     std::vector<const memory::UniqueFd*> fds;
     for (const memory::UniqueFd& h : handles) fds.push_back(&h);
-    leases.push_back(found.model);
     if (!trust.empty()) {
       Log("TRUSTED acquire from " + who + " of pinned model `" + trust + "` (loaded from " +
           model.path +
@@ -1703,6 +1707,7 @@ Result<json> Server::State::PreloadUnguarded(
       for (const auto& m : models) r.Release(m);
     }
   } release_held{registry, held};
+  held.reserve(static_cast<size_t>(ranks));  // a lease taken is then always recorded
   std::string name = pin;
   std::string unpinned;                 // the name the resident ranks had, replaced by `pin`
   std::vector<std::string> taken_from;  // paths of other models `pin` named until now
@@ -1723,10 +1728,10 @@ Result<json> Server::State::PreloadUnguarded(
       missing.push_back(r);
       continue;
     }
+    held.push_back(std::move(found.model));
     if (name.empty()) name = found.name;
     // A model has one name: a new pin takes the place of the old one.
     if (!pin.empty() && !found.name.empty() && found.name != pin) unpinned = found.name;
-    held.push_back(std::move(found.model));
   }
   auto pin_all = [&](const std::string& digest) {
     if (name.empty()) return;
@@ -1913,8 +1918,9 @@ Result<json> Server::State::PreloadUnguarded(
     reserved.Take(i);
     marks.published = true;
     if (on_gpu) LearnReadOnly(*published->segment);
+    const std::string pinned_as = registry.NameOf(*published);
     Log("preloaded " + path + " as " + protocol::ShortDescription(published->key) +
-        (published->name.empty() ? "" : " (pinned as `" + published->name + "`)") + ": " +
+        (pinned_as.empty() ? "" : " (pinned as `" + pinned_as + "`)") + ": " +
         std::to_string(published->segment->size()) + " bytes, " +
         std::to_string(published->tensors) + " tensors in " + std::to_string(seconds) +
         " s (fingerprint " + std::to_string(fingerprint_seconds) + " s, headers " +
