@@ -1533,6 +1533,36 @@ class RawPeer {
   bool connected_ = false;
 };
 
+// Whoever reads the log stops reading and stays (a pager paused, a journal
+// stalled): the daemon serves on, and a stop still ends it. The reader here
+// holds the pipe open and never reads; the pipe is made 4 KiB (F_SETPIPE_SZ,
+// 1031), which a few dozen lines fill. It goes when the daemon does.
+TEST_F(DaemonTest, ALogNobodyReadsAnyMoreHoldsUpNoRequestAndNoStop) {
+  const std::string a = MakeModel("a");
+  Process daemon({"serve", "--socket-dir", sock_},
+                 {"perl", "-e",
+                  "pipe(my $r, my $w) or die; fcntl($w, 1031, 4096) or die; my $daemon = $$;"
+                  " if (!fork) { close $w;"
+                  " while (getppid() == $daemon) { select(undef, undef, undef, 0.1) } exit 0 }"
+                  " close $r; open(STDERR, '>&', $w) or die; exec @ARGV or die"});
+  ASSERT_TRUE(daemon.WaitForOutput("ready"));
+  Preload(a);
+  for (int i = 0; i < 200; ++i) {  // a line each: 20 KiB of them
+    RawPeer peer(sock_ + "/weightd.sock");
+    ASSERT_TRUE(peer.connected());
+    peer.Send("this is not a frame at all");
+  }
+  // An acquire logs its hit, and is answered all the same.
+  const auto engine = Run({"load", a, "--checksum", "--no-fallback", "--reply-timeout", "20"});
+  EXPECT_EQ(engine.exit_code, 0) << engine.err;
+  EXPECT_NE(engine.out.find("source: daemon"), std::string::npos) << engine.out;
+  daemon.Signal(SIGTERM);
+  ASSERT_TRUE(daemon.Exits(60)) << "the daemon did not stop";
+  EXPECT_EQ(daemon.Wait(), 0);
+  struct stat st;
+  EXPECT_NE(::stat((sock_ + "/weightd.sock").c_str(), &st), 0) << "the socket was left behind";
+}
+
 // A frame with `body` as it is.
 std::string Frame(const std::string& body) {
   return protocol::FrameHeader(static_cast<uint32_t>(body.size()), 0) + body;

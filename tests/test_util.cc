@@ -224,6 +224,17 @@ int Process::Wait() {
   return exit_code_;
 }
 
+bool Process::Exits(double seconds) {
+  return exit_code_ >= 0 || Eventually(
+                                [&] {
+                                  int status = 0;
+                                  if (::waitpid(pid_, &status, WNOHANG) != pid_) return false;
+                                  exit_code_ = ExitCode(status);
+                                  return true;
+                                },
+                                seconds);
+}
+
 std::string Process::out() const { return Slurp(io_.Join("stdout")); }
 std::string Process::err() const { return Slurp(io_.Join("stderr")); }
 

@@ -114,6 +114,8 @@ class Process {
   void Stop();
   // Waits for the exit; the exit code, or 128 + signal.
   int Wait();
+  // Whether it exits within `seconds` (Wait then returns its code at once).
+  bool Exits(double seconds);
   std::string out() const;
   std::string err() const;
 

@@ -26,6 +26,7 @@
 #include "cli/output.h"
 #include "client/admin.h"
 #include "daemon/config.h"
+#include "daemon/log_writer.h"
 #include "daemon/registry.h"
 #include "daemon/server.h"
 #include "io/file.h"
@@ -249,18 +250,19 @@ int RunServe(ServeOptions o) {
       so.gpu_budgets.emplace_back(b.device, b.bytes);
     }
   }
-  auto log_mu = std::make_shared<std::mutex>();
-  so.log = [log_mu, json = o.json](const std::string& line) {
-    std::lock_guard lock(*log_mu);
-    if (json) {
-      // A line that quotes bytes that are not UTF-8 (a path a client sent)
-      // comes through as {"hex": ...}, as paths do in every --json output.
-      std::cerr << DumpJson({{"time", Now()}, {"message", protocol::PathToJson(line)}})
-                << std::endl;
-    } else {
-      std::cerr << Now() << " weightd: " << Printable(line) << std::endl;
-    }
-  };
+  // Written by a thread of its own: a log nobody reads for a while (a
+  // paused pager, a stalled journal) holds up no request and no stop. The
+  // last holder of `so.log` (the options, going last) waits a second for
+  // what is queued.
+  auto log =
+      std::make_shared<daemon::LogWriter>(STDERR_FILENO, [json = o.json](std::string_view message) {
+        const std::string line(message);
+        // A line that quotes bytes that are not UTF-8 (a path a client sent)
+        // comes through as {"hex": ...}, as paths do in every --json output.
+        return json ? DumpJson({{"time", Now()}, {"message", protocol::PathToJson(line)}})
+                    : Now() + " weightd: " + Printable(line);
+      });
+  so.log = [log](const std::string& line) { log->Write(line); };
   // What the budgets mean, said once the directory is the daemon's: a
   // daemon refused at start (another serves there) says only why.
   std::vector<std::string> notes;
@@ -413,7 +415,7 @@ int RunServe(ServeOptions o) {
     // Some work is stuck in a file system call that does not return: Run
     // logged it and let the directory go; the process goes without it.
     std::cout.flush();
-    std::cerr.flush();
+    log->Close(1.0);
     std::_Exit(kExitOk);
   }
   for (std::thread& t : preloaders) t.join();
