@@ -283,6 +283,25 @@ TEST(HostSegment, HeldProbeReadsThePagesWrittenSoFar) {
 
 using testing::HugePagePool;
 
+// A plan for normal memory whatever the pool has; and a segment that must
+// be huge pages, where the pool has none, is refused rather than made of
+// normal pages.
+TEST(HostSegment, AHugePagePlanIsKeptOrRefused) {
+  const memory::HostPlacement normal = memory::PlanHostSegments(6 << 20, 1, false);
+  EXPECT_FALSE(normal.options.try_huge_pages);
+  EXPECT_TRUE(normal.options.normal_pages_if_no_huge_pages);
+  if (HugePagePool::Available() > 0) GTEST_SKIP() << "this machine has huge pages free";
+  memory::HostSegmentOptions only_huge;
+  only_huge.normal_pages_if_no_huge_pages = false;
+  auto refused = memory::CreateHostSegment(4 << 20, "huge-only", only_huge);
+  ASSERT_FALSE(refused.ok());
+  EXPECT_NE(refused.error().message().find("in huge pages, as planned"), std::string::npos)
+      << refused.error().message();
+  auto fallback = memory::CreateHostSegment(4 << 20, "huge-or-normal");
+  ASSERT_TRUE(fallback.ok()) << fallback.error().message();
+  EXPECT_FALSE((*fallback)->huge_pages());
+}
+
 // In the child: a segment from the pool, filled from two threads, holes
 // read back as zeros, and normal pages when the pool is short.
 void CheckHugePageSegments() {
@@ -347,6 +366,13 @@ void CheckHugePageSegments() {
     ASSERT_TRUE(fallback.ok()) << fallback.error().message();
     EXPECT_FALSE((*fallback)->huge_pages());
     EXPECT_EQ((*fallback)->size(), too_big);
+    // Made as planned for huge pages the pool no longer has: refused, not
+    // normal pages (the room was weighed for the pool, not for memory).
+    EXPECT_FALSE(planned.options.normal_pages_if_no_huge_pages);
+    auto refused = memory::CreateHostSegment(too_big, "huge-test-refused", planned.options);
+    ASSERT_FALSE(refused.ok());
+    EXPECT_NE(refused.error().message().find("in huge pages, as planned"), std::string::npos)
+        << refused.error().message();
   }
 }
 

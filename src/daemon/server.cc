@@ -1768,13 +1768,16 @@ Result<json> Server::State::PreloadUnguarded(
   struct Reservations {
     Registry& registry;
     std::vector<std::pair<std::string, uint64_t>> ranks;  // device, bytes
-    ~Reservations() {
+    // Rank i's bytes, now accounted by Publish.
+    void Take(size_t i) { ranks[i].second = 0; }
+    // All of it, for a load made again.
+    void GiveBack() {
       for (const auto& [device, bytes] : ranks) {
         if (bytes != 0) registry.Unreserve(device, bytes);
       }
+      ranks.clear();
     }
-    // Rank i's bytes, now accounted by Publish.
-    void Take(size_t i) { ranks[i].second = 0; }
+    ~Reservations() { GiveBack(); }
   } reserved{registry, {}};
   std::vector<Eviction> evicted;
   loader::LoadOptions lo;
@@ -1792,13 +1795,19 @@ Result<json> Server::State::PreloadUnguarded(
   // that cannot finish): on a GPU in its allocation granularity, as the
   // segment will be made, in host memory in the pages the segments will be
   // made of.
+  // Huge pages planned, room made for them, and the pool no longer has
+  // them when a segment is made (another process took them; a container's
+  // hugetlb limit the pool's figures do not show): the load is made again,
+  // in normal pages, their room weighed against what the kernel would give.
   memory::HostPlacement host;
+  bool huge_pages_refused = false, normal_pages_only = false;
   lo.allocate = [&](uint64_t bytes, int rank) -> Result<std::unique_ptr<memory::Segment>> {
     if (reserved.ranks.empty()) {
       uint64_t host_ranks = 0;
       for (int r : missing)
         host_ranks += devices[static_cast<size_t>(r)].kind != memory::DeviceKind::kCuda;
-      host = memory::PlanHostSegments(bytes, std::max<uint64_t>(host_ranks, 1));
+      host = memory::PlanHostSegments(bytes, std::max<uint64_t>(host_ranks, 1),
+                                      /*huge_page_pool=*/!normal_pages_only);
       std::vector<std::pair<std::string, uint64_t>> want;
       std::map<std::string, uint64_t> need;
       for (int r : missing) {
@@ -1828,6 +1837,7 @@ Result<json> Server::State::PreloadUnguarded(
     auto made = memory::CreateHostSegment(
         bytes, lo.segment_name + (ranks > 1 ? "-rank" + std::to_string(rank) : ""), host.options);
     if (made.ok()) listed.Fills(rank, **made);
+    if (!made.ok() && host.options.try_huge_pages) huge_pages_refused = true;
     return made;
   };
   lo.progress = [&](uint64_t done, uint64_t total) {
@@ -1835,6 +1845,13 @@ Result<json> Server::State::PreloadUnguarded(
     if (progress) progress(done, total);
   };
   auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, lo);
+  if (!loaded.ok() && huge_pages_refused && !stopping.load()) {
+    Log("preload of " + path + ": " + loaded.error().message() +
+        "; loading it again in normal pages");
+    reserved.GiveBack();
+    normal_pages_only = true;
+    loaded = loader::LoadCheckpoint(io::PosixFileSystem(), path, lo);
+  }
   if (!loaded.ok()) {
     return Error(path + ": " + loaded.error().message() + "; nothing was published");
   }

@@ -338,15 +338,16 @@ Result<UniqueFd> UniqueFd::Duplicate() const {
   return UniqueFd(fd);
 }
 
-HostPlacement PlanHostSegments(uint64_t size, uint64_t count) {
+HostPlacement PlanHostSegments(uint64_t size, uint64_t count, bool huge_page_pool) {
   if (size == 0) size = 1;  // as CreateHostSegment
   HostPlacement out;
-  if (size >= kHugePageBytes) {
+  if (huge_page_pool && size >= kHugePageBytes) {
     const uint64_t pages = RoundUp(size, kHugePageBytes) / kHugePageBytes;
     uint64_t all = 0;
     if (!__builtin_mul_overflow(pages, count, &all) && all <= FreeHugePages()) {
       out.bytes = pages * kHugePageBytes;
       out.options.try_huge_pages = true;
+      out.options.normal_pages_if_no_huge_pages = false;
       return out;
     }
   }
@@ -376,12 +377,17 @@ Result<std::unique_ptr<Segment>> CreateHostSegment(uint64_t size, const std::str
   // a machine set up for them may have more in the pool than free.
   if (options.try_huge_pages && size >= kHugePageBytes) {
     const uint64_t reserved = RoundUp(size, kHugePageBytes);
-    if (auto made = MakeHugeSegment(label, reserved); made.ok()) {
+    auto made = MakeHugeSegment(label, reserved);
+    if (made.ok()) {
       auto& [fd, map] = *made;
       // Read back through a view of its own, which the seal leaves in place.
       std::byte* view = MapReadOnly(fd.get(), reserved);
       return std::unique_ptr<Segment>(
           new HostSegment(std::move(fd), size, reserved, true, false, map, view));
+    }
+    if (!options.normal_pages_if_no_huge_pages) {
+      return Error("cannot create a host segment of " + std::to_string(size) +
+                   " bytes in huge pages, as planned: " + made.error().message());
     }
   }
   // Normal pages are allocated as the fill touches them, by every reading

@@ -120,6 +120,11 @@ struct HostSegmentOptions {
   // Try huge pages (hugetlbfs) first; fall back to normal pages when the
   // system has none to give.
   bool try_huge_pages = true;
+  // With try_huge_pages, where the pool cannot give them: false refuses
+  // instead of taking normal pages, for a caller that made room for huge
+  // pages, which come from the pool, not from the memory the kernel would
+  // give (see PlanHostSegments).
+  bool normal_pages_if_no_huge_pages = true;
   // Normal memory: where the kernel's shmem policy lets it fill memfds
   // with transparent huge pages, make the segment whole ones, its size
   // rounded up to 2 MiB. False: round to the page size whatever the
@@ -135,12 +140,14 @@ struct HostSegmentOptions {
 // `options`, a segment never takes more than `bytes` (the pool may have
 // shrunk meanwhile, and normal pages are then used; it cannot have grown
 // into use), unless the kernel's shmem policy turned to `always` between
-// the plan and the end of the fill.
+// the plan and the end of the fill. Where the plan is huge pages, its
+// options refuse normal pages: room weighed for the pool is not room in
+// memory. Without `huge_page_pool`, normal memory whatever the pool has.
 struct HostPlacement {
   uint64_t bytes = 0;  // per segment
   HostSegmentOptions options;
 };
-HostPlacement PlanHostSegments(uint64_t size, uint64_t count = 1);
+HostPlacement PlanHostSegments(uint64_t size, uint64_t count = 1, bool huge_page_pool = true);
 
 // The kernel's policy for transparent huge pages in shared memory, memfds
 // among it, as the file below names it ("never", "within_size", "always",
