@@ -338,6 +338,59 @@ TEST(Sampled, AHeaderWaitsForItsParseTurnBeforeReadingPastTheFirstRead) {
   EXPECT_GT(slow.reads_of(first), 1);
 }
 
+// The most memory this process has held since ResetPeakMemory, in bytes.
+uint64_t PeakMemory() {
+  std::ifstream status("/proc/self/status");
+  for (std::string line; std::getline(status, line);) {
+    if (line.rfind("VmHWM:", 0) == 0) return std::stoull(line.substr(6)) * 1024;
+  }
+  return 0;
+}
+bool ResetPeakMemory() { return std::ofstream("/proc/self/clear_refs") << "5" && true; }
+
+// A shard of 4096 U8 tensors of 256 KiB each, 1 GiB of holes on disk, its
+// tensors named in the reverse of their order in the file: every sample
+// waits for the last read. The reads merge samples across the gaps (most of
+// every byte read); the memory held must be the samples', not the reads'.
+TEST(Sampled, ACraftedShardCannotMakeTheSampleReadsHoldItsSize) {
+  TempDir dir;
+  const std::string m = dir.Join("crafted");
+  ASSERT_EQ(::mkdir(m.c_str(), 0755), 0);
+  constexpr uint64_t kTensors = 4096, kBytes = 256 << 10;
+  std::string json = "{";
+  for (uint64_t i = 0; i < kTensors; ++i) {
+    const uint64_t at = (kTensors - 1 - i) * kBytes;
+    char name[16];
+    std::snprintf(name, sizeof name, "t%04llu", static_cast<unsigned long long>(i));
+    json += std::string(i ? "," : "") + "\"" + name + "\":{\"dtype\":\"U8\",\"shape\":[" +
+            std::to_string(kBytes) + "],\"data_offsets\":[" + std::to_string(at) + "," +
+            std::to_string(at + kBytes) + "]}";
+  }
+  json += "}";
+  std::string file(8, '\0');
+  for (int i = 0; i < 8; ++i)
+    file[static_cast<size_t>(i)] = static_cast<char>(json.size() >> (8 * i));
+  file += json;
+  const std::string shard = m + "/model.safetensors";
+  testing::WriteFileText(shard, file);
+  ASSERT_EQ(::truncate(shard.c_str(), static_cast<off_t>(file.size() + kTensors * kBytes)), 0);
+
+  const std::string reference = Digest(m, {.coalesce = false});
+  for (const bool remote : {false, true}) {
+    SlowLookingFileSystem slow(std::chrono::microseconds(0));
+    io::FileSystem& fs = remote ? static_cast<io::FileSystem&>(slow) : io::PosixFileSystem();
+    if (!ResetPeakMemory()) GTEST_SKIP() << "no /proc/self/clear_refs";
+    const uint64_t before = PeakMemory();
+    auto fp = FingerprintCheckpoint(fs, m, {});
+    const uint64_t grown = PeakMemory() - before;
+    ASSERT_TRUE(fp.ok()) << fp.error().message();
+    EXPECT_EQ(fp->digest, reference) << (remote ? "remote" : "local");
+    EXPECT_GT(fp->bytes_read, kTensors * kBytes / 2) << "the reads did not merge across gaps";
+    // The samples are 4 MiB; a remote window 64 MiB, early reads as much.
+    EXPECT_LT(grown, uint64_t{256} << 20) << (remote ? "remote" : "local");
+  }
+}
+
 // Shards reading their samples as their heads come in still keep to
 // max_inflight reads out at once, first reads included. Where a shard's
 // reads fit beside those out, they go out at once (the first shard's head
