@@ -1030,6 +1030,26 @@ memory::UniqueFd ConnectSilently(const std::string& socket_dir) {
   return fd;
 }
 
+// Peers that each send a byte of a frame and then nothing hold a serving
+// thread each until the frame's deadline: no more than the daemon's bound
+// (512) of them, whatever their number; past it, connections wait for a
+// thread, and are served once there is one.
+TEST_F(DaemonTest, PeersStuckInAFrameHoldNoMoreThanTheBoundOfThreads) {
+  auto daemon = StartDaemon();
+  std::vector<memory::UniqueFd> stuck;
+  for (int i = 0; i < 700; ++i) {
+    stuck.push_back(ConnectSilently(sock_));
+    ASSERT_EQ(::send(stuck.back().get(), "W", 1, MSG_NOSIGNAL), 1);
+  }
+  EXPECT_TRUE(testing::Eventually([&] { return ServingThreads(daemon->pid()) >= 500; }, 30))
+      << ServingThreads(daemon->pid());
+  std::this_thread::sleep_for(std::chrono::milliseconds(300));
+  EXPECT_LE(ServingThreads(daemon->pid()), 512);
+  stuck.clear();  // each served to its end: closed
+  EXPECT_EQ(Run({"status"}).exit_code, 0);
+  EXPECT_NE(daemon->err().find("512 at most"), std::string::npos) << daemon->err();
+}
+
 // A budget without a unit is bytes: taken as given, and said, since
 // `host=64` was likely meant as more.
 TEST_F(DaemonTest, ABudgetWithoutAUnitIsSaidToBeBytes) {

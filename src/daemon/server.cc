@@ -78,6 +78,13 @@ constexpr auto kHeartbeat = std::chrono::seconds(5);
 // more than those waits for a connection before it ends (one waiting in
 // accept() holds a descriptor's place).
 constexpr int kKeptWorkers = 64;
+// Serving threads at most. A peer that sends part of a frame holds one
+// until the rest comes (10 s at most), and an engine waiting for a load
+// holds one for as long as it waits: without a bound, a flood of them took
+// a thread each until the system's limit, where preloads could start none.
+// Past it, connections wait in the backlog, and requests that come on
+// parked ones wait there, until a thread is free.
+constexpr int kMaxWorkers = 512;
 constexpr auto kIdleExit = std::chrono::seconds(10);
 // A segment one huge page big: what the start-up line about host pages
 // asks the kernel about.
@@ -803,6 +810,7 @@ bool Server::State::Admit(memory::UniqueFd& conn, ucred* peer) {
 bool Server::State::SpawnWorker() {
   {
     std::lock_guard lock(conn_mu);
+    if (workers >= kMaxWorkers) return false;
     ++workers;
   }
   try {
@@ -836,7 +844,8 @@ void Server::State::WorkerLoop() {
     // Someone must be in accept() while this thread serves. Where the
     // system gives no thread, connections wait in the backlog for one.
     if (spawn && !SpawnWorker()) {
-      LogNowAndThen("no thread for the next connection (connections wait for one to be free)",
+      LogNowAndThen("no thread for the next connection, " + std::to_string(kMaxWorkers) +
+                        " at most (connections wait for one to be free)",
                     EAGAIN);
     }
     if (!conn.valid()) {
@@ -1126,14 +1135,28 @@ void Server::State::ParkLoop() {
       Finish(std::move(c));
     }
     if (stop) break;
+    bool waited = false;
     for (auto& c : woken) {
-      Connection* raw = c.release();
       // Counted as a worker, so that a stop waits for it to end: it
       // touches the state after it parks the connection again.
+      bool room = false;
       {
         std::lock_guard lock(conn_mu);
-        ++workers;
+        room = workers < kMaxWorkers;
+        if (room) ++workers;
       }
+      if (!room) {
+        // Every thread busy: parked again (it is readable, so back here at
+        // once), after a pause for all of those woken.
+        LogNowAndThen("no thread for a connection with a request, " + std::to_string(kMaxWorkers) +
+                          " at most (tried again)",
+                      EAGAIN);
+        if (!std::exchange(waited, true))
+          std::this_thread::sleep_for(std::chrono::milliseconds(50));
+        if (!Park(c)) Finish(std::move(c));
+        continue;
+      }
+      Connection* raw = c.release();
       try {
         std::thread([this, raw] {
           ::pthread_setname_np(::pthread_self(), kServingThreadName);
