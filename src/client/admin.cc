@@ -49,7 +49,10 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
             "the daemon closed the connection before it answered: it stopped or died (its log "
             "says which; one killed by the kernel for memory writes nothing there, the kernel's "
             "log says so)" +
-            std::string(preload ? "; the preload was not published" : ""));
+            std::string(preload ? ", or this command did not read its progress for 10 s "
+                                  "(suspended?) and the preload went on without it: `weightd "
+                                  "status` shows whether the model is resident"
+                                : ""));
       }
       const bool silent = why == protocol::Channel::kTimedOut;
       char limit[32];

@@ -1389,9 +1389,15 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       json p = {{"type", "progress"}, {"done", last_done}, {"total", last_total}};
       if (heartbeat) p["heartbeat"] = true;
       lock.unlock();
-      const bool sent = ch.Send(p).ok();
+      const Status sent = ch.Send(p);
+      if (!sent.ok() && sent.error().message() != protocol::Channel::kClosed) {
+        // Stopped reading (a suspended `weightd preload`): said, since its
+        // asker will not hear how the preload ended.
+        Log("preload of " + path + " requested by " + who + ": " + sent.error().message() +
+            "; the preload goes on without telling it");
+      }
       lock.lock();
-      peer_gone = peer_gone || !sent;
+      peer_gone = peer_gone || !sent.ok();
     };
     Result<json> result = Error("");
     std::thread beat;
@@ -1450,7 +1456,9 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
             (std::chrono::steady_clock::now() - last < kProgressEvery && done < total)) {
           return;
         }
-        if (!beating) return send_progress(lock, false);
+        // No thread to send it (none could be started): none sent, rather
+        // than a send that could stall the readers, under their lock.
+        if (!beating) return;
         due = true;
         beat_cv.notify_all();
       });
