@@ -32,8 +32,10 @@ inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json
 struct ShardRef {
   std::string name;  // relative to the checkpoint directory, as the index spells it
   std::string path;  // directory joined with name, for messages
-  // With every symlink resolved, as checked against escapes: what to open,
-  // so a symlink swapped in after the check is not followed.
+  // With every symlink resolved, as checked against escapes: what to open.
+  // The check and the open are not one step: a symlink swapped in between
+  // (by someone who may write the directory) is followed. What is read is
+  // served to this user's engines only.
   std::string resolved;
 };
 
