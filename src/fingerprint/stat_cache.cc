@@ -217,7 +217,7 @@ std::string StatCache::DefaultDirectory() {
 const std::string& BootId() {
   static const std::string id = [] {
     std::string text(64, '\0');
-    FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "r");
+    FILE* f = std::fopen("/proc/sys/kernel/random/boot_id", "re");
     if (f == nullptr) return std::string();
     text.resize(std::fread(text.data(), 1, text.size(), f));
     std::fclose(f);

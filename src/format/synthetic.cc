@@ -238,7 +238,7 @@ Status WriteIndex(const std::string& path, const SyntheticPlan& plan) {
     json += (i ? ",\n    " : "\n    ") + JsonQuote(map[i].first) + ": " + JsonQuote(map[i].second);
   }
   json += "\n  }\n}\n";
-  FILE* f = std::fopen(path.c_str(), "wb");
+  FILE* f = std::fopen(path.c_str(), "wbe");
   if (f == nullptr) return Error(path + ": cannot create: " + std::strerror(errno));
   const bool ok = std::fwrite(json.data(), 1, json.size(), f) == json.size();
   if (std::fclose(f) != 0 || !ok) return Error(path + ": write failed");

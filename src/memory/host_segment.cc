@@ -291,7 +291,7 @@ Result<std::pair<UniqueFd, std::byte*>> MakeHugeSegment(const std::string& name,
 uint64_t FreeHugePages() {
   auto read = [](const char* name) -> uint64_t {
     const std::string path = std::string("/sys/kernel/mm/hugepages/hugepages-2048kB/") + name;
-    FILE* f = std::fopen(path.c_str(), "r");
+    FILE* f = std::fopen(path.c_str(), "re");
     if (f == nullptr) return 0;
     unsigned long long n = 0;
     if (std::fscanf(f, "%llu", &n) != 1) n = 0;
