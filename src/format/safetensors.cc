@@ -318,8 +318,10 @@ ParseTurn::ParseTurn(uint64_t bytes) {
   if (bytes == 0) return;
   ParseBudget& b = TheParseBudget();
   std::unique_lock lock(b.mu);
-  // Alone where it is over the budget by itself.
-  b.room.wait(lock, [&] { return b.held == 0 || b.held + bytes <= kParseBudgetBytes; });
+  // Alone where it is over the budget by itself; past the wait's limit,
+  // whatever is held.
+  b.room.wait_for(lock, kParseTurnWaitLimit,
+                  [&] { return b.held == 0 || b.held + bytes <= kParseBudgetBytes; });
   b.held += bytes;
   bytes_ = bytes;
 }

@@ -13,6 +13,7 @@
 // Thread safety: pure functions; safe from any thread.
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <span>
@@ -80,9 +81,14 @@ Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std:
 //
 // A ParseTurn holds a document's share of the budget: take it for the
 // document's size before its text is allocated, and keep it until its
-// parse ends. The constructor waits for room. A thread holding a turn must
-// not take another (it could wait for itself).
+// parse ends. The constructor waits for room, kParseTurnWaitLimit at most:
+// a turn is held across the document's read, and reads that never return
+// (a hung network mount) must not stop every other parse in the process,
+// a local disk's included. Past the limit the document goes ahead over the
+// budget; memory still grows only as reads return. A thread holding a turn
+// must not take another (it could wait for itself).
 inline constexpr uint64_t kParseBudgetBytes = uint64_t{32} << 20;
+inline constexpr std::chrono::seconds kParseTurnWaitLimit{10};
 
 class ParseTurn {
  public:
