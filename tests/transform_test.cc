@@ -470,6 +470,15 @@ std::string ErrorOf(const Result<transform::TensorPlan>& r) {
   return r.ok() ? "(no error)" : r.error().message();
 }
 
+// The plan's output called `name` (a failure, and the first, if none is).
+const transform::OutputTensor& OutputNamed(const transform::TensorPlan& plan,
+                                           const std::string& name) {
+  for (const auto& o : plan.outputs)
+    if (o.name == name) return o;
+  ADD_FAILURE() << name << " missing";
+  return plan.outputs[0];
+}
+
 TEST(TensorPlan, SplitsCastsAndQuantizesWhatTheRulesSay) {
   auto plan = PlanOf({T("model.embed_tokens.weight", DType::kBF16, {1001, 64}),
                       T("model.layers.0.self_attn.q_proj.weight", DType::kBF16, {256, 64}),
@@ -479,10 +488,7 @@ TEST(TensorPlan, SplitsCastsAndQuantizesWhatTheRulesSay) {
                      4, "fp16", "fp8-block");
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   auto find = [&](const std::string& name) -> const transform::OutputTensor& {
-    for (const auto& o : plan->outputs)
-      if (o.name == name) return o;
-    ADD_FAILURE() << name << " missing";
-    return plan->outputs[0];
+    return OutputNamed(*plan, name);
   };
   const auto& embed = find("model.embed_tokens.weight");
   EXPECT_EQ(embed.shape, (std::vector<uint64_t>{251, 64}));  // 1001 padded to 1004
@@ -510,10 +516,7 @@ TEST(TensorPlan, ADimensionNearTwoToTheSixtyFourIsCutWithoutWrapping) {
                      2, "keep", "fp8-block");
   ASSERT_TRUE(plan.ok()) << plan.error().message();
   auto find = [&](const std::string& name) -> const transform::OutputTensor& {
-    for (const auto& o : plan->outputs)
-      if (o.name == name) return o;
-    ADD_FAILURE() << name << " missing";
-    return plan->outputs[0];
+    return OutputNamed(*plan, name);
   };
   EXPECT_EQ(find("model.embed_tokens.weight").shape,
             (std::vector<uint64_t>{uint64_t{1} << 63, 0}));  // vocab: rounded up
