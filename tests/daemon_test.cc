@@ -77,8 +77,8 @@ TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
   EXPECT_EQ(other["miss_kind"], "different");
   EXPECT_EQ(other["checksum"], DiskChecksum(b));
   EXPECT_NE(other["checksum"], warm["checksum"]);
-  EXPECT_NE(daemon->err().find("acquire miss"), std::string::npos) << daemon->err();
-  EXPECT_NE(daemon->err().find("checkpoint: daemon has"), std::string::npos) << daemon->err();
+  EXPECT_TRUE(testing::Logged(*daemon, "acquire miss")) << daemon->err();
+  EXPECT_TRUE(testing::Logged(*daemon, "checkpoint: daemon has")) << daemon->err();
 
   // --no-fallback turns the miss into an error naming the field.
   CommandResult strict = Run({"load", b, "--no-fallback"});
@@ -564,8 +564,7 @@ TEST_F(DaemonTest, OtherProcessingIsAMissThatNamesTheField) {
   EXPECT_EQ(j["source"], "disk") << j.dump();
   EXPECT_EQ(j["mismatch"], json::array({"shard_plan", "plan_digest", "tp_size", "tp_rank"}))
       << j.dump();
-  EXPECT_NE(daemon->err().find("tp_rank: daemon has 0, engine wants 1"), std::string::npos)
-      << daemon->err();
+  EXPECT_TRUE(testing::Logged(*daemon, "tp_rank: daemon has 0, engine wants 1")) << daemon->err();
   // Splitting needs a plan named; so does quantizing.
   for (auto flags : {std::vector<std::string>{"--tp-size", "2"}, {"--quant", "fp8-block"}}) {
     std::vector<std::string> args = {"load", a};
@@ -989,9 +988,8 @@ TEST_F(DaemonTest, KilledEngineReleasesItsLease) {
   engine.Signal(SIGKILL);
   engine.Wait();
   EXPECT_TRUE(Eventually([&] { return TotalLeases() == 0; })) << Status().dump();
-  EXPECT_NE(daemon->err().find("pid " + std::to_string(engine.pid()) +
-                               " closed its connection; 1 lease(s) released"),
-            std::string::npos)
+  EXPECT_TRUE(testing::Logged(*daemon, "pid " + std::to_string(engine.pid()) +
+                                           " closed its connection; 1 lease(s) released"))
       << daemon->err();
 
   // A stop closes an engine's connection: logged as the daemon's doing.
@@ -999,9 +997,8 @@ TEST_F(DaemonTest, KilledEngineReleasesItsLease) {
   ASSERT_TRUE(held.WaitForOutput("source: daemon")) << held.err();
   daemon->Signal(SIGTERM);
   EXPECT_EQ(daemon->Wait(), 0);
-  EXPECT_NE(daemon->err().find("stopping: closed the connection of pid " +
-                               std::to_string(held.pid()) + ", its 1 lease(s) with it"),
-            std::string::npos)
+  EXPECT_TRUE(testing::Logged(*daemon, "stopping: closed the connection of pid " +
+                                           std::to_string(held.pid()) + ", its 1 lease(s) with it"))
       << daemon->err();
 }
 
@@ -1047,7 +1044,7 @@ TEST_F(DaemonTest, PeersStuckInAFrameHoldNoMoreThanTheBoundOfThreads) {
   EXPECT_LE(ServingThreads(daemon->pid()), 512);
   stuck.clear();  // each served to its end: closed
   EXPECT_EQ(Run({"status"}).exit_code, 0);
-  EXPECT_NE(daemon->err().find("512 at most"), std::string::npos) << daemon->err();
+  EXPECT_TRUE(testing::Logged(*daemon, "512 serve already")) << daemon->err();
 }
 
 // A budget without a unit is bytes: taken as given, and said, since
@@ -1101,7 +1098,7 @@ TEST_F(DaemonTest, ADaemonOutOfDescriptorsSaysSo) {
     return false;
   };
   ASSERT_TRUE(Eventually(one_told)) << daemon.err();
-  EXPECT_NE(daemon.err().find("Too many open files"), std::string::npos) << daemon.err();
+  EXPECT_TRUE(testing::Logged(daemon, "Too many open files")) << daemon.err();
   // A client that comes now is served (by a thread that held a place while
   // waiting in accept()) or told; never left in the queue until it gives up.
   CommandResult r = Run({"status", "--json"});
@@ -1162,7 +1159,7 @@ TEST_F(DaemonTest, QuietConnectionsHoldNoThreadAndThoseWithoutLeasesAreClosed) {
     return ::recv(fd.get(), &byte, 1, MSG_DONTWAIT) == 0;
   };
   EXPECT_TRUE(Eventually([&] { return std::all_of(silent.begin(), silent.end(), closed); }, 90));
-  EXPECT_NE(daemon->err().find("no request for 20 s and no lease; closing it"), std::string::npos)
+  EXPECT_TRUE(testing::Logged(*daemon, "no request for 20 s and no lease; closing it"))
       << daemon->err();
   EXPECT_EQ(TotalLeases(), kEngines);
   EXPECT_EQ(Load(a)["source"], "daemon");
@@ -1226,9 +1223,9 @@ TEST_F(DaemonTest, ASupervisorIsToldWhenTheDaemonIsReadyAndWhenItStops) {
   // Not a socket it can use: said, and it serves all the same.
   Process daemon({"serve", "--socket-dir", sock_}, {"env", "NOTIFY_SOCKET=relative/notify"});
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
-  EXPECT_NE(daemon.err().find("NOTIFY_SOCKET: `relative/notify` is not a socket path; the "
-                              "supervisor will not be told when this daemon is ready"),
-            std::string::npos)
+  EXPECT_TRUE(testing::Logged(daemon,
+                              "NOTIFY_SOCKET: `relative/notify` is not a socket path; the "
+                              "supervisor will not be told when this daemon is ready"))
       << daemon.err();
   EXPECT_EQ(Run({"status"}).exit_code, 0);
 }
@@ -1407,7 +1404,7 @@ TEST_F(DaemonTest, SigtermRemovesTheSocket) {
   EXPECT_EQ(Run({"status"}).exit_code, 0);
   EXPECT_EQ(nohup.err().find("stopped"), std::string::npos) << nohup.err();
   // ...and said so at start, with what stops it.
-  EXPECT_NE(nohup.err().find("SIGHUP is ignored, as this daemon was started"), std::string::npos)
+  EXPECT_TRUE(testing::Logged(nohup, "SIGHUP is ignored, as this daemon was started"))
       << nohup.err();
   nohup.Signal(SIGTERM);
   EXPECT_EQ(nohup.Wait(), 0) << nohup.err();
@@ -1714,11 +1711,11 @@ TEST_F(DaemonTest, BudgetEvictsIdleModelsAndRefusesWhenLeasedOnesFillIt) {
   ASSERT_EQ(second.exit_code, 0) << second.err;
   // Said with the model's path, not its digest alone; and so logged.
   EXPECT_NE(second.out.find("evicted to make room: " + a + ", "), std::string::npos) << second.out;
-  EXPECT_NE(daemon->err().find("evicted " + a + ", "), std::string::npos) << daemon->err();
+  EXPECT_TRUE(testing::Logged(*daemon, "evicted " + a + ", ")) << daemon->err();
   json s = Status();
   ASSERT_EQ(s["models"].size(), 1u);
   EXPECT_NE(s["models"][0]["path"].get<std::string>().find("/b"), std::string::npos);
-  EXPECT_NE(daemon->err().find("evicted"), std::string::npos);
+  EXPECT_TRUE(testing::Logged(*daemon, "evicted"));
 
   // b is leased: no room for c.
   Process engine({"load", b, "--hold", "60", "--socket-dir", sock_});
@@ -1771,7 +1768,7 @@ TEST_F(DaemonTest, TheDefaultHostBudgetIsHalfOfTheControlGroupsLimit) {
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
   EXPECT_NE(daemon.out().find("host budget 1.50 GiB"), std::string::npos) << daemon.out();
   EXPECT_EQ(Status()["devices"][0]["budget"], 3ull << 29);
-  EXPECT_NE(daemon.err().find("(" + group.path + "/memory."), std::string::npos) << daemon.err();
+  EXPECT_TRUE(testing::Logged(daemon, "(" + group.path + "/memory.")) << daemon.err();
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
 }
@@ -1791,7 +1788,7 @@ TEST_F(DaemonTest, ACopyThatWouldNotFitIsRefusedNotKilled) {
                  group.Prefix());
   const int exit = engine.Wait();
   EXPECT_EQ(exit, 1) << engine.err();
-  EXPECT_NE(engine.err().find("cannot copy"), std::string::npos) << engine.err();
+  EXPECT_TRUE(testing::Logged(engine, "cannot copy")) << engine.err();
   EXPECT_EQ(group.OomKills(), 0);
 }
 
@@ -2074,7 +2071,7 @@ TEST_F(DaemonTest, AStopWithNoGraceOfAnIdleDaemonIsClean) {
   daemon->Signal(SIGTERM);
   EXPECT_EQ(daemon->Wait(), 0) << daemon->err();
   EXPECT_EQ(daemon->err().find("still busy"), std::string::npos) << daemon->err();
-  EXPECT_NE(daemon->err().find("stopped"), std::string::npos) << daemon->err();
+  EXPECT_TRUE(testing::Logged(*daemon, "stopped")) << daemon->err();
 }
 
 // A daemon that accepts but never answers (stopped, hung) gives the
@@ -2098,9 +2095,8 @@ TEST_F(DaemonTest, AdminCommandsGiveUpOnASilentDaemon) {
   for (size_t i = 0; i < asked.size(); ++i) {
     Process& p = *asked[i];
     EXPECT_EQ(p.Wait(), 1) << p.err();
-    EXPECT_NE(p.err().find(i < 3 ? "nothing for 30 s: is it stopped or hung?"
-                                 : "nothing for 0.25 s: is it stopped or hung?"),
-              std::string::npos)
+    EXPECT_TRUE(testing::Logged(p, i < 3 ? "nothing for 30 s: is it stopped or hung?"
+                                         : "nothing for 0.25 s: is it stopped or hung?"))
         << p.err();
   }
   daemon->Signal(SIGCONT);
@@ -2152,13 +2148,13 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   ASSERT_EQ(again.exit_code, 0) << again.err;
   EXPECT_NE(again.out.find("already resident: " + a + ", pinned as `prod`"), std::string::npos)
       << again.out;
-  EXPECT_NE(daemon->err().find("not loaded again"), std::string::npos) << daemon->err();
+  EXPECT_TRUE(testing::Logged(*daemon, "not loaded again")) << daemon->err();
   // A model has one name: pinned anew, the old name goes, and that is said.
   CommandResult renamed = Run({"preload", a, "--pin", "canary"});
   ASSERT_EQ(renamed.exit_code, 0) << renamed.err;
   EXPECT_NE(renamed.out.find("pinned as `canary` (no longer as `prod`)"), std::string::npos)
       << renamed.out;
-  EXPECT_NE(daemon->err().find("`prod` no longer names it"), std::string::npos);
+  EXPECT_TRUE(testing::Logged(*daemon, "`prod` no longer names it"));
   ASSERT_EQ(Run({"preload", a, "--pin", "prod"}).exit_code, 0);
   // b differs in content; trusted, it is served a's weights, and says so.
   CommandResult r = Run({"load", b, "--trust", "prod", "--json", "--checksum"});
@@ -2173,8 +2169,8 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
                        ", another directory,"),
             std::string::npos)
       << r.err;
-  EXPECT_NE(daemon->err().find("`prod` (loaded from " + a + ", for the engine's " + b + ")"),
-            std::string::npos)
+  EXPECT_TRUE(
+      testing::Logged(*daemon, "`prod` (loaded from " + a + ", for the engine's " + b + ")"))
       << daemon->err();
   // A name nothing is pinned as: the content decides, as without --trust.
   json unknown = Load(a, {"--trust", "staging"});
@@ -2190,7 +2186,7 @@ TEST_F(DaemonTest, TrustedNameSkipsTheContentCheckLoudly) {
   CommandResult moved = Run({"preload", b, "--pin", "prod", "--json"});
   ASSERT_EQ(moved.exit_code, 0) << moved.err;
   EXPECT_EQ(json::parse(moved.out)["pin_taken_from"], json::array({a})) << moved.out;
-  EXPECT_NE(daemon->err().find("`prod` no longer names the model from " + a), std::string::npos)
+  EXPECT_TRUE(testing::Logged(*daemon, "`prod` no longer names the model from " + a))
       << daemon->err();
   CommandResult back = Run({"preload", a, "--pin", "prod"});
   ASSERT_EQ(back.exit_code, 0) << back.err;
@@ -2326,8 +2322,7 @@ TEST_F(DaemonTest, AConfigModelThatFailsPassesItsTurnOn) {
   testing::WriteFileText(config, "[[model]]\npath = \"missing\"\n[[model]]\npath = \"a\"\n");
   auto daemon = StartDaemon({"--config", config});
   ASSERT_TRUE(Eventually([&] { return Status()["models"].size() == 1; })) << daemon->err();
-  EXPECT_NE(daemon->err().find("missing from the config failed"), std::string::npos)
-      << daemon->err();
+  EXPECT_TRUE(testing::Logged(*daemon, "missing from the config failed")) << daemon->err();
   EXPECT_EQ(Load(a, {"--no-fallback"})["source"], "daemon");
 }
 

@@ -316,8 +316,8 @@ TEST_F(EmulatedGpuTest, TwoBudgetsForOneGpuAreSaid) {
   const std::string by_uuid = std::string(kGpu0).substr(5);  // GPU-...
   auto daemon = StartDaemon({"--budget", "cuda:0=40M", "--budget", "cuda:" + by_uuid + "=60M"});
   EXPECT_EQ(DeviceStatus(kGpu0)["budget"].get<uint64_t>(), uint64_t{60} << 20);
-  EXPECT_NE(daemon->err().find("budgets for cuda:0 and cuda:" + by_uuid + " name the same GPU"),
-            std::string::npos)
+  EXPECT_TRUE(
+      testing::Logged(*daemon, "budgets for cuda:0 and cuda:" + by_uuid + " name the same GPU"))
       << daemon->err();
 }
 
@@ -349,8 +349,7 @@ TEST_F(EmulatedGpuTest, AGpuWithoutFdHandlesIsNotServedAndStatusSaysWhy) {
   const json& gpu = status["cuda"]["devices"][0];
   EXPECT_EQ(gpu["fd_handles"], false);
   EXPECT_EQ(gpu["not_served"], "it cannot export memory as file descriptors") << gpu;
-  EXPECT_NE(daemon->err().find("not served, it cannot export memory as file descriptors"),
-            std::string::npos)
+  EXPECT_TRUE(testing::Logged(*daemon, "not served, it cannot export memory as file descriptors"))
       << daemon->err();
   testing::CommandResult text = Run({"status"});
   EXPECT_NE(text.out.find("not served: it cannot export memory as file descriptors"),

@@ -285,7 +285,7 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
   EXPECT_EQ(k["source"], "daemon") << k.dump() << daemon.err();
   EXPECT_EQ(k["checksum"], j["checksum"]);
   // It waited for the load, rather than coming after it.
-  EXPECT_NE(daemon.err().find(", after waiting for its load"), std::string::npos) << daemon.err();
+  EXPECT_TRUE(testing::Logged(daemon, ", after waiting for its load")) << daemon.err();
   EXPECT_EQ(preload.Wait(), 0) << preload.err();
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
@@ -411,7 +411,7 @@ TEST(Latencyfs, EnginesWaitForQueuedConfigModelsButNotForOthers) {
       {"load", queued, "--json", "--socket-dir", sock, "--wait-for-daemon", "600"});
   ASSERT_EQ(patient.exit_code, 0) << patient.err;
   EXPECT_EQ(nlohmann::json::parse(patient.out)["source"], "daemon") << patient.out << daemon.err();
-  EXPECT_NE(daemon.err().find(", after waiting for its load"), std::string::npos) << daemon.err();
+  EXPECT_TRUE(testing::Logged(daemon, ", after waiting for its load")) << daemon.err();
   // In the config's order: the first was loaded before the second.
   const std::string log = daemon.err();
   EXPECT_LT(log.find("preloaded " + mnt + "/m"), log.find("preloaded " + queued)) << log;
@@ -511,7 +511,7 @@ TEST(Latencyfs, StatusListsAPreloadUnderWayAndSigtermCancelsIt) {
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
   EXPECT_NE(preload.Wait(), 0) << preload.out();
-  EXPECT_NE(daemon.err().find("the load was cancelled"), std::string::npos) << daemon.err();
+  EXPECT_TRUE(testing::Logged(daemon, "the load was cancelled")) << daemon.err();
   EXPECT_EQ(daemon.err().find("preloaded "), std::string::npos) << daemon.err();
   EXPECT_EQ(daemon.err().find("still busy"), std::string::npos) << daemon.err();
 }
@@ -542,8 +542,7 @@ TEST(Latencyfs, SigtermDoesNotWaitForAPreloadStuckOnTheFileSystem) {
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
   // Its engine is told, not left waiting, and told why.
   EXPECT_NE(preload.Wait(), 0) << preload.err();
-  EXPECT_NE(preload.err().find("the daemon closed the connection before it answered"),
-            std::string::npos)
+  EXPECT_TRUE(testing::Logged(preload, "the daemon closed the connection before it answered"))
       << preload.err();
   next.Signal(SIGTERM);
   EXPECT_EQ(next.Wait(), 0) << next.err();

@@ -238,6 +238,10 @@ bool Process::Exits(double seconds) {
 std::string Process::out() const { return Slurp(io_.Join("stdout")); }
 std::string Process::err() const { return Slurp(io_.Join("stderr")); }
 
+bool Logged(const Process& p, const std::string& text, double seconds) {
+  return Eventually([&] { return p.err().find(text) != std::string::npos; }, seconds);
+}
+
 bool Eventually(const std::function<bool()>& condition, double seconds) {
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::duration<double>(seconds);
   while (std::chrono::steady_clock::now() < deadline) {

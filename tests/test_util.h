@@ -128,6 +128,10 @@ class Process {
 // Polls `condition` every 20 ms for up to `seconds`; whether it came true.
 bool Eventually(const std::function<bool()>& condition, double seconds = 30);
 
+// Whether `p`'s stderr holds `text` within `seconds`: a daemon's log is
+// written by a thread of its own, a moment after what it tells of.
+bool Logged(const Process& p, const std::string& text, double seconds = 10);
+
 // An exclusive lock on a file under /tmp, held for as long as this lives:
 // how a test keeps apart from other processes (this binary run in
 // parallel, the bench) that use or change the same machine-wide thing.

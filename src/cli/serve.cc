@@ -251,9 +251,10 @@ int RunServe(ServeOptions o) {
     }
   }
   // Written by a thread of its own: a log nobody reads for a while (a
-  // paused pager, a stalled journal) holds up no request and no stop. The
-  // last holder of `so.log` (the options, going last) waits a second for
-  // what is queued.
+  // paused pager, a stalled journal) holds up no request and no stop. A
+  // stop waits a second for what is queued (Close, below: a thread left
+  // behind, such as the GPU probe's on a hung driver, may hold a copy of
+  // `so.log` past the end).
   auto log =
       std::make_shared<daemon::LogWriter>(STDERR_FILENO, [json = o.json](std::string_view message) {
         const std::string line(message);
@@ -345,6 +346,7 @@ int RunServe(ServeOptions o) {
   }
   if (Status s = server.Start(); !s.ok()) {
     running_server = nullptr;
+    log->Close(1.0);
     return ReportError("serve", s.error().message());
   }
   for (const std::string& note : notes) so.log(note);
@@ -420,6 +422,7 @@ int RunServe(ServeOptions o) {
   }
   for (std::thread& t : preloaders) t.join();
   running_server = nullptr;
+  log->Close(1.0);
   return kExitOk;
 }
 

@@ -1,5 +1,6 @@
 #include "daemon/log_writer.h"
 
+#include <poll.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -7,11 +8,15 @@
 #include <condition_variable>
 #include <deque>
 #include <mutex>
+#include <system_error>
 #include <thread>
 
 namespace weightd::daemon {
 
 struct LogWriter::State {
+  State(int to, std::function<std::string(std::string_view)> formatting)
+      : fd(to), format(std::move(formatting)) {}
+
   const int fd;
   const std::function<std::string(std::string_view)> format;
   mutable std::mutex mu;
@@ -58,6 +63,11 @@ struct LogWriter::State {
     while (!text.empty()) {
       const ssize_t n = ::write(fd, text.data(), text.size());
       if (n < 0 && errno == EINTR) continue;
+      if (n < 0 && errno == EAGAIN) {  // a non-blocking descriptor, full: wait here
+        pollfd room{fd, POLLOUT, 0};
+        if (::poll(&room, 1, -1) < 0 && errno != EINTR) return;
+        continue;
+      }
       if (n <= 0) return;
       text.remove_prefix(static_cast<size_t>(n));
     }
@@ -67,13 +77,22 @@ struct LogWriter::State {
 LogWriter::LogWriter(int fd, std::function<std::string(std::string_view)> format)
     : state_(std::make_shared<State>(fd, std::move(format))) {
   // The thread holds the state too: one stuck in a write outlives this.
-  state_->writer = std::thread([s = state_] { s->Run(); });
+  try {
+    state_->writer = std::thread([s = state_] { s->Run(); });
+  } catch (const std::system_error&) {
+    // No thread to be had (a process limit): lines are written as they
+    // come, as before there was a writer.
+  }
 }
 
 void LogWriter::Write(std::string_view message) {
   std::string line = state_->format(message);
   State& s = *state_;
   std::lock_guard lock(s.mu);
+  if (!s.writer.joinable() && !s.closing) {
+    s.WriteAll(line += '\n');
+    return;
+  }
   if (s.closing) {
     ++s.dropped;
     return;
@@ -102,6 +121,10 @@ bool LogWriter::Close(double seconds) {
   closed_ = true;
   State& s = *state_;
   std::unique_lock lock(s.mu);
+  if (!s.writer.joinable()) {  // no writer: written already
+    s.closing = true;
+    return true;
+  }
   s.closing = true;
   s.work.notify_one();
   const bool written = s.idle.wait_for(lock, std::chrono::duration<double>(seconds),

@@ -25,10 +25,10 @@ class LogWriter {
   static constexpr size_t kMaxQueuedBytes = 1 << 20;
 
   // Writes to `fd` (not owned: it stays open while a write may come, until
-  // Close returns true or the process ends) each message as `format` makes it a line
-  // (without its newline), in the thread that logs it: a timestamp is the
-  // time it was logged, not written. Throws std::system_error where no
-  // thread can be started.
+  // Close returns true or the process ends) each message as `format` makes
+  // it a line (without its newline), in the thread that logs it: a
+  // timestamp is the time it was logged, not written. Where no thread can
+  // be started (a process limit), each line is written as it is logged.
   LogWriter(int fd, std::function<std::string(std::string_view message)> format);
   LogWriter(const LogWriter&) = delete;
   LogWriter& operator=(const LogWriter&) = delete;

@@ -408,7 +408,8 @@ struct Server::State {
   void LogNowAndThen(const std::string& what, int error);
   // Checks a new connection's peer; false (logged, answered) when refused.
   bool Admit(memory::UniqueFd& conn, ucred* peer);
-  // Starts one more serving thread; false when the system refuses.
+  // Starts one more serving thread; false when the system refuses, or
+  // kMaxWorkers serve already.
   bool SpawnWorker();
   json CudaStatus() {
     std::lock_guard lock(read_only_mu);
@@ -844,8 +845,9 @@ void Server::State::WorkerLoop() {
     // Someone must be in accept() while this thread serves. Where the
     // system gives no thread, connections wait in the backlog for one.
     if (spawn && !SpawnWorker()) {
-      LogNowAndThen("no thread for the next connection, " + std::to_string(kMaxWorkers) +
-                        " at most (connections wait for one to be free)",
+      LogNowAndThen("no thread for the next connection (the system gave none, or " +
+                        std::to_string(kMaxWorkers) +
+                        " serve already; connections wait for one to be free)",
                     EAGAIN);
     }
     if (!conn.valid()) {
@@ -1146,10 +1148,16 @@ void Server::State::ParkLoop() {
         if (room) ++workers;
       }
       if (!room) {
+        // An engine gone: its leases go back now, not when a thread is free.
+        pollfd gone{c->ch.fd(), 0, 0};
+        if (::poll(&gone, 1, 0) == 1 && (gone.revents & (POLLHUP | POLLERR)) != 0) {
+          Finish(std::move(c));
+          continue;
+        }
         // Every thread busy: parked again (it is readable, so back here at
         // once), after a pause for all of those woken.
-        LogNowAndThen("no thread for a connection with a request, " + std::to_string(kMaxWorkers) +
-                          " at most (tried again)",
+        LogNowAndThen("no thread for a connection with a request (" + std::to_string(kMaxWorkers) +
+                          " serve already; tried again)",
                       EAGAIN);
         if (!std::exchange(waited, true))
           std::this_thread::sleep_for(std::chrono::milliseconds(50));
@@ -1257,7 +1265,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     };
     // Room for the lease first: once taken, recording it cannot fail, and a
     // lease recorded goes back when the connection ends, whatever fails.
-    leases.reserve(leases.size() + 1);
+    if (leases.size() == leases.capacity()) leases.reserve(std::max<size_t>(4, 2 * leases.size()));
     Registry::Lookup found =
         registry.Acquire(key, trust,
                          std::chrono::steady_clock::now() +
@@ -1456,9 +1464,11 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
             (std::chrono::steady_clock::now() - last < kProgressEvery && done < total)) {
           return;
         }
-        // No thread to send it (none could be started): none sent, rather
-        // than a send that could stall the readers, under their lock.
-        if (!beating) return;
+        // No thread to send it (none could be started): sent here, under
+        // the readers' lock. An asker that stops reading then stalls them
+        // once, for the send timeout, and hears nothing more; silence until
+        // the reply would have the asker give up on a long preload.
+        if (!beating) return send_progress(lock, false);
         due = true;
         beat_cv.notify_all();
       });
@@ -1856,10 +1866,13 @@ Result<json> Server::State::PreloadUnguarded(
       }
       // Huge pages come from their own pool, which neither MemAvailable
       // nor a control group's memory counts.
+      const size_t evicted_before = evicted.size();  // by a try in huge pages, logged
       WEIGHTD_RETURN_IF_ERROR(registry.Reserve({need.begin(), need.end()}, &evicted,
                                                /*weigh_room=*/!host.options.try_huge_pages));
       reserved.ranks = std::move(want);
-      for (const Eviction& e : evicted) Log("evicted " + Named(e) + ", to make room");
+      for (size_t i = evicted_before; i < evicted.size(); ++i) {
+        Log("evicted " + Named(evicted[i]) + ", to make room");
+      }
     }
     const memory::Device& device = devices[static_cast<size_t>(rank)];
     if (device.kind == memory::DeviceKind::kCuda) {

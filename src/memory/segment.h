@@ -137,12 +137,12 @@ struct HostSegmentOptions {
 // of them, else normal memory: whole transparent huge pages where the
 // kernel's policy lets it fill memfds with those, else whole normal pages.
 // For a caller that reserves memory before making segments: made with
-// `options`, a segment never takes more than `bytes` (the pool may have
-// shrunk meanwhile, and normal pages are then used; it cannot have grown
-// into use), unless the kernel's shmem policy turned to `always` between
-// the plan and the end of the fill. Where the plan is huge pages, its
+// `options`, a segment never takes more than `bytes`, unless the kernel's
+// shmem policy turned to `always` between the plan and the end of the fill.
+// Where the plan is huge pages and the pool has shrunk meanwhile, its
 // options refuse normal pages: room weighed for the pool is not room in
-// memory. Without `huge_page_pool`, normal memory whatever the pool has.
+// memory (plan again without `huge_page_pool`, for normal memory whatever
+// the pool has).
 struct HostPlacement {
   uint64_t bytes = 0;  // per segment
   HostSegmentOptions options;
