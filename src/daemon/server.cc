@@ -1137,7 +1137,24 @@ void Server::State::ParkLoop() {
       Finish(std::move(c));
     }
     if (stop) break;
-    bool waited = false;
+    // No thread for `c` (the system gave none, or kMaxWorkers serve
+    // already): an engine gone is finished here, its leases back now, not
+    // when a thread is free; one with a request is parked again (it is
+    // readable, so back here at once), after one pause for all of those
+    // woken.
+    bool paused = false;
+    auto without_thread = [&](std::unique_ptr<Connection>& c) {
+      pollfd gone{c->ch.fd(), 0, 0};
+      if (::poll(&gone, 1, 0) == 1 && (gone.revents & (POLLHUP | POLLERR)) != 0) {
+        Finish(std::move(c));
+        return;
+      }
+      LogNowAndThen("no thread for a connection with a request (the system gave none, or " +
+                        std::to_string(kMaxWorkers) + " serve already; tried again)",
+                    EAGAIN);
+      if (!std::exchange(paused, true)) std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      if (!Park(c)) Finish(std::move(c));
+    };
     for (auto& c : woken) {
       // Counted as a worker, so that a stop waits for it to end: it
       // touches the state after it parks the connection again.
@@ -1148,20 +1165,7 @@ void Server::State::ParkLoop() {
         if (room) ++workers;
       }
       if (!room) {
-        // An engine gone: its leases go back now, not when a thread is free.
-        pollfd gone{c->ch.fd(), 0, 0};
-        if (::poll(&gone, 1, 0) == 1 && (gone.revents & (POLLHUP | POLLERR)) != 0) {
-          Finish(std::move(c));
-          continue;
-        }
-        // Every thread busy: parked again (it is readable, so back here at
-        // once), after a pause for all of those woken.
-        LogNowAndThen("no thread for a connection with a request (" + std::to_string(kMaxWorkers) +
-                          " serve already; tried again)",
-                      EAGAIN);
-        if (!std::exchange(waited, true))
-          std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        if (!Park(c)) Finish(std::move(c));
+        without_thread(c);
         continue;
       }
       Connection* raw = c.release();
@@ -1184,12 +1188,8 @@ void Server::State::ParkLoop() {
           std::lock_guard lock(conn_mu);
           --workers;
         }
-        // No thread now: parked again (it is readable, so back here at
-        // once), after a pause.
         c.reset(raw);
-        LogNowAndThen("no thread for a connection with a request (tried again)", EAGAIN);
-        std::this_thread::sleep_for(std::chrono::milliseconds(50));
-        if (!Park(c)) Finish(std::move(c));
+        without_thread(c);
       }
     }
   }
