@@ -361,8 +361,8 @@ std::vector<MergedRead> PlanReads(std::span<ShardWork> work, const Options& o) {
 // name order as soon as those before them are in; returns how many waves of
 // reads that took. Reads go a window of `window_bytes` at a time (at least
 // one read) into one buffer, used again once the samples it held are hashed.
-// That takes name order to be file order, as it mostly is; a buffer that
-// still holds samples to hash is kept, and another one taken.
+// That takes name order to be file order, as it mostly is (see below for
+// samples that must wait).
 //
 // On a network file system the window is large, since each wave costs a
 // round trip. On a local one a read costs none, and a model of small
