@@ -579,6 +579,77 @@ TEST(Full, ABrokenShardIsAnErrorAsInSampledMode) {
   }
 }
 
+// A file system that counts each shard's opens, and holds every read of a
+// shard other than `broken` until the broken shard's file has been closed
+// (10 s at most): by then its error is known.
+class BrokenShardFileSystem final : public testing::PassThroughFileSystem {
+ public:
+  explicit BrokenShardFileSystem(std::string broken) : broken_(std::move(broken)) {}
+
+  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& path) override {
+    WEIGHTD_ASSIGN_OR_RETURN(auto file, base_.Open(path));
+    std::lock_guard lock(mu_);
+    ++opens_[io::BaseName(path)];
+    return std::unique_ptr<io::RandomAccessFile>(new File(std::move(file), this));
+  }
+  int opens_of(const std::string& name) {
+    std::lock_guard lock(mu_);
+    return opens_[name];
+  }
+
+ private:
+  class File final : public testing::PassThroughFile {
+   public:
+    File(std::unique_ptr<io::RandomAccessFile> f, BrokenShardFileSystem* fs)
+        : PassThroughFile(std::move(f)), fs_(fs) {}
+    ~File() override {
+      if (io::BaseName(path()) != fs_->broken_) return;
+      std::lock_guard lock(fs_->mu_);
+      fs_->broken_closed_ = true;
+      fs_->cv_.notify_all();
+    }
+    Status ReadExactly(uint64_t offset, std::span<std::byte> dst) const override {
+      const std::string name = io::BaseName(path());
+      if (name != fs_->broken_ && name.ends_with(".safetensors")) {
+        std::unique_lock lock(fs_->mu_);
+        fs_->cv_.wait_for(lock, std::chrono::seconds(10), [&] { return fs_->broken_closed_; });
+      }
+      return PassThroughFile::ReadExactly(offset, dst);
+    }
+
+   private:
+    BrokenShardFileSystem* fs_;
+  };
+
+  const std::string broken_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool broken_closed_ = false;
+  std::map<std::string, int> opens_;
+};
+
+// One broken shard is the answer: the shards not yet begun when it failed
+// are never opened, in either mode.
+TEST(Full, ABrokenShardStopsTheShardsNotYetBegun) {
+  TempDir dir;
+  const std::string m =
+      Make(dir, "m", {.preset = "llama", .size_bytes = 16 << 20, .layers = 8, .shards = 8});
+  const std::vector<std::string> shards = ShardFiles(m);
+  ASSERT_EQ(shards.size(), 8u);
+  fs::resize_file(m + "/" + shards[0], 1000);
+  // Full mode hashes up to 4 shards at once; sampled mode, with one read in
+  // flight, one.
+  for (const auto& [mode, begun] : {std::pair(Mode::kFull, 4), std::pair(Mode::kSampled, 1)}) {
+    BrokenShardFileSystem files(shards[0]);
+    auto fp = FingerprintCheckpoint(files, m, {.mode = mode, .max_inflight = 1});
+    ASSERT_FALSE(fp.ok()) << ModeName(mode);
+    EXPECT_NE(fp.error().message().find(shards[0]), std::string::npos) << fp.error().message();
+    for (size_t i = static_cast<size_t>(begun); i < shards.size(); ++i) {
+      EXPECT_EQ(files.opens_of(shards[i]), 0) << ModeName(mode) << " " << shards[i];
+    }
+  }
+}
+
 // --- The stat shortcut ---------------------------------------------------
 
 // Files written by a test are seconds old at most: these tests turn the

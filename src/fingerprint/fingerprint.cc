@@ -652,17 +652,19 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
   for (size_t i = 0; i < refs.size(); ++i) {
     work[i].ref = refs[i];
     if (listing.remote || !FromCache(fs, o, work[i])) todo.push_back(i);
+    if (work[i].error) return *work[i].error;  // its stat failed
   }
   // The rest all at once: each either takes the work started from the
   // listing (one stat, usually answered from the attribute cache, to check
   // it is the same file) or opens and reads its head now.
   {  // the slots are freed before stage 2
     std::atomic<size_t> next{0};
+    std::atomic<bool> failed{false};  // once a shard has, no other is begun
     const size_t workers = std::min<size_t>(todo.size(), std::max(o.max_inflight, 1));
     const HeadSlots slots(workers, o);
     ReadBudget budget(o.max_inflight - static_cast<int64_t>(workers), o.remote_window_bytes);
     io::RunTeam(static_cast<int>(workers), [&](int worker) {
-      for (size_t k; (k = next.fetch_add(1)) < todo.size();) {
+      for (size_t k; !failed && (k = next.fetch_add(1)) < todo.size();) {
         const size_t i = todo[k];
         if (!early.Take(refs[i], listing.real_dir, work[i], head_stats[i])) {
           work[i].ref = refs[i];
@@ -670,8 +672,14 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
                           /*cache_checked=*/!listing.remote && o.cache != nullptr);
         }
         if (listing.remote) ReadOwnSamples(o, work[i], head_stats[i], budget);
+        if (work[i].error) failed = true;
       }
     });
+    if (failed) {
+      for (const ShardWork& w : work) {
+        if (w.error) return *w.error;  // the first in name order of those that failed
+      }
+    }
   }
   Fingerprint fp;
   uint64_t slowest_shard = 0;
@@ -724,16 +732,24 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
   std::vector<std::optional<Error>> errors(refs.size());
   std::vector<io::ReadStats> stats(refs.size());
   std::atomic<size_t> next{0};
+  // Set by the first shard that fails: the rest are not read (a broken
+  // shard among 64 of 5 GB must not cost the others' every byte first).
+  std::atomic<bool> failed{false};
+  auto cancelled = [&] { return o.cancel != nullptr && o.cancel->load(); };
   const std::string kind = CacheKind(o);
   io::RunTeam(static_cast<int>(std::min<size_t>(refs.size(), kFullParallelShards)), [&](int) {
     for (size_t i; (i = next.fetch_add(1)) < refs.size();) {
       ShardFingerprint& s = shards[i];
       s.name = refs[i].name;
-      auto fail = [&](const Error& e) { errors[i] = e; };
-      if (o.cancel != nullptr && o.cancel->load()) {
+      auto fail = [&](const Error& e) {
+        errors[i] = e;
+        failed = true;
+      };
+      if (cancelled()) {
         fail(Error("the fingerprint was cancelled"));
         continue;
       }
+      if (failed) break;  // another shard's error is the answer
       // Opened even when the stat cache may answer: NFS revalidates a
       // file's attributes when it is opened (close-to-open), where a plain
       // stat may get the client's cached ones, and a stale signature would
@@ -775,16 +791,23 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
       Status read = io::StreamFile(
           **file, {.chunk_bytes = kFullChunkBytes, .max_inflight = 2},
           [&](uint64_t, std::span<const std::byte> chunk) -> Status {
-            if (o.cancel != nullptr && o.cancel->load())
-              return Error("the fingerprint was cancelled");
+            if (failed || cancelled()) return Error("stopped");
             sha.Update(chunk.data(), chunk.size());
             return OkStatus();
           },
           &stats[i]);
-      auto after = (*file)->Stat();
       if (!read.ok()) {
-        fail(read.error());
-      } else if (!after.ok() || !(*after == *before)) {
+        if (cancelled()) {
+          fail(Error("the fingerprint was cancelled"));
+        } else if (failed) {
+          break;  // stopped for another shard's error, which is the answer
+        } else {
+          fail(read.error());
+        }
+        continue;
+      }
+      auto after = (*file)->Stat();
+      if (!after.ok() || !(*after == *before)) {
         fail(Error(refs[i].path + ": changed while being fingerprinted; try again"));
       } else {
         s.digest = sha.Tagged();
@@ -795,10 +818,12 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
       }
     }
   });
+  for (const std::optional<Error>& e : errors) {
+    if (e) return *e;  // the first in name order of those that failed
+  }
   Fingerprint fp;
   fp.mode = Mode::kFull;
   for (size_t i = 0; i < refs.size(); ++i) {
-    if (errors[i]) return *errors[i];
     fp.reads += stats[i].reads;
     fp.bytes_read += stats[i].bytes;
     fp.cache_hits += shards[i].cached ? 1 : 0;
