@@ -25,6 +25,7 @@ inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 inline constexpr int kExitNoDaemon = 3;  // status, preload, evict: nothing listens
+inline constexpr int kExitWorkLeft = 4;  // serve: stopped, with work stuck in a call left behind
 
 // Prints "weightd: error: <what>: <why>" to stderr and returns `code`.
 int ReportError(std::string_view what, std::string_view why, int code = kExitFailure);

@@ -413,12 +413,14 @@ int RunServe(ServeOptions o) {
              e.what() + ")");
     }
   }
-  if (!server.Run()) {
-    // Some work is stuck in a file system call that does not return: Run
-    // logged it and let the directory go; the process goes without it.
+  if (const auto stopped = server.Run(); stopped != daemon::Server::Stopped::kAllEnded) {
+    // Some work is stuck in a file system call that does not return, or
+    // threads did not leave: Run logged it and let the directory go; the
+    // process goes without them. Work left behind is an exit of its own, for
+    // a supervisor to tell from a clean stop.
     std::cout.flush();
     log->Close(1.0);
-    std::_Exit(kExitOk);
+    std::_Exit(stopped == daemon::Server::Stopped::kWorkLeft ? kExitWorkLeft : kExitOk);
   }
   for (std::thread& t : preloaders) t.join();
   running_server = nullptr;

@@ -709,7 +709,7 @@ Status Server::Start() {
   return OkStatus();
 }
 
-bool Server::Run() {
+Server::Stopped Server::Run() {
   State& s = *state_;
   while (!s.stopping.load()) {
     // While the driver is being asked, look now and then: the GPUs get their
@@ -764,7 +764,8 @@ bool Server::Run() {
     s.abandoned = true;
     char grace[32];
     std::snprintf(grace, sizeof grace, "%g", waited);
-    if (only_threads()) {
+    const bool work_left = !only_threads();
+    if (!work_left) {
       s.Log("stopping with " + std::to_string(s.workers) + " idle thread(s) not ended after " +
             grace + " s: not waiting for them");
     } else {
@@ -778,11 +779,11 @@ bool Server::Run() {
     // daemon now, not when that thread ends.
     s.lock_fd.Reset();
     s.dir_fd.Reset();
-    return false;
+    return work_left ? Stopped::kWorkLeft : Stopped::kIdleThreadsLeft;
   }
   s.listen_fd.Reset();
   s.Log("stopped");
-  return true;
+  return Stopped::kAllEnded;
 }
 
 bool Server::State::Admit(memory::UniqueFd& conn, ucred* peer) {

@@ -74,12 +74,19 @@ class Server {
   // Claims the directory and listens.
   Status Start();
 
+  // How a stop ended. Where anything is left, the caller should exit the
+  // process without running destructors: those threads still use the Server.
+  enum class Stopped {
+    kAllEnded,
+    kIdleThreadsLeft,  // every request done; threads that did not leave in 5 s
+    kWorkLeft,         // connections or preloads still busy (a hung mount?)
+  };
+
   // Serves until RequestStop; then stops accepting, removes the socket and
   // closes every connection. Connections and Preload calls still busy after
   // stop_grace_seconds are left behind (logged, with what the Server holds
-  // left allocated for them, and the lock file let go): returns false then,
-  // and the caller should exit the process.
-  bool Run();
+  // left allocated for them, and the lock file let go).
+  Stopped Run();
 
   // Async-signal-safe. `signal`: the one that asked, for the log (0: none).
   void RequestStop(int signal = 0);
