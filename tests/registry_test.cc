@@ -108,6 +108,11 @@ TEST(Registry, ALeasedModelOnAGpuLeavesNoRoomAndTheErrorNamesTheDevice) {
       << full.error().message();
   r.Release(lease.model);
   EXPECT_EQ(Find(r.Take(), kGpu)->used, 0u);
+  // A lease released twice gives its bytes back once.
+  r.Release(lease.model);
+  EXPECT_EQ(Find(r.Take(), kGpu)->used, 0u);
+  EXPECT_TRUE(r.Reserve(kGpu, 6 * kMiB, nullptr).ok());
+  EXPECT_FALSE(r.Reserve(kGpu, kMiB, nullptr).ok());
 }
 
 // Room the kernel would still give, less than the budget says (memory

@@ -427,7 +427,11 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
 
 void Registry::Release(const std::shared_ptr<ResidentModel>& model) {
   std::lock_guard lock(mu_);
-  if (model->leases > 0) --model->leases;
+  // A release with no lease (one released twice, by a fault elsewhere)
+  // gives nothing back: an evicted model's bytes would otherwise come off
+  // its device's account again, and the account would wrap.
+  if (model->leases == 0) return;
+  --model->leases;
   if (model->evicted && model->leases == 0) {
     Account& a = AccountLocked(model->key.device);
     a.used -= model->segment->reserved_bytes();
