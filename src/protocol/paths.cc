@@ -30,7 +30,9 @@ std::string SocketDirectory(const std::string& flag) {
   if (const char* d = std::getenv("XDG_RUNTIME_DIR"); d != nullptr && *d != '\0') {
     return WithoutTrailingSlashes(d) + "/weightd";
   }
-  return "/tmp/weightd-" + std::to_string(::getuid());
+  // The user the directory must belong to (OpenSocketDirectory), and the
+  // peers must be: the effective one, as the stat cache's directory.
+  return "/tmp/weightd-" + std::to_string(::geteuid());
 }
 
 std::string SocketPath(const std::string& dir) { return dir + "/" + kSocketName; }
