@@ -9,8 +9,10 @@
 #include <filesystem>
 #include <set>
 
+#include "fingerprint/fingerprint.h"
 #include "format/rules.h"
 #include "format/writer.h"
+#include "loader/loader.h"
 #include "test_util.h"
 
 namespace weightd::format {
@@ -139,6 +141,65 @@ TEST(Checkpoint, SymlinkInsideAndHubCacheBlobsAreFine) {
             0);
   auto ckpt = OpenCheckpoint(io::PosixFileSystem(), repo + "/snapshots/rev1");
   EXPECT_TRUE(ckpt.ok()) << ckpt.error().message();
+}
+
+// A file system on which someone who may write the checkpoint's directory
+// wins the race between a shard's escape check and its open: right after
+// the check resolves `swapped` (a path under the directory), that path
+// becomes a symlink to `target`.
+class SwapAfterCheckFileSystem final : public testing::PassThroughFileSystem {
+ public:
+  SwapAfterCheckFileSystem(std::string swapped, std::string target)
+      : swapped_(std::move(swapped)), target_(std::move(target)) {}
+  Result<std::string> RealPath(const std::string& p) override {
+    auto real = base_.RealPath(p);
+    if (p.starts_with(swapped_ + "/") || p == swapped_) {
+      std::filesystem::rename(swapped_, swapped_ + ".moved");
+      EXPECT_EQ(::symlink(target_.c_str(), swapped_.c_str()), 0);
+    }
+    return real;
+  }
+
+ private:
+  const std::string swapped_, target_;
+};
+
+// The symlink swapped in after the check is not followed, whether it
+// replaces the shard itself or a directory on its way: the weights outside
+// are neither listed, fingerprinted nor loaded.
+TEST(Checkpoint, ASymlinkSwappedInAfterTheEscapeCheckIsNotFollowed) {
+  for (const bool whole_directory : {false, true}) {
+    TempDir outside, dir;
+    WriteShardWith(outside.Join("m.safetensors"), {"secret"});
+    std::filesystem::create_directory(dir.Join("sub"));
+    WriteShardWith(dir.Join("sub/m.safetensors"), {"a"});
+    WriteIndex(dir.path(), {{"a", "sub/m.safetensors"}});
+    const std::string swapped = whole_directory ? dir.Join("sub") : dir.Join("sub/m.safetensors");
+    const std::string target = whole_directory ? outside.path() : outside.Join("m.safetensors");
+    auto expect_refused = [&](const Status& s, const char* what) {
+      // Put back for the next: the original, not the symlink.
+      std::filesystem::remove(swapped);
+      std::filesystem::rename(swapped + ".moved", swapped);
+      ASSERT_FALSE(s.ok()) << what << (whole_directory ? ", directory" : ", file");
+      EXPECT_NE(s.error().message().find("a symlink is in its way"), std::string::npos)
+          << what << ": " << s.error().message();
+    };
+    {
+      SwapAfterCheckFileSystem files(swapped, target);
+      auto ckpt = OpenCheckpoint(files, dir.path());
+      expect_refused(ckpt.ok() ? OkStatus() : Status(ckpt.error()), "open");
+    }
+    {
+      SwapAfterCheckFileSystem files(swapped, target);
+      auto fp = fingerprint::FingerprintCheckpoint(files, dir.path(), {});
+      expect_refused(fp.ok() ? OkStatus() : Status(fp.error()), "fingerprint");
+    }
+    {
+      SwapAfterCheckFileSystem files(swapped, target);
+      auto loaded = loader::LoadCheckpoint(files, dir.path());
+      expect_refused(loaded.ok() ? OkStatus() : Status(loaded.error()), "load");
+    }
+  }
 }
 
 TEST(Checkpoint, IndexedTensorMustBeInItsShard) {

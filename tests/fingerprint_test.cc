@@ -191,8 +191,10 @@ class SlowLookingFileSystem final : public testing::PassThroughFileSystem {
   SlowLookingFileSystem(std::chrono::microseconds read_delay, Hold hold)
       : read_delay_(read_delay), hold_(std::move(hold)) {}
 
-  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& path) override {
-    WEIGHTD_ASSIGN_OR_RETURN(auto file, base_.Open(path));
+  using PassThroughFileSystem::Open;
+  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& path,
+                                                     io::Symlinks symlinks) override {
+    WEIGHTD_ASSIGN_OR_RETURN(auto file, base_.Open(path, symlinks));
     return std::unique_ptr<io::RandomAccessFile>(new File(std::move(file), this));
   }
   Result<bool> IsDirectory(const std::string& p) override {
@@ -586,8 +588,10 @@ class BrokenShardFileSystem final : public testing::PassThroughFileSystem {
  public:
   explicit BrokenShardFileSystem(std::string broken) : broken_(std::move(broken)) {}
 
-  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& path) override {
-    WEIGHTD_ASSIGN_OR_RETURN(auto file, base_.Open(path));
+  using PassThroughFileSystem::Open;
+  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& path,
+                                                     io::Symlinks symlinks) override {
+    WEIGHTD_ASSIGN_OR_RETURN(auto file, base_.Open(path, symlinks));
     std::lock_guard lock(mu_);
     ++opens_[io::BaseName(path)];
     return std::unique_ptr<io::RandomAccessFile>(new File(std::move(file), this));

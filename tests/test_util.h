@@ -50,8 +50,10 @@ std::vector<std::byte> Bytes(const std::string& text);
 // override what it watches or slows down.
 class PassThroughFileSystem : public io::FileSystem {
  public:
-  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& p) override {
-    return base_.Open(p);
+  using io::FileSystem::Open;
+  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& p,
+                                                     io::Symlinks symlinks) override {
+    return base_.Open(p, symlinks);
   }
   Result<io::StatSignature> Stat(const std::string& p) override { return base_.Stat(p); }
   Result<bool> IsDirectory(const std::string& p) override { return base_.IsDirectory(p); }

@@ -599,8 +599,10 @@ class RecordingFileSystem final : public testing::PassThroughFileSystem {
     std::string path;
     uint64_t offset, bytes;
   };
-  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& path) override {
-    WEIGHTD_ASSIGN_OR_RETURN(auto file, base_.Open(path));
+  using PassThroughFileSystem::Open;
+  Result<std::unique_ptr<io::RandomAccessFile>> Open(const std::string& path,
+                                                     io::Symlinks symlinks) override {
+    WEIGHTD_ASSIGN_OR_RETURN(auto file, base_.Open(path, symlinks));
     return std::unique_ptr<io::RandomAccessFile>(new File(std::move(file), this));
   }
 

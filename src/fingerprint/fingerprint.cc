@@ -207,7 +207,7 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
                      std::span<char> slot, bool cache_checked = false) {
   w.result.name = w.ref.name;
   if (!cache_checked && FromCache(fs, o, w)) return;
-  auto file = fs.Open(w.ref.resolved);
+  auto file = fs.Open(w.ref.resolved, w.ref.symlinks);
   w.round_trips += 2;  // lookup + open
   if (!file.ok()) {
     w.error = file.error();
@@ -528,8 +528,10 @@ class EarlyHeads {
                             o_.remote_window_bytes);
           io::RunTeam(static_cast<int>(workers), [&](int worker) {
             for (size_t i; (i = next.fetch_add(1)) < work_.size();) {
+              // Taken only where the shard is this very name in the
+              // directory, a regular file: a symlink here is not followed.
               const std::string path = io::JoinPath(dir_, names_[i]);
-              work_[i].ref = {names_[i], path, path};
+              work_[i].ref = {names_[i], path, path, io::Symlinks::kNotTheFile};
               OpenAndReadHead(fs_, o_, work_[i], stats_[i], slots[worker]);
               ShardWork& w = work_[i];
               // With heads still to read, not yet: Sampled() reads these
@@ -754,7 +756,7 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
       // file's attributes when it is opened (close-to-open), where a plain
       // stat may get the client's cached ones, and a stale signature would
       // find the old digest. Full mode is asked for to see every change.
-      auto file = fs.Open(refs[i].resolved);
+      auto file = fs.Open(refs[i].resolved, refs[i].symlinks);
       if (!file.ok()) {
         fail(file.error());
         continue;

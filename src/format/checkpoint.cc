@@ -398,7 +398,8 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
         errors[i] = resolved.error();
         continue;
       }
-      listing.shards[i] = {names[i], io::JoinPath(path, names[i]), std::move(resolved).value()};
+      listing.shards[i] = {names[i], io::JoinPath(path, names[i]), std::move(resolved).value(),
+                           io::Symlinks::kNone};
     }
   });
   for (auto& e : errors) {
@@ -500,7 +501,7 @@ Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path) {
       Shard& shard = ckpt.shards[i];
       shard.name = refs[i].name;
       shard.path = refs[i].path;
-      auto file = fs.Open(refs[i].resolved);
+      auto file = fs.Open(refs[i].resolved, refs[i].symlinks);
       if (!file.ok()) {
         errors[i] = file.error();
         continue;

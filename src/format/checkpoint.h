@@ -32,11 +32,14 @@ inline constexpr std::string_view kIndexFileName = "model.safetensors.index.json
 struct ShardRef {
   std::string name;  // relative to the checkpoint directory, as the index spells it
   std::string path;  // directory joined with name, for messages
-  // With every symlink resolved, as checked against escapes: what to open.
-  // The check and the open are not one step: a symlink swapped in between
-  // (by someone who may write the directory) is followed. What is read is
-  // served to this user's engines only.
+  // With every symlink resolved, as checked against escapes: what to open,
+  // following `symlinks`. In a directory's checkpoint that is none: the
+  // check and the open are not one step, and a symlink put in the way
+  // between them (by someone who may write the directory) fails the open
+  // rather than being followed out of the checkpoint. A single file is the
+  // path the user named, symlinks and all.
   std::string resolved;
+  io::Symlinks symlinks = io::Symlinks::kFollow;
 };
 
 struct Shard {

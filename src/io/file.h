@@ -71,6 +71,17 @@ struct DirEntry {
   EntryType type = EntryType::kOther;
 };
 
+// Which symlinks an open may follow on its way to the file.
+enum class Symlinks {
+  kFollow,  // any: a path as the user gave it
+  // None as the file itself: a name from a directory's listing, which is to
+  // be the regular file the listing saw.
+  kNotTheFile,
+  // None anywhere: a path RealPath gave, where a symlink found now was put
+  // there after the path was checked (against a shard's escape, say).
+  kNone,
+};
+
 class FileSystem {
  public:
   FileSystem() = default;
@@ -78,7 +89,12 @@ class FileSystem {
   FileSystem& operator=(const FileSystem&) = delete;
   virtual ~FileSystem() = default;
 
-  virtual Result<std::unique_ptr<RandomAccessFile>> Open(const std::string& path) = 0;
+  // A regular file, opened for reading; anything else is an error.
+  virtual Result<std::unique_ptr<RandomAccessFile>> Open(const std::string& path,
+                                                         Symlinks symlinks) = 0;
+  Result<std::unique_ptr<RandomAccessFile>> Open(const std::string& path) {
+    return Open(path, Symlinks::kFollow);
+  }
 
   // Follows symlinks.
   virtual Result<StatSignature> Stat(const std::string& path) = 0;

@@ -52,7 +52,7 @@ Status ReadHead(io::FileSystem& fs, const format::ShardRef& ref, OpenShard& out,
                 format::Shard& shard) {
   shard.name = ref.name;
   shard.path = ref.path;
-  WEIGHTD_ASSIGN_OR_RETURN(out.file, fs.Open(ref.resolved));
+  WEIGHTD_ASSIGN_OR_RETURN(out.file, fs.Open(ref.resolved, ref.symlinks));
   WEIGHTD_ASSIGN_OR_RETURN(out.signature, out.file->Stat());
   shard.file_size = out.file->size();
   if (out.signature.size != shard.file_size)

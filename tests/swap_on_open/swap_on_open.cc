@@ -1,5 +1,6 @@
 // Preloaded into a process (LD_PRELOAD), renames one file over another
-// just before the process opens the latter for the N-th time, once:
+// just before the process opens the latter for the N-th time, once (by
+// open(2), or by openat2(2) through syscall(2)):
 //
 //   WEIGHTD_SWAP_PATH  the file the process opens
 //   WEIGHTD_SWAP_WITH  the file renamed over it
@@ -13,6 +14,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 
 #include <atomic>
 
@@ -52,3 +54,25 @@ extern "C" __attribute__((visibility("default"))) int open(const char* path, int
 
 extern "C" __attribute__((visibility("default"), alias("open"))) int open64(const char* path,
                                                                             int flags, ...);
+
+// openat2 has no C library wrapper: it is called through syscall(2), whose
+// other calls pass through untouched. Every call takes up to six
+// word-sized arguments; they are forwarded as they came.
+extern "C" __attribute__((visibility("default"))) long syscall(long number, ...) {
+  using SyscallFn = long (*)(long, ...);
+  static std::atomic<SyscallFn> real{nullptr};
+  SyscallFn fn = real.load();
+  if (fn == nullptr) {
+    fn = reinterpret_cast<SyscallFn>(dlsym(RTLD_NEXT, "syscall"));
+    real.store(fn);
+  }
+  va_list args;
+  va_start(args, number);
+  long a[6];
+  for (long& x : a) x = va_arg(args, long);
+  va_end(args);
+#ifdef SYS_openat2
+  if (number == SYS_openat2) BeforeOpen(reinterpret_cast<const char*>(a[1]));
+#endif
+  return fn(number, a[0], a[1], a[2], a[3], a[4], a[5]);
+}
