@@ -1504,6 +1504,7 @@ TEST_F(DaemonTest, AnEngineRefusesSegmentsThatAreNotWhatTheDaemonSays) {
 // Raw bytes on the daemon's socket, as a hostile or broken peer sends them.
 class RawPeer {
  public:
+  static constexpr int kMostDescriptors = 8;  // that Send sends
   explicit RawPeer(const std::string& socket_path) {
     fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     sockaddr_un addr{};
@@ -1518,7 +1519,7 @@ class RawPeer {
     msghdr msg{};
     msg.msg_iov = &iov;
     msg.msg_iovlen = 1;
-    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * 4)];
+    alignas(cmsghdr) char control[CMSG_SPACE(sizeof(int) * kMostDescriptors)];
     std::vector<int> opened;
     if (fds > 0) {
       msg.msg_control = control;
@@ -1658,6 +1659,38 @@ TEST_F(DaemonTest, MalformedFramesCloseOnlyTheirConnection) {
   }
   EXPECT_EQ(engine.Wait(), 0) << engine.err();
   EXPECT_EQ(TotalLeases(), 0);
+}
+
+// The descriptors a refused frame carries are closed with it: a peer
+// sending them over and over must not run the daemon out of descriptors.
+TEST_F(DaemonTest, DescriptorsOfRefusedFramesAreClosed) {
+  auto daemon = StartDaemon();
+  const std::string path = sock_ + "/weightd.sock";
+  const std::string fd_dir = "/proc/" + std::to_string(daemon->pid()) + "/fd";
+  auto open_descriptors = [&] {
+    return std::distance(std::filesystem::directory_iterator(fd_dir),
+                         std::filesystem::directory_iterator{});
+  };
+  Status();  // its threads and log under way, as after the frames
+  const auto before = open_descriptors();
+  const std::string body = R"({"type":"status"})";
+  const auto size = static_cast<uint32_t>(body.size());
+  int refused = 0;
+  for (int round = 0; round < 10; ++round) {
+    for (int fds = 1; fds <= 6; ++fds) {
+      // Descriptors not announced, more than announced, or announced on a
+      // request that takes none.
+      const uint32_t announced = round % 3 == 0 ? 0 : round % 3 == 1 ? 1 : std::min(fds, 2);
+      RawPeer peer(path);
+      ASSERT_TRUE(peer.connected());
+      peer.Send(protocol::FrameHeader(size, announced) + body, fds);
+      refused += peer.ReadUntilClosed().find("error") != std::string::npos;
+    }
+  }
+  EXPECT_EQ(refused, 60);
+  EXPECT_TRUE(testing::Eventually([&] { return open_descriptors() <= before; }, 10))
+      << open_descriptors() << " open against " << before << " before";
+  EXPECT_EQ(Status()["models"].size(), 0u);
 }
 
 // 256 ranks under a 3.5 KB path list to more than one frame holds: the
