@@ -2035,6 +2035,40 @@ TEST_F(DaemonTest, TruncatedCheckpointPublishesNothing) {
   EXPECT_EQ(Status()["devices"][0]["reserved"], 0);
 }
 
+// A shard cut short after the loader checked its header, while the
+// segments exist and the weights are read into them (a library in the
+// daemon truncates it at the loader's first read past the header, through
+// the shard's second open): the preload fails naming the shard, nothing is
+// published, and the room reserved goes back.
+TEST_F(DaemonTest, ACheckpointTruncatedWhileItLoadsPublishesNothing) {
+  const std::string a = MakeModel("a");
+  const std::string shard = a + "/model-00001-of-00004.safetensors";
+  uint64_t header_bytes = 0;
+  {
+    std::ifstream in(shard, std::ios::binary);
+    in.read(reinterpret_cast<char*>(&header_bytes), sizeof header_bytes);  // little-endian here
+  }
+  const uint64_t size = std::filesystem::file_size(shard);
+  const uint64_t keep = 8 + header_bytes + 100;
+  ASSERT_LT(keep, size);
+  ::setenv("LD_PRELOAD", WEIGHTD_SWAP_ON_OPEN, 1);
+  ::setenv("WEIGHTD_SWAP_PATH", shard.c_str(), 1);
+  ::setenv("WEIGHTD_SWAP_AT", "2", 1);
+  ::setenv("WEIGHTD_TRUNCATE_PAST", std::to_string(keep).c_str(), 1);
+  auto daemon = StartDaemon();
+  for (const char* name :
+       {"LD_PRELOAD", "WEIGHTD_SWAP_PATH", "WEIGHTD_SWAP_AT", "WEIGHTD_TRUNCATE_PAST"}) {
+    ::unsetenv(name);
+  }
+  CommandResult r = Run({"preload", a});
+  EXPECT_EQ(r.exit_code, 1) << r.out;
+  EXPECT_NE(r.err.find("model-00001-of-00004.safetensors"), std::string::npos) << r.err;
+  EXPECT_EQ(std::filesystem::file_size(shard), keep) << "the daemon never cut the shard";
+  EXPECT_NE(r.err.find("unexpected end of file"), std::string::npos) << r.err;
+  EXPECT_EQ(Status()["models"].size(), 0u);
+  EXPECT_EQ(Status()["devices"][0]["reserved"], 0);
+}
+
 // A FIFO where a shard or a shard plan should be would block a reader
 // until someone writes to it: refused at once, and the daemon stays
 // stoppable.
