@@ -255,6 +255,30 @@ TEST(Cli, OutOfRangeGeneratorOptionsAreUsageErrors) {
     auto r = RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "k3-layout", flag, "-1"});
     EXPECT_EQ(r.exit_code, 2) << flag << ": " << r.err;
   }
+  // Seeds outside 64 bits are refused, not all taken as 2^64 - 1.
+  for (const char* seed : {"-1", "18446744073709551616", "99999999999999999999", "+3", "1x"}) {
+    auto r = RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "tiny", "--seed", seed});
+    EXPECT_EQ(r.exit_code, 2) << seed << ": " << r.err;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir.Join("m")));
+  auto r = RunWeightd(
+      {"make-checkpoint", dir.Join("m"), "--preset", "tiny", "--seed", "18446744073709551615"});
+  EXPECT_EQ(r.exit_code, 0) << r.err;
+}
+
+// An empty value (a script's unset variable) is not taken for a flag left
+// out: --save "" saves nothing and says so; --values "" asks for the
+// tensor named "", which this checkpoint lacks.
+TEST(Cli, EmptyValuesAreNotFlagsLeftOut) {
+  TempDir dir;
+  const std::string m = dir.Join("m");
+  ASSERT_EQ(RunWeightd({"make-checkpoint", m, "--preset", "tiny"}).exit_code, 0);
+  auto save = RunWeightd({"load", m, "--save", "", "--socket-dir", dir.Join("sock")});
+  EXPECT_EQ(save.exit_code, 2) << save.err;
+  EXPECT_NE(save.err.find("--save: must not be empty"), std::string::npos) << save.err;
+  auto values = RunWeightd({"inspect", m, "--values", ""});
+  EXPECT_EQ(values.exit_code, 1) << values.out;
+  EXPECT_NE(values.err.find("no tensor named ``"), std::string::npos) << values.err;
 }
 
 TEST(Cli, FingerprintPrintsTheDocumentedKeysAndUsesTheStatCache) {

@@ -5,6 +5,8 @@
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <optional>
+#include <string>
 
 #include "cli/output.h"
 #include "format/checkpoint.h"
@@ -22,7 +24,7 @@ using format::TensorInfo;
 struct InspectOptions {
   std::string path;
   bool json = false;
-  std::string values;
+  std::optional<std::string> values;  // a tensor's name ("" is one), when given
   uint64_t limit = 0;
   protocol::Processing processing;
   bool explain = false;  // any processing flag given
@@ -102,13 +104,13 @@ int PrintValues(const Checkpoint& ckpt, const InspectOptions& o) {
   const Shard* shard = nullptr;
   const TensorInfo* tensor = nullptr;
   for (const Shard& s : ckpt.shards) {
-    if ((tensor = s.header.Find(o.values)) != nullptr) {
+    if ((tensor = s.header.Find(*o.values)) != nullptr) {
       shard = &s;
       break;
     }
   }
   if (tensor == nullptr)
-    return ReportError("inspect", ckpt.path + ": no tensor named `" + o.values + "`");
+    return ReportError("inspect", ckpt.path + ": no tensor named `" + *o.values + "`");
 
   auto file = io::PosixFileSystem().Open(shard->path);
   if (!file.ok()) return ReportError("inspect", file.error().message());
@@ -211,7 +213,7 @@ int ExplainPlan(const Checkpoint& ckpt, InspectOptions& o) {
 int RunInspect(InspectOptions& o) {
   auto ckpt = format::OpenCheckpoint(io::PosixFileSystem(), o.path);
   if (!ckpt.ok()) return ReportError("inspect", ckpt.error().message());
-  if (!o.values.empty()) return PrintValues(*ckpt, o);
+  if (o.values) return PrintValues(*ckpt, o);
   if (o.explain) return ExplainPlan(*ckpt, o);
   if (o.json) {
     PrintJson(*ckpt);
@@ -246,7 +248,7 @@ Command AddInspectCommand(CLI::App& root) {
               if (app->count(flag) > 0) options->explain = true;
             }
             // --values prints the tensor as the file holds it: no rank's.
-            if (options->explain && !options->values.empty()) {
+            if (options->explain && options->values) {
               return ReportError("usage",
                                  "--values prints a tensor as the checkpoint holds it; it takes "
                                  "no processing flags (load a rank with weightd load --save, "

@@ -290,7 +290,8 @@ Command AddLoadCommand(CLI::App& root) {
           },
           "NAME"));
   app->add_option("--save", o->save,
-                  "write the tensors received (this rank, processed) to FILE as safetensors");
+                  "write the tensors received (this rank, processed) to FILE as safetensors")
+      ->check(NotEmpty("name the file to write"));
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
       ->check(NotEmpty());
   app->add_flag("--no-cache", o->no_cache, "do not use the fingerprint's stat cache");

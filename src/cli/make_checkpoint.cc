@@ -2,9 +2,12 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <cctype>
+#include <charconv>
 #include <iostream>
 #include <memory>
 #include <nlohmann/json.hpp>
+#include <string>
 
 #include "cli/output.h"
 #include "format/synthetic.h"
@@ -101,7 +104,20 @@ Command AddMakeCheckpointCommand(CLI::App& root) {
                   "tiny | llama | many-tensors | k3-layout (sparse files, ~1 TB apparent size)")
       ->required()
       ->check(CLI::IsMember({"tiny", "llama", "many-tensors", "k3-layout"}));
-  app->add_option("--seed", o->synthetic.seed, "values seed (default 0)");
+  app->add_option("--seed", o->synthetic.seed, "values seed (default 0)")
+      ->check(CLI::Validator(
+          [](std::string& text) -> std::string {
+            // Whole decimal digits within 64 bits: "-1" and 2^64 are not
+            // taken as 2^64 - 1, the same bytes as that seed.
+            uint64_t seed = 0;
+            const char* end = text.data() + text.size();
+            auto [at, error] = std::from_chars(text.data(), end, seed);
+            if (text.empty() || error != std::errc() || at != end || !std::isdigit(text[0])) {
+              return "not a seed from 0 to " + std::to_string(UINT64_MAX);
+            }
+            return "";
+          },
+          "SEED"));
   app->add_option("--variant", o->variant, "base | finetune: same layout, different values")
       ->check(CLI::IsMember({"base", "finetune"}));
   app->add_option("--size", o->size, "llama: approximate size, e.g. 512M, 2G (default 512M)");
