@@ -85,6 +85,11 @@ TEST_F(EmulatedGpuTest, APreloadOntoAGpuIsMappedAndCopiedWithTheBytesOfADiskLoad
   // is none to time.
   EXPECT_TRUE(mapped["cuda_start_seconds"].is_number()) << mapped.dump();
   EXPECT_TRUE(Load(model)["cuda_start_seconds"].is_null());
+  // So it is where --device names one GPU per rank: this rank's.
+  json ranked = Load(model, {"--tp-size", "2", "--tp-rank", "1", "--shard-plan", "llama",
+                             "--device", "cuda:0,cuda:1"});
+  EXPECT_EQ(ranked["device"], kGpu1) << ranked.dump();
+  EXPECT_TRUE(ranked["cuda_start_seconds"].is_number()) << ranked.dump();
 
   json copied = Load(model, {"--device", "cuda:0", "--no-fallback", "--mode", "copy"});
   EXPECT_EQ(copied["source"], "daemon");

@@ -82,7 +82,11 @@ int RunLoad(LoadCommandOptions& o) {
   std::unique_ptr<memory::CudaContextHold> cuda;
   std::optional<double> cuda_start_seconds;
   const auto cuda_start = std::chrono::steady_clock::now();
-  if (auto device = memory::ResolveDevice(o.spec.device);
+  // This rank's device: --device may name one per rank.
+  const std::string device_name = protocol::CheckSupported(o.processing).ok()
+                                      ? protocol::DeviceOfRank(o.processing, o.processing.tp_rank)
+                                      : o.spec.device;
+  if (auto device = memory::ResolveDevice(device_name);
       device.ok() && device->kind == memory::DeviceKind::kCuda) {
     if (auto held = memory::HoldCudaContext(device->uuid); held.ok()) {
       cuda = std::move(*held);
