@@ -1,8 +1,11 @@
 // The weightd binary as a user runs it: a separate process, real files.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <nlohmann/json.hpp>
 
 #include "test_util.h"
@@ -247,6 +250,50 @@ TEST(Cli, TheDemoRemovesWhatItMadeAndNothingElse) {
     EXPECT_FALSE(fs::exists(dir.Join(made))) << made;
   }
   EXPECT_TRUE(fs::exists(dir.Join("fresh.txt")));
+}
+
+// Processes whose command line holds `text`.
+int ProcessesNaming(const std::string& text) {
+  int n = 0;
+  for (const auto& e : std::filesystem::directory_iterator("/proc")) {
+    std::ifstream in(e.path() / "cmdline", std::ios::binary);
+    const std::string cmdline((std::istreambuf_iterator<char>(in)), {});
+    n += cmdline.find(text) != std::string::npos;
+  }
+  return n;
+}
+
+// Ended by a signal (SIGTERM here), the demo stops its daemon and removes
+// what it made, as at its end; make-checkpoint removes the folder it was
+// writing. The signal still ends them: 128 + 15.
+TEST(Cli, ASignalRemovesWhatTheDemoAndTheGeneratorWereMaking) {
+  TempDir dir;
+  namespace fs = std::filesystem;
+  {
+    testing::Process demo({"demo", "--size", "1G", "--dir", dir.Join("d")});
+    ASSERT_TRUE(testing::Eventually([&] { return fs::exists(dir.Join("d.sock/weightd.sock")); }))
+        << demo.out();
+    demo.Signal(SIGTERM);
+    EXPECT_EQ(demo.Wait(), 128 + SIGTERM) << demo.out() << demo.err();
+    for (const char* made : {"d", "d.sock", "d.cache"}) {
+      EXPECT_FALSE(fs::exists(dir.Join(made))) << made;
+    }
+    EXPECT_EQ(ProcessesNaming(dir.Join("d.sock")), 0) << "its daemon or engine is left running";
+  }
+  {
+    testing::Process make({"make-checkpoint", dir.Join("m"), "--preset", "llama", "--size", "2G"});
+    auto partial = [&] {
+      for (const auto& e : fs::directory_iterator(dir.path())) {
+        if (e.path().filename().string().starts_with("m.partial-")) return true;
+      }
+      return false;
+    };
+    ASSERT_TRUE(testing::Eventually(partial));
+    make.Signal(SIGTERM);
+    EXPECT_EQ(make.Wait(), 128 + SIGTERM) << make.err();
+    EXPECT_FALSE(partial());
+    EXPECT_FALSE(fs::exists(dir.Join("m")));
+  }
 }
 
 TEST(Cli, OutOfRangeGeneratorOptionsAreUsageErrors) {

@@ -10,11 +10,13 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <memory>
+#include <mutex>
 
 #include "cli/output.h"
 #include "format/checkpoint.h"
@@ -37,6 +39,9 @@ struct Child {
   int out = -1;
 };
 
+// The engine the demo runs now, if any: a signal that ends the demo ends it.
+std::atomic<pid_t> running_engine{-1};
+
 Result<Child> SpawnSelf(const std::vector<std::string>& args, bool quiet_stderr) {
   int fds[2];
   if (::pipe2(fds, O_CLOEXEC) != 0) return Error("pipe failed");
@@ -44,13 +49,23 @@ Result<Child> SpawnSelf(const std::vector<std::string>& args, bool quiet_stderr)
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, fds[1], 1);
   if (quiet_stderr) posix_spawn_file_actions_addopen(&actions, 2, "/dev/null", O_WRONLY, 0);
+  // The signals the demo takes on a thread of its own are blocked here; a
+  // child must get them (the daemon stops on SIGTERM).
+  posix_spawnattr_t attributes;
+  posix_spawnattr_init(&attributes);
+  sigset_t none;
+  sigemptyset(&none);
+  posix_spawnattr_setsigmask(&attributes, &none);
+  posix_spawnattr_setflags(&attributes, POSIX_SPAWN_SETSIGMASK);
   std::vector<std::string> all = {"weightd"};
   all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : all) argv.push_back(a.data());
   argv.push_back(nullptr);
   Child c;
-  const int err = posix_spawn(&c.pid, "/proc/self/exe", &actions, nullptr, argv.data(), environ);
+  const int err =
+      posix_spawn(&c.pid, "/proc/self/exe", &actions, &attributes, argv.data(), environ);
+  posix_spawnattr_destroy(&attributes);
   posix_spawn_file_actions_destroy(&actions);
   ::close(fds[1]);
   if (err != 0) {
@@ -64,6 +79,7 @@ Result<Child> SpawnSelf(const std::vector<std::string>& args, bool quiet_stderr)
 // Runs `weightd ARGS` to the end; its stdout parsed as JSON.
 Result<nlohmann::json> RunSelf(const std::vector<std::string>& args) {
   WEIGHTD_ASSIGN_OR_RETURN(Child c, SpawnSelf(args, true));
+  running_engine = c.pid;
   std::string out;
   char buf[4096];
   for (ssize_t n; (n = ::read(c.out, buf, sizeof buf)) > 0;)
@@ -71,6 +87,7 @@ Result<nlohmann::json> RunSelf(const std::vector<std::string>& args) {
   ::close(c.out);
   int status = 0;
   ::waitpid(c.pid, &status, 0);
+  running_engine = -1;
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     return Error("weightd " + args[0] + " failed (run it by hand to see why)");
   }
@@ -79,19 +96,34 @@ Result<nlohmann::json> RunSelf(const std::vector<std::string>& args) {
   return j;
 }
 
-// The demo's folders and daemon, removed and stopped however the demo ends.
+// The demo's folders and daemon, removed and stopped however the demo ends:
+// a signal too (SIGINT, SIGTERM, SIGHUP), which ends its engine as well.
 class Cleanup {
  public:
-  Cleanup(std::vector<std::string> dirs, bool keep_first)
-      : dirs_(std::move(dirs)), keep_(keep_first) {}
+  Cleanup(const std::vector<std::string>& dirs, bool keep_first) {
+    for (size_t i = keep_first ? 1 : 0; i < dirs.size(); ++i) {
+      dirs_.push_back(std::make_unique<io::UnfinishedPath>(dirs[i]));
+      removed_.push_back(dirs[i]);
+    }
+    on_signal_ = std::make_unique<CleanUpOnSignal>([this] {
+      if (const pid_t engine = running_engine; engine > 0) ::kill(engine, SIGKILL);
+      StopDaemon();
+    });
+  }
   Cleanup(const Cleanup&) = delete;
   Cleanup& operator=(const Cleanup&) = delete;
   ~Cleanup() {
     StopDaemon();
-    for (size_t i = keep_ ? 1 : 0; i < dirs_.size(); ++i) io::RemoveFlatDirectory(dirs_[i]);
+    on_signal_.reset();
+    for (const std::string& dir : removed_) io::RemoveFlatDirectory(dir);
   }
-  void SetDaemon(Child d) { daemon_ = d; }
+  void SetDaemon(Child d) {
+    std::lock_guard lock(mu_);
+    daemon_ = d;
+  }
+  // From the demo, or from the thread a signal wakes: once.
   bool StopDaemon() {
+    std::lock_guard lock(mu_);
     if (daemon_.pid <= 0) return true;
     ::kill(daemon_.pid, SIGTERM);
     int status = 0;
@@ -102,9 +134,11 @@ class Cleanup {
   }
 
  private:
-  std::vector<std::string> dirs_;
-  bool keep_;
+  std::vector<std::unique_ptr<io::UnfinishedPath>> dirs_;
+  std::vector<std::string> removed_;
+  std::mutex mu_;
   Child daemon_;
+  std::unique_ptr<CleanUpOnSignal> on_signal_;  // made last, gone first
 };
 
 // Rewrites the first KiB of one tensor in place: same layout, other values.

@@ -65,6 +65,9 @@ Status SaveWeights(const Weights& w, const std::string& path) {
 
 int RunLoad(LoadCommandOptions& o) {
   auto start = std::chrono::steady_clock::now();
+  // Ended by a signal, a --save file half written goes first.
+  std::optional<CleanUpOnSignal> on_signal;
+  if (!o.save.empty()) on_signal.emplace();
   if (Status s = FinishProcessingFlags(o.processing); !s.ok()) {
     return ReportError("load", s.error().message(), kExitUsage);
   }

@@ -26,6 +26,8 @@ struct MakeOptions {
 };
 
 int RunMake(MakeOptions o) {
+  // Ended by a signal, the folder being written beside OUT goes first.
+  const CleanUpOnSignal on_signal;
   // An option the preset does not use would be ignored: said instead.
   const std::string& preset = o.synthetic.preset;
   const std::pair<bool, const char*> unused[] = {

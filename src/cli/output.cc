@@ -1,10 +1,17 @@
 #include "cli/output.h"
 
+#include <pthread.h>
+#include <signal.h>
+#include <unistd.h>
+
 #include <CLI/CLI.hpp>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <iostream>
+#include <thread>
 
+#include "io/file.h"
 #include "protocol/paths.h"
 
 namespace weightd::cli {
@@ -37,6 +44,68 @@ std::string DumpJson(const nlohmann::json& value, int indent) {
 std::string PrintablePath(const nlohmann::json& path) {
   auto bytes = protocol::PathFromJson(path);
   return Printable(bytes.ok() ? *bytes : path.dump());
+}
+
+struct CleanUpOnSignal::State {
+  sigset_t signals;
+  sigset_t was;  // the calling thread's mask before
+  std::function<void()> first;
+  std::atomic<bool> done{false};
+  std::thread taker;
+};
+
+CleanUpOnSignal::CleanUpOnSignal(std::function<void()> first) : state_(std::make_shared<State>()) {
+  State& s = *state_;
+  s.first = std::move(first);
+  sigemptyset(&s.signals);
+  for (int sig : {SIGINT, SIGTERM, SIGHUP}) {
+    struct sigaction now {};
+    // One ignored (SIGINT for a shell's background job) stays ignored.
+    if (::sigaction(sig, nullptr, &now) == 0 && now.sa_handler != SIG_IGN) {
+      sigaddset(&s.signals, sig);
+    }
+  }
+  if (sigisemptyset(&s.signals)) return;
+  ::pthread_sigmask(SIG_BLOCK, &s.signals, &s.was);
+  try {
+    s.taker = std::thread([state = state_] {
+      int sig = 0;
+      while (::sigwait(&state->signals, &sig) != 0) {
+      }
+      if (state->done) return;  // woken by the destructor
+      try {
+        if (state->first) state->first();
+      } catch (...) {
+        // No memory to clean up with: the process ends all the same.
+      }
+      io::RemoveUnfinishedPaths();
+      ::signal(sig, SIG_DFL);
+      sigset_t one;
+      sigemptyset(&one);
+      sigaddset(&one, sig);
+      ::pthread_sigmask(SIG_UNBLOCK, &one, nullptr);
+      ::raise(sig);
+      ::_exit(128 + sig);  // a default action that did not end it (not one of these)
+    });
+  } catch (...) {
+    // No thread: the signals end the process as before, cleaning up nothing.
+    ::pthread_sigmask(SIG_SETMASK, &s.was, nullptr);
+    sigemptyset(&s.signals);
+  }
+}
+
+CleanUpOnSignal::~CleanUpOnSignal() {
+  State& s = *state_;
+  if (!s.taker.joinable()) return;
+  s.done = true;
+  for (int sig : {SIGTERM, SIGINT, SIGHUP}) {
+    if (sigismember(&s.signals, sig)) {
+      ::pthread_kill(s.taker.native_handle(), sig);
+      break;
+    }
+  }
+  s.taker.join();
+  ::pthread_sigmask(SIG_SETMASK, &s.was, nullptr);
 }
 
 double SecondsSince(std::chrono::steady_clock::time_point start) {

@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <nlohmann/json.hpp>
 #include <optional>
 #include <string>
@@ -26,6 +27,24 @@ inline constexpr int kExitFailure = 1;
 inline constexpr int kExitUsage = 2;
 inline constexpr int kExitNoDaemon = 3;  // status, preload, evict: nothing listens
 inline constexpr int kExitWorkLeft = 4;  // serve: stopped, with work stuck in a call left behind
+
+// While this lives, SIGINT, SIGTERM and SIGHUP (those not ignored when it
+// was made) end the process only after `first` has run and the paths it was
+// making are removed (io::UnfinishedPath); then the signal ends it as it
+// would have. A thread of its own takes them, so `first` may do what any
+// thread may. Make it before the command starts threads: a thread started
+// before would take the signals itself.
+class CleanUpOnSignal {
+ public:
+  explicit CleanUpOnSignal(std::function<void()> first = {});
+  CleanUpOnSignal(const CleanUpOnSignal&) = delete;
+  CleanUpOnSignal& operator=(const CleanUpOnSignal&) = delete;
+  ~CleanUpOnSignal();  // the signals as they were
+
+ private:
+  struct State;
+  std::shared_ptr<State> state_;
+};
 
 // Prints "weightd: error: <what>: <why>" to stderr and returns `code`.
 int ReportError(std::string_view what, std::string_view why, int code = kExitFailure);

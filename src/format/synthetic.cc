@@ -311,6 +311,8 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
     return Error(out_dir + ": cannot create it (it is written as " + io::BaseName(staging) +
                  " beside it first): " + std::strerror(errno));
   }
+  // Removed first by a process a signal ends (the CLI's).
+  const io::UnfinishedPath unfinished(staging);
   // Removes the staging directory however this ends short of the rename,
   // an exception (out of memory) included.
   struct StagingGuard {

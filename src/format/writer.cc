@@ -12,6 +12,7 @@
 #include <memory>
 
 #include "format/rules.h"
+#include "io/file.h"
 
 namespace weightd::format {
 namespace {
@@ -42,6 +43,8 @@ class TempFile {
     }
     temp_path_ = final_path_.substr(0, name_at + keep) + suffix;
     fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    // Removed first by a process a signal ends (the CLI's).
+    if (fd_ >= 0) unfinished_ = std::make_unique<io::UnfinishedPath>(temp_path_);
   }
   TempFile(const TempFile&) = delete;
   TempFile& operator=(const TempFile&) = delete;
@@ -124,6 +127,7 @@ class TempFile {
   std::string temp_path_;
   int fd_ = -1;
   bool committed_ = false;
+  std::unique_ptr<io::UnfinishedPath> unfinished_;
 };
 
 Status WriteAllAt(int fd, const std::byte* data, size_t len, uint64_t offset,

@@ -315,6 +315,43 @@ void RemoveFlatDirectory(const std::string& dir) {
   ::rmdir(dir.c_str());
 }
 
+namespace {
+std::mutex unfinished_mu;
+std::vector<std::string>& Unfinished() {
+  static auto* paths = new std::vector<std::string>;  // never destroyed: a signal may come late
+  return *paths;
+}
+}  // namespace
+
+UnfinishedPath::UnfinishedPath(std::string path) : path_(std::move(path)) {
+  std::lock_guard lock(unfinished_mu);
+  Unfinished().push_back(path_);
+}
+
+UnfinishedPath::~UnfinishedPath() {
+  std::lock_guard lock(unfinished_mu);
+  auto& paths = Unfinished();
+  if (auto it = std::find(paths.begin(), paths.end(), path_); it != paths.end()) paths.erase(it);
+}
+
+void RemoveUnfinishedPaths() {
+  std::lock_guard lock(unfinished_mu);  // held to the end: no new path meanwhile
+  for (const std::string& path : Unfinished()) {
+    struct stat st;
+    if (::lstat(path.c_str(), &st) != 0) continue;
+    if (!S_ISDIR(st.st_mode)) {
+      ::unlink(path.c_str());
+      continue;
+    }
+    // A file the process makes between the listing and the rmdir leaves
+    // the folder not empty: again, a few times.
+    for (int attempt = 0; attempt < 5 && ::rmdir(path.c_str()) != 0 && errno == ENOTEMPTY;
+         ++attempt) {
+      RemoveFlatDirectory(path);
+    }
+  }
+}
+
 std::string JoinPath(const std::string& dir, const std::string& name) {
   if (dir.empty()) return name;
   if (dir.back() == '/') return dir + name;

@@ -115,6 +115,28 @@ FileSystem& PosixFileSystem();
 // (for cleaning up a folder weightd created, never a user's tree).
 void RemoveFlatDirectory(const std::string& dir);
 
+// A path this process is making and removes itself unless it completes it
+// (a folder a checkpoint is staged in, a file written under a temporary
+// name). While one lives, its path is listed, so that a process a signal
+// ends can remove it first (RemoveUnfinishedPaths). A path completed (renamed
+// into place) may stay listed until this goes: its name is gone by then.
+class UnfinishedPath {
+ public:
+  explicit UnfinishedPath(std::string path);
+  UnfinishedPath(const UnfinishedPath&) = delete;
+  UnfinishedPath& operator=(const UnfinishedPath&) = delete;
+  ~UnfinishedPath();
+
+ private:
+  std::string path_;
+};
+
+// Removes every path an UnfinishedPath lists now: a folder's files and then
+// the folder, or a file. For a thread that takes the signals that end the
+// process; what the process goes on writing into a folder meanwhile fails
+// once the folder is gone.
+void RemoveUnfinishedPaths();
+
 // Joins a directory and a relative name with exactly one '/'.
 std::string JoinPath(const std::string& dir, const std::string& name);
 
