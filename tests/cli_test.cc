@@ -175,6 +175,17 @@ TEST(Cli, MakeCheckpointReportsWhatItWrote) {
   auto again = RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "tiny"});
   EXPECT_EQ(again.exit_code, 1);
   EXPECT_NE(again.err.find("already exists"), std::string::npos);
+  // A size the shape misses by far, either way, is said.
+  auto small = RunWeightd(
+      {"make-checkpoint", dir.Join("s"), "--preset", "llama", "--size", "1M", "--layers", "1"});
+  ASSERT_EQ(small.exit_code, 0) << small.err;
+  EXPECT_NE(small.err.find("--size 1M is below what this shape takes"), std::string::npos)
+      << small.err;
+  auto large = RunWeightd(
+      {"make-checkpoint", dir.Join("l"), "--preset", "llama", "--size", "256M", "--layers", "1"});
+  ASSERT_EQ(large.exit_code, 0) << large.err;
+  EXPECT_NE(large.err.find("--size 256M is above what this shape makes"), std::string::npos)
+      << large.err;
 }
 
 TEST(Cli, NamesFromFilesCannotCorruptTheOutput) {

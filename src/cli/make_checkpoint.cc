@@ -72,6 +72,14 @@ int RunMake(MakeOptions o) {
               << "takes (whole layers: " << (o.synthetic.layers != 0 ? "--layers" : "one at least")
               << "): wrote " << FormatBytes(plan->data_bytes) << "\n";
   }
+  // With --layers given, the hidden size follows from the size's range
+  // alone: far fewer bytes than asked are said too.
+  if (o.synthetic.size_bytes != 0 && plan->data_bytes < o.synthetic.size_bytes / 2) {
+    std::cerr << "weightd: make-checkpoint: --size " << o.size << " is above what this shape "
+              << "makes (the hidden size follows from the size's range, the layers from "
+              << "--layers; give more layers, or --hidden): wrote " << FormatBytes(plan->data_bytes)
+              << "\n";
+  }
   if (o.json) {
     nlohmann::json out = {{"path", protocol::PathToJson(o.out)},
                           {"preset", o.synthetic.preset},
