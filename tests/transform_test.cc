@@ -372,6 +372,9 @@ TEST(ShardPlan, LlamaPresetCoversLlamaMistralAndQwenNames) {
   for (const auto& [name, split] : cases) {
     EXPECT_EQ(transform::SplitName(plan->SplitOf(name)), transform::SplitName(split)) << name;
   }
+  // A rule sees the whole name, past a NUL a header may spell in it.
+  const std::string with_nul("model.layers.0.self_attn.q_proj.weight\0x", 40);
+  EXPECT_EQ(plan->SplitOf(with_nul), Split::kReplicate);
 }
 
 TEST(ShardPlan, FilesAreRulesInOrderAndEqualRulesHaveEqualDigests) {
@@ -425,6 +428,8 @@ TEST(ShardPlan, BadPlansAreErrorsThatSayWhy) {
                               {"((((a))))", "nested more than 3 deep"},
                               {"[[=a=])]((((a)+)+)+)+", "nested more than 3 deep"},
                               {"a)(b", "a ) without its ("},
+                              {"(a?a?a?a?)+", "a repeated group must not hold a repetition"},
+                              {"((a+)b)*", "a repeated group must not hold a repetition"},
                               {"[[:alpha:]", "unclosed bracket"}}) {
     const std::string message =
         error_of(std::string("[[rule]]\nmatch = '") + pattern + "'\nsplit = \"row\"\n");
@@ -433,8 +438,14 @@ TEST(ShardPlan, BadPlansAreErrorsThatSayWhy) {
   EXPECT_TRUE(transform::ShardPlan::FromRules(
                   "ok", {{"(^|\\.)experts\\.[0-9]+\\.(w1|w3)\\.weight$", transform::Split::kRow},
                          {"[]a-]+x?", transform::Split::kRow},
+                         {"(ab)+(c|d)*[0-9]+", transform::Split::kRow},
                          {"^[[:alpha:]_.]+[[:digit:]]*$", transform::Split::kRow}})
                   .ok());
+  // Every rule is tried on every name: a plan holds a few dozen at most.
+  std::string many;
+  for (int i = 0; i < 129; ++i)
+    many += "[[rule]]\nmatch = '^q" + std::to_string(i) + "$'\nsplit = \"row\"\n";
+  EXPECT_NE(error_of(many).find("at most 128 rules"), std::string::npos) << error_of(many);
   EXPECT_NE(error_of("[other]\nx = 1\n").find("unknown key `other`"), std::string::npos);
   EXPECT_NE(error_of("not toml [").find("not a TOML"), std::string::npos);
   auto unknown = transform::ShardPlan::Load("gpt");

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
+#include <limits>
 
 #include "transform/convert.h"
 
@@ -87,9 +88,11 @@ bool Mul(uint64_t a, uint64_t b, uint64_t* out) { return !__builtin_mul_overflow
 
 // The regular expressions a plan may use. glibc compiles repetition by
 // copying what it repeats, so stacked or nested repetition (`a++++`,
-// `((a+)+)+`, `a{1000}`) takes memory exponential in the pattern, and
-// back-references make matching exponential: a plan file (read from disk,
-// untrusted) gets the subset tensor names need, with the reason when not.
+// `((a+)+)+`, `(a?a?a?…)+`, `a{1000}`) takes memory and time far beyond
+// the pattern's size (a third of a second and 10 MB for one of 255
+// characters), and back-references make matching exponential: a plan file
+// (read from disk, untrusted) gets the subset tensor names need, with the
+// reason when not.
 Status CheckPattern(const std::string& match) {
   constexpr size_t kMaxPattern = 256;
   constexpr int kMaxDepth = 3;
@@ -107,7 +110,13 @@ Status CheckPattern(const std::string& match) {
   }
   int depth = 0;
   bool can_repeat = false;  // the last thing was an atom a quantifier may follow
+  // Per open group (and the whole pattern, at 0): whether it holds a
+  // repetition; and whether the last atom was a group that did.
+  bool holds_repetition[kMaxDepth + 1] = {};
+  bool last_group_repeats = false;
   for (size_t i = 0; i < match.size(); ++i) {
+    const bool after_group = last_group_repeats;
+    last_group_repeats = false;
     const char c = match[i];
     if (c == '\\') {
       if (i + 1 < match.size() && match[i + 1] >= '1' && match[i + 1] <= '9') {
@@ -137,12 +146,18 @@ Status CheckPattern(const std::string& match) {
       can_repeat = true;
     } else if (c == '(') {
       if (++depth > kMaxDepth) return refuse("groups nested more than 3 deep");
+      holds_repetition[depth] = false;
       can_repeat = false;
     } else if (c == ')') {
-      if (--depth < 0) return refuse("a ) without its (");
+      if (depth == 0) return refuse("a ) without its (");
+      last_group_repeats = holds_repetition[depth];
+      holds_repetition[depth - 1] |= holds_repetition[depth];
+      --depth;
       can_repeat = true;
     } else if (c == '*' || c == '+' || c == '?') {
       if (!can_repeat) return refuse("a repetition must follow a character, class or group, once");
+      if (after_group) return refuse("a repeated group must not hold a repetition itself");
+      holds_repetition[depth] = true;
       can_repeat = false;
     } else if (c == '{') {
       return refuse("counted repetition ({m,n}) is not allowed; use +, * or ?");
@@ -302,6 +317,13 @@ ShardPlan::~ShardPlan() {
 
 Result<std::shared_ptr<const ShardPlan>> ShardPlan::FromRules(std::string name,
                                                               std::vector<ShardRule> rules) {
+  // Every rule is tried on every tensor's name (70,000 of them in a large
+  // MoE): a plan needs a few dozen.
+  constexpr size_t kMaxRules = 128;
+  if (rules.size() > kMaxRules) {
+    return Error("a shard plan holds at most " + std::to_string(kMaxRules) + " rules, not " +
+                 std::to_string(rules.size()));
+  }
   std::shared_ptr<ShardPlan> plan(new ShardPlan());
   plan->name_ = std::move(name);
   std::string canonical = "weightd shard plan 1\n";
@@ -415,7 +437,13 @@ Result<std::shared_ptr<const ShardPlan>> ShardPlan::Load(const std::string& spec
 
 Split ShardPlan::SplitOf(const std::string& tensor) const {
   for (size_t i = 0; i < compiled_.size(); ++i) {
-    if (::regexec(&compiled_[i], tensor.c_str(), 0, nullptr, 0) == 0) return rules_[i].split;
+    // The whole name, a NUL in it (a header may spell one) included: not
+    // the part before it, which another tensor's name may be.
+    if (tensor.size() > static_cast<size_t>(std::numeric_limits<regoff_t>::max())) break;
+    regmatch_t whole{0, static_cast<regoff_t>(tensor.size())};
+    if (::regexec(&compiled_[i], tensor.data(), 1, &whole, REG_STARTEND) == 0) {
+      return rules_[i].split;
+    }
   }
   return Split::kReplicate;
 }
