@@ -10,13 +10,13 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
-#include <atomic>
 #include <cerrno>
 #include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <memory>
 #include <mutex>
+#include <utility>
 
 #include "cli/output.h"
 #include "format/checkpoint.h"
@@ -39,8 +39,24 @@ struct Child {
   int out = -1;
 };
 
-// The engine the demo runs now, if any: a signal that ends the demo ends it.
-std::atomic<pid_t> running_engine{-1};
+// The demo's children as a signal that ends the demo finds them: it ends
+// the engine that runs, stops the daemon, and no child starts after it.
+struct Children {
+  std::mutex mu;
+  bool stopping = false;  // guarded by mu
+  pid_t engine = -1;      // running; guarded by mu
+  Child daemon;           // until it is stopped; guarded by mu
+} children;
+
+// Where a signal is ending the demo, its thread ends the process: what
+// failed meanwhile (the engine it ended) is not an error to report.
+[[noreturn]] void AwaitTheEnd() {
+  for (;;) ::pause();
+}
+void AwaitTheEndIfStopping() {
+  std::lock_guard lock(children.mu);
+  if (children.stopping) AwaitTheEnd();
+}
 
 Result<Child> SpawnSelf(const std::vector<std::string>& args, bool quiet_stderr) {
   int fds[2];
@@ -78,16 +94,26 @@ Result<Child> SpawnSelf(const std::vector<std::string>& args, bool quiet_stderr)
 
 // Runs `weightd ARGS` to the end; its stdout parsed as JSON.
 Result<nlohmann::json> RunSelf(const std::vector<std::string>& args) {
-  WEIGHTD_ASSIGN_OR_RETURN(Child c, SpawnSelf(args, true));
-  running_engine = c.pid;
+  Child c;
+  {
+    std::lock_guard lock(children.mu);
+    if (children.stopping) AwaitTheEnd();
+    WEIGHTD_ASSIGN_OR_RETURN(c, SpawnSelf(args, true));
+    children.engine = c.pid;
+  }
   std::string out;
   char buf[4096];
   for (ssize_t n; (n = ::read(c.out, buf, sizeof buf)) > 0;)
     out.append(buf, static_cast<size_t>(n));
   ::close(c.out);
+  {
+    // Not reaped yet: a signal's SIGKILL meanwhile reaches this child only.
+    std::lock_guard lock(children.mu);
+    children.engine = -1;
+    if (children.stopping) AwaitTheEnd();
+  }
   int status = 0;
   ::waitpid(c.pid, &status, 0);
-  running_engine = -1;
   if (!WIFEXITED(status) || WEXITSTATUS(status) != 0) {
     return Error("weightd " + args[0] + " failed (run it by hand to see why)");
   }
@@ -105,8 +131,12 @@ class Cleanup {
       dirs_.push_back(std::make_unique<io::UnfinishedPath>(dirs[i]));
       removed_.push_back(dirs[i]);
     }
-    on_signal_ = std::make_unique<CleanUpOnSignal>([this] {
-      if (const pid_t engine = running_engine; engine > 0) ::kill(engine, SIGKILL);
+    on_signal_ = std::make_unique<CleanUpOnSignal>([] {
+      {
+        std::lock_guard lock(children.mu);
+        children.stopping = true;
+        if (children.engine > 0) ::kill(children.engine, SIGKILL);
+      }
       StopDaemon();
     });
   }
@@ -117,27 +147,40 @@ class Cleanup {
     on_signal_.reset();
     for (const std::string& dir : removed_) io::RemoveFlatDirectory(dir);
   }
-  void SetDaemon(Child d) {
-    std::lock_guard lock(mu_);
-    daemon_ = d;
+  // The daemon, started unless a signal is ending the demo.
+  Result<Child> StartDaemon(const std::vector<std::string>& args) {
+    std::lock_guard lock(children.mu);
+    if (children.stopping) AwaitTheEnd();
+    WEIGHTD_ASSIGN_OR_RETURN(children.daemon, SpawnSelf(args, true));
+    return children.daemon;
   }
-  // From the demo, or from the thread a signal wakes: once.
-  bool StopDaemon() {
-    std::lock_guard lock(mu_);
-    if (daemon_.pid <= 0) return true;
-    ::kill(daemon_.pid, SIGTERM);
+  // From the demo, or from the thread a signal wakes: whichever comes
+  // first stops it. SIGTERM, and SIGKILL for a daemon not ended 10 s later.
+  static bool StopDaemon() {
+    Child daemon;
+    {
+      std::lock_guard lock(children.mu);
+      daemon = std::exchange(children.daemon, Child{});
+    }
+    if (daemon.pid <= 0) return true;
+    ::kill(daemon.pid, SIGTERM);
     int status = 0;
-    ::waitpid(daemon_.pid, &status, 0);
-    ::close(daemon_.out);
-    daemon_.pid = -1;
-    return WIFEXITED(status) && WEXITSTATUS(status) == 0;
+    bool ended = false;
+    for (int i = 0; i < 100 && !ended; ++i) {
+      ended = ::waitpid(daemon.pid, &status, WNOHANG) == daemon.pid;
+      if (!ended) ::usleep(100'000);
+    }
+    if (!ended) {
+      ::kill(daemon.pid, SIGKILL);
+      ::waitpid(daemon.pid, &status, 0);
+    }
+    ::close(daemon.out);
+    return ended && WIFEXITED(status) && WEXITSTATUS(status) == 0;
   }
 
  private:
   std::vector<std::unique_ptr<io::UnfinishedPath>> dirs_;
   std::vector<std::string> removed_;
-  std::mutex mu_;
-  Child daemon_;
   std::unique_ptr<CleanUpOnSignal> on_signal_;  // made last, gone first
 };
 
@@ -208,13 +251,13 @@ int RunDemo(const DemoOptions& o) {
   if (::mkdir(socket_dir.c_str(), 0700) != 0 && errno != EEXIST) {
     return ReportError("demo", "cannot create " + socket_dir);
   }
-  auto daemon = SpawnSelf({"serve", "--socket-dir", socket_dir}, true);
+  auto daemon = cleanup.StartDaemon({"serve", "--socket-dir", socket_dir});
   if (!daemon.ok()) return ReportError("demo", daemon.error().message());
-  cleanup.SetDaemon(*daemon);
   {
     std::string line;
     char c;
     while (::read(daemon->out, &c, 1) == 1 && c != '\n') line += c;
+    AwaitTheEndIfStopping();  // the daemon a signal stopped says nothing more
     if (line.find("ready") == std::string::npos)
       return ReportError("demo", "the daemon did not start");
     std::cout << "   " << line << "\n";

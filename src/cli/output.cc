@@ -70,9 +70,17 @@ CleanUpOnSignal::CleanUpOnSignal(std::function<void()> first) : state_(std::make
   try {
     s.taker = std::thread([state = state_] {
       int sig = 0;
-      while (::sigwait(&state->signals, &sig) != 0) {
+      for (siginfo_t info;;) {
+        sig = ::sigwaitinfo(&state->signals, &info);
+        if (sig < 0) continue;  // EINTR
+        // The destructor's wake-up, sent by this process (pthread_kill: as
+        // SI_USER or SI_TKILL, by the C library); any other is a signal to
+        // end the process, the destructor running or not.
+        const bool ours =
+            (info.si_code == SI_USER || info.si_code == SI_TKILL) && info.si_pid == ::getpid();
+        if (state->done && ours) return;
+        break;
       }
-      if (state->done) return;  // woken by the destructor
       try {
         if (state->first) state->first();
       } catch (...) {

@@ -42,9 +42,10 @@ class TempFile {
       --keep;
     }
     temp_path_ = final_path_.substr(0, name_at + keep) + suffix;
+    // Removed first by a process a signal ends (the CLI's): listed before
+    // it exists, the name being this process's own.
+    unfinished_ = std::make_unique<io::UnfinishedPath>(temp_path_);
     fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    // Removed first by a process a signal ends (the CLI's).
-    if (fd_ >= 0) unfinished_ = std::make_unique<io::UnfinishedPath>(temp_path_);
   }
   TempFile(const TempFile&) = delete;
   TempFile& operator=(const TempFile&) = delete;

@@ -340,14 +340,19 @@ void RemoveUnfinishedPaths() {
     struct stat st;
     if (::lstat(path.c_str(), &st) != 0) continue;
     if (!S_ISDIR(st.st_mode)) {
-      ::unlink(path.c_str());
+      ::unlink(path.c_str());  // the owner's rename of it into place then fails
       continue;
     }
+    // Moved aside first, in one step: the owner's rename of the folder into
+    // place (a staged checkpoint) then fails, instead of moving a folder
+    // half emptied. Either it was renamed whole already, or it never is.
+    const std::string aside = path + ".removing-" + std::to_string(::getpid());
+    if (::rename(path.c_str(), aside.c_str()) != 0) continue;
     // A file the process makes between the listing and the rmdir leaves
     // the folder not empty: again, a few times.
-    for (int attempt = 0; attempt < 5 && ::rmdir(path.c_str()) != 0 && errno == ENOTEMPTY;
+    for (int attempt = 0; attempt < 5 && ::rmdir(aside.c_str()) != 0 && errno == ENOTEMPTY;
          ++attempt) {
-      RemoveFlatDirectory(path);
+      RemoveFlatDirectory(aside);
     }
   }
 }

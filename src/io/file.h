@@ -131,10 +131,10 @@ class UnfinishedPath {
   std::string path_;
 };
 
-// Removes every path an UnfinishedPath lists now: a folder's files and then
-// the folder, or a file. For a thread that takes the signals that end the
-// process; what the process goes on writing into a folder meanwhile fails
-// once the folder is gone.
+// Removes every path an UnfinishedPath lists now: a file, or a folder (moved
+// aside first, then its files and itself). For a thread that takes the
+// signals that end the process: what the process goes on doing meanwhile
+// (writing into the folder, renaming it or the file into place) fails.
 void RemoveUnfinishedPaths();
 
 // Joins a directory and a relative name with exactly one '/'.

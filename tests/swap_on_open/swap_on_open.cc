@@ -98,9 +98,8 @@ extern "C" __attribute__((visibility("default"))) long syscall(long number, ...)
   for (long& x : a) x = va_arg(args, long);
   va_end(args);
   bool watched = false;
-#ifdef SYS_openat2
-  if (number == SYS_openat2) watched = BeforeOpen(reinterpret_cast<const char*>(a[1]));
-#endif
+  constexpr long kOpenat2 = 437;  // as weightd spells it: older headers lack the name
+  if (number == kOpenat2) watched = BeforeOpen(reinterpret_cast<const char*>(a[1]));
   const long r = fn(number, a[0], a[1], a[2], a[3], a[4], a[5]);
   AfterOpen(watched, r);
   return r;
