@@ -199,6 +199,22 @@ TEST(Checkpoint, ASymlinkSwappedInAfterTheEscapeCheckIsNotFollowed) {
       auto loaded = loader::LoadCheckpoint(files, dir.path());
       expect_refused(loaded.ok() ? OkStatus() : Status(loaded.error()), "load");
     }
+    {
+      // The stat shortcut reaches the shard as the open would: a file the
+      // cache knows (the one outside) answers for no shard it is not.
+      TempDir cache_dir;
+      auto cache = fingerprint::StatCache::Load(cache_dir.path());
+      const fingerprint::Options cached{
+          .cache = cache.get(), .cache_lookups = true, .racy_seconds = 0};
+      ASSERT_TRUE(fingerprint::FingerprintCheckpoint(io::PosixFileSystem(),
+                                                     outside.Join("m.safetensors"), cached)
+                      .ok());
+      ASSERT_TRUE(
+          fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), dir.path(), cached).ok());
+      SwapAfterCheckFileSystem files(swapped, target);
+      auto fp = fingerprint::FingerprintCheckpoint(files, dir.path(), cached);
+      expect_refused(fp.ok() ? OkStatus() : Status(fp.error()), "cached fingerprint");
+    }
   }
 }
 

@@ -55,7 +55,10 @@ class PassThroughFileSystem : public io::FileSystem {
                                                      io::Symlinks symlinks) override {
     return base_.Open(p, symlinks);
   }
-  Result<io::StatSignature> Stat(const std::string& p) override { return base_.Stat(p); }
+  using io::FileSystem::Stat;
+  Result<io::StatSignature> Stat(const std::string& p, io::Symlinks symlinks) override {
+    return base_.Stat(p, symlinks);
+  }
   Result<bool> IsDirectory(const std::string& p) override { return base_.IsDirectory(p); }
   Result<bool> Exists(const std::string& p) override { return base_.Exists(p); }
   Result<std::vector<io::DirEntry>> ListDirectory(const std::string& p) override {

@@ -149,7 +149,7 @@ void HashReadySamples(ShardWork& w) {
 bool FromCache(io::FileSystem& fs, const Options& o, ShardWork& w) {
   w.result.name = w.ref.name;
   if (o.cache == nullptr || !o.cache_lookups) return false;
-  auto sig = fs.Stat(w.ref.resolved);
+  auto sig = fs.Stat(w.ref.resolved, w.ref.symlinks);
   ++w.round_trips;
   if (!sig.ok()) {
     w.error = sig.error();
@@ -593,7 +593,7 @@ class EarlyHeads {
     ShardWork& early = work_[i];
     if (early.error || taken_[i]) return false;
     if (ref.resolved != io::JoinPath(real_dir, ref.name)) return false;
-    auto now = fs_.Stat(ref.resolved);
+    auto now = fs_.Stat(ref.resolved, ref.symlinks);
     if (!now.ok() || !(*now == early.signature)) return false;
     taken_[i] = 1;
     w = std::move(early);

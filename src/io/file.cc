@@ -108,11 +108,7 @@ uint64_t DiskSequence(dev_t dev) {
 
 // The signature of `path` (relative to `dirfd`; with AT_EMPTY_PATH, of
 // `dirfd` itself), the disk's sequence number included.
-Result<StatSignature> SignatureAt(int dirfd, const char* path, int flags, const std::string& name) {
-  struct stat st;
-  if (::fstatat(dirfd, path, &st, flags) != 0) {
-    return Error(name + ": stat failed: " + ErrnoText(errno));
-  }
+StatSignature SignatureOf(const struct stat& st) {
   StatSignature sig;
   sig.device = static_cast<uint64_t>(st.st_dev);
   sig.inode = static_cast<uint64_t>(st.st_ino);
@@ -121,6 +117,20 @@ Result<StatSignature> SignatureAt(int dirfd, const char* path, int flags, const 
   sig.ctime_ns = static_cast<int64_t>(st.st_ctim.tv_sec) * 1'000'000'000 + st.st_ctim.tv_nsec;
   sig.disk_sequence = DiskSequence(st.st_dev);
   return sig;
+}
+
+Result<StatSignature> SignatureAt(int dirfd, const char* path, int flags, const std::string& name) {
+  struct stat st;
+  if (::fstatat(dirfd, path, &st, flags) != 0) {
+    return Error(name + ": stat failed: " + ErrnoText(errno));
+  }
+  return SignatureOf(st);
+}
+
+// A symlink where a Symlinks other than kFollow allows none.
+Error SymlinkInTheWay(const std::string& path, const std::string& what) {
+  return Error(path + ": cannot " + what + ": a symlink is in its way, which was not there when " +
+               "the path was checked (the directory changed meanwhile?)");
 }
 
 class PosixFile final : public RandomAccessFile {
@@ -215,6 +225,7 @@ int OpenFollowingNoSymlink(const std::string& path, int flags) {
 class Posix final : public FileSystem {
  public:
   using FileSystem::Open;
+  using FileSystem::Stat;
   Result<std::unique_ptr<RandomAccessFile>> Open(const std::string& path,
                                                  Symlinks symlinks) override {
     // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer;
@@ -224,8 +235,7 @@ class Posix final : public FileSystem {
              : symlinks == Symlinks::kNotTheFile ? ::open(path.c_str(), kFlags | O_NOFOLLOW)
                                                  : OpenFollowingNoSymlink(path, kFlags);
     if (fd < 0 && errno == ELOOP && symlinks != Symlinks::kFollow) {
-      return Error(path + ": cannot open: a symlink is in its way, which was not there when " +
-                   "the path was checked (the directory changed meanwhile?)");
+      return SymlinkInTheWay(path, "open");
     }
     if (fd < 0) return Error(path + ": cannot open: " + ErrnoText(errno));
     struct stat st;
@@ -242,8 +252,24 @@ class Posix final : public FileSystem {
         new PosixFile(path, fd, static_cast<uint64_t>(st.st_size)));
   }
 
-  Result<StatSignature> Stat(const std::string& path) override {
-    return SignatureAt(AT_FDCWD, path.c_str(), 0, path);
+  Result<StatSignature> Stat(const std::string& path, Symlinks symlinks) override {
+    if (symlinks == Symlinks::kFollow) return SignatureAt(AT_FDCWD, path.c_str(), 0, path);
+    // Through a descriptor that refers to the file without opening it,
+    // reached as Open would reach it. O_PATH with O_NOFOLLOW (the fallback
+    // where openat2 is missing) gives a symlink itself rather than ELOOP.
+    constexpr int kFlags = O_PATH | O_CLOEXEC;
+    const int fd = symlinks == Symlinks::kNotTheFile ? ::open(path.c_str(), kFlags | O_NOFOLLOW)
+                                                     : OpenFollowingNoSymlink(path, kFlags);
+    if (fd < 0) {
+      if (errno == ELOOP) return SymlinkInTheWay(path, "stat");
+      return Error(path + ": stat failed: " + ErrnoText(errno));
+    }
+    struct stat st;
+    const int err = ::fstat(fd, &st) == 0 ? 0 : errno;
+    ::close(fd);
+    if (err != 0) return Error(path + ": stat failed: " + ErrnoText(err));
+    if (S_ISLNK(st.st_mode)) return SymlinkInTheWay(path, "stat");
+    return SignatureOf(st);
   }
 
   Result<bool> IsDirectory(const std::string& path) override {

@@ -96,8 +96,10 @@ class FileSystem {
     return Open(path, Symlinks::kFollow);
   }
 
-  // Follows symlinks.
-  virtual Result<StatSignature> Stat(const std::string& path) = 0;
+  // Reaches the file as Open does: following the symlinks `symlinks` lets
+  // it (all, for the one-argument form).
+  virtual Result<StatSignature> Stat(const std::string& path, Symlinks symlinks) = 0;
+  Result<StatSignature> Stat(const std::string& path) { return Stat(path, Symlinks::kFollow); }
   virtual Result<bool> IsDirectory(const std::string& path) = 0;
   virtual Result<bool> Exists(const std::string& path) = 0;
 
