@@ -175,6 +175,13 @@ TEST(Cli, MakeCheckpointReportsWhatItWrote) {
   auto again = RunWeightd({"make-checkpoint", dir.Join("m"), "--preset", "tiny"});
   EXPECT_EQ(again.exit_code, 1);
   EXPECT_NE(again.err.find("already exists"), std::string::npos);
+  // So are shards asked for that the tensors cannot fill.
+  auto shards =
+      RunWeightd({"make-checkpoint", dir.Join("t"), "--preset", "tiny", "--shards", "20"});
+  ASSERT_EQ(shards.exit_code, 0) << shards.err;
+  EXPECT_NE(shards.err.find("--shards 20 is more than this model's 10 tensors fill"),
+            std::string::npos)
+      << shards.err;
   // A size the shape misses by far, either way, is said.
   auto small = RunWeightd(
       {"make-checkpoint", dir.Join("s"), "--preset", "llama", "--size", "1M", "--layers", "1"});

@@ -72,6 +72,13 @@ int RunMake(MakeOptions o) {
               << "takes (whole layers: " << (o.synthetic.layers != 0 ? "--layers" : "one at least")
               << "): wrote " << FormatBytes(plan->data_bytes) << "\n";
   }
+  // A shard holds a tensor at least: more shards than tensors are fewer.
+  if (o.synthetic.shards > 0 && plan->shards.size() < static_cast<size_t>(o.synthetic.shards)) {
+    std::cerr << "weightd: make-checkpoint: --shards " << o.synthetic.shards << " is more than "
+              << "this model's " << Count(plan->tensor_count, "tensor")
+              << " fill (a shard holds one at least): wrote " << Count(plan->shards.size(), "shard")
+              << "\n";
+  }
   // With --layers given, the hidden size follows from the size's range
   // alone: far fewer bytes than asked are said too.
   if (o.synthetic.size_bytes != 0 && plan->data_bytes < o.synthetic.size_bytes / 2) {
