@@ -677,11 +677,6 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
         if (work[i].error) failed = true;
       }
     });
-    if (failed) {
-      for (const ShardWork& w : work) {
-        if (w.error) return *w.error;  // the first in name order of those that failed
-      }
-    }
   }
   Fingerprint fp;
   uint64_t slowest_shard = 0;
@@ -749,7 +744,7 @@ Result<Fingerprint> Full(io::FileSystem& fs, const std::vector<format::ShardRef>
       };
       if (cancelled()) {
         fail(Error("the fingerprint was cancelled"));
-        continue;
+        break;
       }
       if (failed) break;  // another shard's error is the answer
       // Opened even when the stat cache may answer: NFS revalidates a

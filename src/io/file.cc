@@ -222,6 +222,19 @@ int OpenFollowingNoSymlink(const std::string& path, int flags) {
   return ::open(path.c_str(), flags | O_NOFOLLOW);
 }
 
+// `path` opened with `flags`, following the symlinks `symlinks` lets it.
+int OpenAs(const std::string& path, int flags, Symlinks symlinks) {
+  switch (symlinks) {
+    case Symlinks::kFollow:
+      return ::open(path.c_str(), flags);
+    case Symlinks::kNotTheFile:
+      return ::open(path.c_str(), flags | O_NOFOLLOW);
+    case Symlinks::kNone:
+      break;
+  }
+  return OpenFollowingNoSymlink(path, flags);
+}
+
 class Posix final : public FileSystem {
  public:
   using FileSystem::Open;
@@ -230,10 +243,7 @@ class Posix final : public FileSystem {
                                                  Symlinks symlinks) override {
     // O_NONBLOCK: opening a FIFO (or a device) must not wait for a writer;
     // it is refused below, and regular files ignore the flag.
-    constexpr int kFlags = O_RDONLY | O_CLOEXEC | O_NONBLOCK;
-    int fd = symlinks == Symlinks::kFollow       ? ::open(path.c_str(), kFlags)
-             : symlinks == Symlinks::kNotTheFile ? ::open(path.c_str(), kFlags | O_NOFOLLOW)
-                                                 : OpenFollowingNoSymlink(path, kFlags);
+    int fd = OpenAs(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK, symlinks);
     if (fd < 0 && errno == ELOOP && symlinks != Symlinks::kFollow) {
       return SymlinkInTheWay(path, "open");
     }
@@ -257,9 +267,7 @@ class Posix final : public FileSystem {
     // Through a descriptor that refers to the file without opening it,
     // reached as Open would reach it. O_PATH with O_NOFOLLOW (the fallback
     // where openat2 is missing) gives a symlink itself rather than ELOOP.
-    constexpr int kFlags = O_PATH | O_CLOEXEC;
-    const int fd = symlinks == Symlinks::kNotTheFile ? ::open(path.c_str(), kFlags | O_NOFOLLOW)
-                                                     : OpenFollowingNoSymlink(path, kFlags);
+    const int fd = OpenAs(path, O_PATH | O_CLOEXEC, symlinks);
     if (fd < 0) {
       if (errno == ELOOP) return SymlinkInTheWay(path, "stat");
       return Error(path + ": stat failed: " + ErrnoText(errno));
