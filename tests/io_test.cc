@@ -13,6 +13,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <filesystem>
 #include <mutex>
 #include <new>
 #include <numeric>
@@ -464,6 +465,34 @@ TEST(PrivateMemory, ABufferOwnsItsMemoryUntilItGoes) {
   { PrivateBuffer gone = std::move(b); }
   EXPECT_FALSE(mapped(second));
   EXPECT_THROW(PrivateBuffer(SIZE_MAX - 10), std::bad_alloc);
+}
+
+// What a process makes goes unless it said it completed it: a file, and a
+// folder with files in it; a completed path stays; and a listed path a
+// signal's removal took first is no error.
+TEST(UnfinishedPath, RemovesWhatWasNotCompleted) {
+  TempDir dir;
+  const std::string file = dir.Join("f.tmp"), folder = dir.Join("d.partial"),
+                    kept = dir.Join("kept");
+  {
+    UnfinishedPath f(file), d(folder), k(kept);
+    testing::WriteFileText(file, "half");
+    ASSERT_EQ(::mkdir(folder.c_str(), 0755), 0);
+    testing::WriteFileText(folder + "/shard", "half");
+    testing::WriteFileText(kept, "whole");
+    k.Complete();
+  }
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    left.push_back(e.path().filename().string());
+  }
+  EXPECT_EQ(left, std::vector<std::string>{"kept"});
+  {
+    UnfinishedPath gone(dir.Join("never-made"));
+    testing::WriteFileText(dir.Join("other"), "x");
+    RemoveUnfinishedPaths();  // lists only never-made
+  }
+  EXPECT_TRUE(std::filesystem::exists(dir.Join("other")));
 }
 
 }  // namespace

@@ -129,7 +129,6 @@ class Cleanup {
   Cleanup(const std::vector<std::string>& dirs, bool keep_first) {
     for (size_t i = keep_first ? 1 : 0; i < dirs.size(); ++i) {
       dirs_.push_back(std::make_unique<io::UnfinishedPath>(dirs[i]));
-      removed_.push_back(dirs[i]);
     }
     on_signal_ = std::make_unique<CleanUpOnSignal>([] {
       {
@@ -145,8 +144,7 @@ class Cleanup {
   ~Cleanup() {
     StopDaemon();
     on_signal_.reset();
-    for (const std::string& dir : removed_) io::RemoveFlatDirectory(dir);
-  }
+  }  // then the folders go
   // The daemon, started unless a signal is ending the demo.
   Result<Child> StartDaemon(const std::vector<std::string>& args) {
     std::lock_guard lock(children.mu);
@@ -179,9 +177,8 @@ class Cleanup {
   }
 
  private:
-  std::vector<std::unique_ptr<io::UnfinishedPath>> dirs_;
-  std::vector<std::string> removed_;
-  std::unique_ptr<CleanUpOnSignal> on_signal_;  // made last, gone first
+  std::vector<std::unique_ptr<io::UnfinishedPath>> dirs_;  // never completed: removed
+  std::unique_ptr<CleanUpOnSignal> on_signal_;             // made last, gone first
 };
 
 // Rewrites the first KiB of one tensor in place: same layout, other values.

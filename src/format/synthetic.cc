@@ -311,22 +311,9 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
     return Error(out_dir + ": cannot create it (it is written as " + io::BaseName(staging) +
                  " beside it first): " + std::strerror(errno));
   }
-  // Removed first by a process a signal ends (the CLI's).
-  const io::UnfinishedPath unfinished(staging);
-  // Removes the staging directory however this ends short of the rename,
-  // an exception (out of memory) included.
-  struct StagingGuard {
-    const std::string& dir;
-    bool moved = false;
-    ~StagingGuard() {
-      if (moved) return;
-      try {
-        io::RemoveFlatDirectory(dir);
-      } catch (...) {
-        // Listing it needed memory there was none of: the directory stays.
-      }
-    }
-  } guard{staging};
+  // Removed however this ends short of the rename (an exception too), and
+  // first by a process a signal ends (the CLI's).
+  io::UnfinishedPath unfinished(staging);
 
   std::vector<std::optional<Error>> errors(plan.shards.size());
   std::atomic<size_t> next{0}, done{0};
@@ -367,7 +354,7 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
     if (::rename(staging.c_str(), out_dir.c_str()) != 0) {
       status = Error(out_dir + ": cannot move the checkpoint into place: " + std::strerror(errno));
     } else {
-      guard.moved = true;
+      unfinished.Complete();
     }
   }
   if (!status.ok()) return status.error();

@@ -24,7 +24,7 @@ std::string ErrnoText() { return std::strerror(errno); }
 // The longest name a Linux file system takes for one file (NAME_MAX).
 constexpr size_t kMaxNameBytes = 255;
 
-// Closes the descriptor and removes the temporary file unless Commit() ran.
+// Closes the descriptor; the temporary file is removed unless Commit() ran.
 class TempFile {
  public:
   explicit TempFile(std::string final_path) : final_path_(std::move(final_path)) {
@@ -42,8 +42,8 @@ class TempFile {
       --keep;
     }
     temp_path_ = final_path_.substr(0, name_at + keep) + suffix;
-    // Removed first by a process a signal ends (the CLI's): listed before
-    // it exists, the name being this process's own.
+    // Removed unless committed, and first by a process a signal ends (the
+    // CLI's): listed before it exists, the name being this process's own.
     unfinished_ = std::make_unique<io::UnfinishedPath>(temp_path_);
     fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
   }
@@ -51,7 +51,6 @@ class TempFile {
   TempFile& operator=(const TempFile&) = delete;
   ~TempFile() {
     if (fd_ >= 0) ::close(fd_);
-    if (!committed_) ::unlink(temp_path_.c_str());
   }
 
   int fd() const { return fd_; }
@@ -74,7 +73,7 @@ class TempFile {
     } else if (Status s = MoveUnlessTaken(); !s.ok()) {
       return s;
     }
-    committed_ = true;
+    unfinished_->Complete();
     return OkStatus();
   }
 
@@ -127,7 +126,6 @@ class TempFile {
   std::string final_path_;
   std::string temp_path_;
   int fd_ = -1;
-  bool committed_ = false;
   std::unique_ptr<io::UnfinishedPath> unfinished_;
 };
 

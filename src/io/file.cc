@@ -341,6 +341,10 @@ FileSystem& PosixFileSystem() {
   return *fs;
 }
 
+namespace {
+
+// Removes the files directly inside `dir`, then `dir` itself; best effort
+// (for a folder this process made, never a user's tree).
 void RemoveFlatDirectory(const std::string& dir) {
   auto entries = PosixFileSystem().ListDirectory(dir);
   if (entries.ok()) {
@@ -349,12 +353,34 @@ void RemoveFlatDirectory(const std::string& dir) {
   ::rmdir(dir.c_str());
 }
 
-namespace {
 std::mutex unfinished_mu;
 std::vector<std::string>& Unfinished() {
   static auto* paths = new std::vector<std::string>;  // never destroyed: a signal may come late
   return *paths;
 }
+
+// Removes a file, or a flat folder (moved aside first, then its files and
+// itself); nothing where the path is gone.
+void RemoveMadePath(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return;
+  if (!S_ISDIR(st.st_mode)) {
+    ::unlink(path.c_str());  // an owner's rename of it into place then fails
+    return;
+  }
+  // Moved aside first, in one step: an owner's rename of the folder into
+  // place (a staged checkpoint) then fails, instead of moving a folder half
+  // emptied. Either it was renamed whole already, or it never is.
+  const std::string aside = path + ".removing-" + std::to_string(::getpid());
+  if (::rename(path.c_str(), aside.c_str()) != 0) return;
+  // A file the process makes between the listing and the rmdir leaves the
+  // folder not empty: again, a few times.
+  for (int attempt = 0; attempt < 5 && ::rmdir(aside.c_str()) != 0 && errno == ENOTEMPTY;
+       ++attempt) {
+    RemoveFlatDirectory(aside);
+  }
+}
+
 }  // namespace
 
 UnfinishedPath::UnfinishedPath(std::string path) : path_(std::move(path)) {
@@ -363,32 +389,20 @@ UnfinishedPath::UnfinishedPath(std::string path) : path_(std::move(path)) {
 }
 
 UnfinishedPath::~UnfinishedPath() {
-  std::lock_guard lock(unfinished_mu);
+  std::lock_guard lock(unfinished_mu);  // a signal's removal is done, or waits
   auto& paths = Unfinished();
   if (auto it = std::find(paths.begin(), paths.end(), path_); it != paths.end()) paths.erase(it);
+  if (complete_) return;
+  try {
+    RemoveMadePath(path_);
+  } catch (...) {
+    // Listing the folder needed memory there was none of: it stays.
+  }
 }
 
 void RemoveUnfinishedPaths() {
   std::lock_guard lock(unfinished_mu);  // held to the end: no new path meanwhile
-  for (const std::string& path : Unfinished()) {
-    struct stat st;
-    if (::lstat(path.c_str(), &st) != 0) continue;
-    if (!S_ISDIR(st.st_mode)) {
-      ::unlink(path.c_str());  // the owner's rename of it into place then fails
-      continue;
-    }
-    // Moved aside first, in one step: the owner's rename of the folder into
-    // place (a staged checkpoint) then fails, instead of moving a folder
-    // half emptied. Either it was renamed whole already, or it never is.
-    const std::string aside = path + ".removing-" + std::to_string(::getpid());
-    if (::rename(path.c_str(), aside.c_str()) != 0) continue;
-    // A file the process makes between the listing and the rmdir leaves
-    // the folder not empty: again, a few times.
-    for (int attempt = 0; attempt < 5 && ::rmdir(aside.c_str()) != 0 && errno == ENOTEMPTY;
-         ++attempt) {
-      RemoveFlatDirectory(aside);
-    }
-  }
+  for (const std::string& path : Unfinished()) RemoveMadePath(path);
 }
 
 std::string JoinPath(const std::string& dir, const std::string& name) {

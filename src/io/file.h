@@ -113,15 +113,12 @@ class FileSystem {
 // The host's file system, through POSIX calls.
 FileSystem& PosixFileSystem();
 
-// Removes the files directly inside `dir`, then `dir` itself; best effort
-// (for cleaning up a folder weightd created, never a user's tree).
-void RemoveFlatDirectory(const std::string& dir);
-
-// A path this process is making and removes itself unless it completes it
-// (a folder a checkpoint is staged in, a file written under a temporary
-// name). While one lives, its path is listed, so that a process a signal
-// ends can remove it first (RemoveUnfinishedPaths). A path completed (renamed
-// into place) may stay listed until this goes: its name is gone by then.
+// A path this process is making (a folder a checkpoint is staged in, a file
+// written under a temporary name), removed when this goes unless Complete()
+// said it was moved into place: however the making ends short of that, an
+// exception included. While one lives, its path is listed, so that a process
+// a signal ends can remove it first (RemoveUnfinishedPaths). A folder is
+// expected flat: its files, then itself.
 class UnfinishedPath {
  public:
   explicit UnfinishedPath(std::string path);
@@ -129,14 +126,18 @@ class UnfinishedPath {
   UnfinishedPath& operator=(const UnfinishedPath&) = delete;
   ~UnfinishedPath();
 
+  // The path was renamed into place: its name is gone, nothing to remove.
+  void Complete() { complete_ = true; }
+
  private:
   std::string path_;
+  bool complete_ = false;
 };
 
-// Removes every path an UnfinishedPath lists now: a file, or a folder (moved
-// aside first, then its files and itself). For a thread that takes the
-// signals that end the process: what the process goes on doing meanwhile
-// (writing into the folder, renaming it or the file into place) fails.
+// Removes every path an UnfinishedPath lists now. For a thread that takes
+// the signals that end the process: what the process goes on doing
+// meanwhile (writing into the folder, renaming it or the file into place)
+// fails.
 void RemoveUnfinishedPaths();
 
 // Joins a directory and a relative name with exactly one '/'.
