@@ -136,7 +136,10 @@ class Cleanup {
         children.stopping = true;
         if (children.engine > 0) ::kill(children.engine, SIGKILL);
       }
-      StopDaemon();
+      // Its pipe stays open: the demo may be reading it, and a number
+      // closed under a read can be another file's by then. The process
+      // ends next.
+      StopDaemon(/*close_pipe=*/false);
     });
   }
   Cleanup(const Cleanup&) = delete;
@@ -154,7 +157,7 @@ class Cleanup {
   }
   // From the demo, or from the thread a signal wakes: whichever comes
   // first stops it. SIGTERM, and SIGKILL for a daemon not ended 10 s later.
-  static bool StopDaemon() {
+  static bool StopDaemon(bool close_pipe = true) {
     Child daemon;
     {
       std::lock_guard lock(children.mu);
@@ -172,7 +175,7 @@ class Cleanup {
       ::kill(daemon.pid, SIGKILL);
       ::waitpid(daemon.pid, &status, 0);
     }
-    ::close(daemon.out);
+    if (close_pipe) ::close(daemon.out);
     return ended && WIFEXITED(status) && WEXITSTATUS(status) == 0;
   }
 

@@ -258,8 +258,13 @@ class Posix final : public FileSystem {
       ::close(fd);
       return Error(path + ": not a regular file");
     }
-    return std::unique_ptr<RandomAccessFile>(
-        new PosixFile(path, fd, static_cast<uint64_t>(st.st_size)));
+    try {
+      return std::unique_ptr<RandomAccessFile>(
+          new PosixFile(path, fd, static_cast<uint64_t>(st.st_size)));
+    } catch (...) {
+      ::close(fd);  // out of memory for the object or its path: not owned yet
+      throw;
+    }
   }
 
   Result<StatSignature> Stat(const std::string& path, Symlinks symlinks) override {
