@@ -5,9 +5,11 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <set>
+#include <thread>
 
 #include "fingerprint/fingerprint.h"
 #include "format/rules.h"
@@ -215,6 +217,49 @@ TEST(Checkpoint, ASymlinkSwappedInAfterTheEscapeCheckIsNotFollowed) {
       auto fp = fingerprint::FingerprintCheckpoint(files, dir.path(), cached);
       expect_refused(fp.ok() ? OkStatus() : Status(fp.error()), "cached fingerprint");
     }
+  }
+}
+
+// A directory whose stat and index lookup take 3 ms each: by sleeping for
+// them (a network or FUSE round trip), or by keeping the thread busy (what
+// a thread kept off a core on a loaded machine looks like to the clock).
+// Only the first is a remote file system: the second, taken for one, got
+// hundreds of reads in flight, a thread each.
+class SlowStatFileSystem final : public testing::PassThroughFileSystem {
+ public:
+  explicit SlowStatFileSystem(bool sleeps) : sleeps_(sleeps) {}
+  Result<bool> IsDirectory(const std::string& p) override {
+    Wait();
+    return base_.IsDirectory(p);
+  }
+  Result<bool> Exists(const std::string& p) override {
+    Wait();
+    return base_.Exists(p);
+  }
+
+ private:
+  void Wait() const {
+    constexpr auto kFor = std::chrono::milliseconds(3);
+    if (sleeps_) {
+      std::this_thread::sleep_for(kFor);
+      return;
+    }
+    for (const auto until = std::chrono::steady_clock::now() + kFor;
+         std::chrono::steady_clock::now() < until;) {
+    }
+  }
+  bool sleeps_;
+};
+
+TEST(Checkpoint, AStatIsARoundTripWhenTheThreadSleptForIt) {
+  TempDir dir;
+  WriteShardWith(dir.Join("model.safetensors"), {"a"});
+  for (const bool sleeps : {true, false}) {
+    SlowStatFileSystem fs(sleeps);
+    auto listing = ListShards(fs, dir.path());
+    ASSERT_TRUE(listing.ok()) << listing.error().message();
+    EXPECT_EQ(listing->remote, sleeps) << (sleeps ? "slept" : "kept busy");
+    EXPECT_EQ(listing->shards.size(), 1u);
   }
 }
 

@@ -1,6 +1,7 @@
 #include "format/checkpoint.h"
 
 #include <simdjson.h>
+#include <sys/resource.h>
 
 #include <algorithm>
 #include <atomic>
@@ -30,6 +31,34 @@ constexpr size_t kMaxParallelPathChecks = 128;
 // A stat slower than this went over a network (or a FUSE daemon): a local
 // stat, or one answered from an attribute cache, takes microseconds.
 constexpr auto kRoundTripProbe = std::chrono::microseconds(500);
+
+// One metadata call timed, to tell a file system that answers over a
+// network (or through a FUSE daemon) from a local one: slower than
+// kRoundTripProbe, and this thread slept for it (waited for the answer).
+// A local stat on a busy machine can take as long while the thread waits
+// for a core (preempted, which is no sleep); taken for remote, the
+// checkpoint would get hundreds of reads in flight, a thread each (seen
+// under a parallel test run: 512 threads in a daemon with 256 MiB).
+class RoundTripProbe {
+ public:
+  RoundTripProbe() : start_(std::chrono::steady_clock::now()), sleeps_(Sleeps()) {}
+  bool Slow() const {
+    if (std::chrono::steady_clock::now() - start_ <= kRoundTripProbe) return false;
+    const std::optional<long> now = Sleeps();
+    return !now || !sleeps_ || *now != *sleeps_;  // where it cannot be told, the time says
+  }
+
+ private:
+  // How many times this thread gave up its core to wait (voluntary
+  // context switches).
+  static std::optional<long> Sleeps() {
+    rusage usage;
+    if (::getrusage(RUSAGE_THREAD, &usage) != 0) return std::nullopt;
+    return usage.ru_nvcsw;
+  }
+  std::chrono::steady_clock::time_point start_;
+  std::optional<long> sleeps_;
+};
 
 constexpr std::string_view kShardSuffix = ".safetensors";
 
@@ -277,9 +306,9 @@ Result<WeightMap> IndexParser::Read(std::string_view label, IndexText& text) {
 Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
                                 const ListOptions& options) {
   ShardListing listing;
-  auto probe_start = std::chrono::steady_clock::now();
+  const RoundTripProbe directory_probe;
   WEIGHTD_ASSIGN_OR_RETURN(bool is_dir, fs.IsDirectory(path));
-  bool remote = std::chrono::steady_clock::now() - probe_start > kRoundTripProbe;
+  bool remote = directory_probe.Slow();
   listing.round_trips = 1;
   if (!is_dir) {
     // A checkpoint's index, named by mistake, would be read as a shard and
@@ -325,9 +354,9 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   WEIGHTD_ASSIGN_OR_RETURN(std::string real_dir, fs.RealPath(path));
   listing.real_dir = real_dir;
   const std::string index_path = io::JoinPath(path, std::string(kIndexFileName));
-  probe_start = std::chrono::steady_clock::now();
+  const RoundTripProbe index_probe;
   WEIGHTD_ASSIGN_OR_RETURN(bool has_index, fs.Exists(index_path));
-  if (!remote && std::chrono::steady_clock::now() - probe_start > kRoundTripProbe) {
+  if (!remote && index_probe.Slow()) {
     remote = true;
     list_now();
   }
