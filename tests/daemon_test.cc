@@ -1850,7 +1850,8 @@ TEST_F(DaemonTest, SegmentsAnEarlierDaemonLeftMappedNeverGetTheNextOneKilled) {
     Preload(models[i]);
     engines.push_back(std::make_unique<Process>(
         std::vector<std::string>{"load", models[i], "--hold", "300", "--socket-dir", sock_}));
-    ASSERT_TRUE(engines.back()->WaitForOutput("source: daemon")) << engines.back()->err();
+    ASSERT_TRUE(engines.back()->WaitForOutput("source: daemon")) << engines.back()->err() << "\n"
+                                                                 << group.Describe();
   }
   first->Signal(SIGKILL);
   first->Wait();
@@ -1860,11 +1861,13 @@ TEST_F(DaemonTest, SegmentsAnEarlierDaemonLeftMappedNeverGetTheNextOneKilled) {
   std::string said;
   for (size_t i = 5; i < 12; ++i) {
     CommandResult r = Run({"preload", models[i]});
-    ASSERT_EQ(r.exit_code, 0) << "model " << i << ": " << r.err << "\n" << second.err();
+    ASSERT_EQ(r.exit_code, 0) << "model " << i << ": " << r.err << "\n"
+                              << second.err() << "\n"
+                              << group.Describe();
     said += r.out;
   }
   EXPECT_NE(said.find("evicted to make room"), std::string::npos) << said;
-  EXPECT_EQ(group.OomKills(), 0);
+  EXPECT_EQ(group.OomKills(), 0) << group.Describe();
 
   // Every resident model leased, and each new one: nothing to evict, and
   // a clear refusal once the group is full.
@@ -1886,7 +1889,7 @@ TEST_F(DaemonTest, SegmentsAnEarlierDaemonLeftMappedNeverGetTheNextOneKilled) {
   EXPECT_NE(refused.err.find("out of memory on host"), std::string::npos) << refused.err;
   EXPECT_NE(refused.err.find("the control group's limit of 256.00 MiB"), std::string::npos)
       << refused.err;
-  EXPECT_EQ(group.OomKills(), 0);
+  EXPECT_EQ(group.OomKills(), 0) << group.Describe();
   // status shows the same figure, beside the budget.
   const json host = Status()["devices"][0];
   ASSERT_TRUE(host.contains("room")) << host.dump();

@@ -244,6 +244,27 @@ struct MemoryGroup {
     }
     return -1;
   }
+  // What the group holds and how close it came to its limit, for a failed
+  // check's message: whether the kernel killed something there, and for
+  // which kind of memory.
+  std::string Describe() const {
+    std::string out = "control group " + path + ":";
+    for (const char* file : {"memory.usage_in_bytes", "memory.max_usage_in_bytes", "memory.failcnt",
+                             "memory.limit_in_bytes"}) {
+      std::ifstream in(path + "/" + file);
+      std::string value;
+      in >> value;
+      out += std::string(" ") + file + "=" + value;
+    }
+    out += " oom_kill=" + std::to_string(OomKills());
+    std::ifstream stat(path + "/memory.stat");
+    for (std::string key, value; stat >> key >> value;) {
+      if (key == "rss" || key == "cache" || key == "shmem" || key == "mapped_file") {
+        out += " " + key + "=" + value;
+      }
+    }
+    return out;
+  }
 };
 
 // The system's pool of 2 MiB pages (what MFD_HUGE_2MB takes from), raised
