@@ -467,30 +467,46 @@ TEST(PrivateMemory, ABufferOwnsItsMemoryUntilItGoes) {
   EXPECT_THROW(PrivateBuffer(SIZE_MAX - 10), std::bad_alloc);
 }
 
-// What a process makes goes unless it said it completed it: a file, and a
-// folder with files in it; a completed path stays; and a listed path a
-// signal's removal took first is no error.
-TEST(UnfinishedPath, RemovesWhatWasNotCompleted) {
+// What a process makes goes unless it said to keep it: a file, and a
+// folder with files in it, named with a slash at the end too; a kept path
+// stays.
+TEST(UnfinishedPath, RemovesWhatWasNotKept) {
   TempDir dir;
   const std::string file = dir.Join("f.tmp"), folder = dir.Join("d.partial"),
                     kept = dir.Join("kept");
   {
-    UnfinishedPath f(file), d(folder), k(kept);
+    UnfinishedPath f(file), d(folder + "/"), k(kept);
     testing::WriteFileText(file, "half");
     ASSERT_EQ(::mkdir(folder.c_str(), 0755), 0);
     testing::WriteFileText(folder + "/shard", "half");
     testing::WriteFileText(kept, "whole");
-    k.Complete();
+    k.Keep();
   }
   std::vector<std::string> left;
   for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
     left.push_back(e.path().filename().string());
   }
   EXPECT_EQ(left, std::vector<std::string>{"kept"});
+}
+
+// A signal's removal takes every listed path at once, and leaves nothing
+// moved aside; what was not listed stays, and the owners going after it is
+// no error.
+TEST(UnfinishedPath, ASignalsRemovalTakesEveryListedPath) {
+  TempDir dir;
+  const std::string file = dir.Join("f.tmp"), folder = dir.Join("d.partial");
   {
-    UnfinishedPath gone(dir.Join("never-made"));
-    testing::WriteFileText(dir.Join("other"), "x");
-    RemoveUnfinishedPaths();  // lists only never-made
+    UnfinishedPath f(file), d(folder);
+    testing::WriteFileText(file, "half");
+    ASSERT_EQ(::mkdir(folder.c_str(), 0755), 0);
+    testing::WriteFileText(folder + "/shard", "half");
+    testing::WriteFileText(dir.Join("other"), "not listed");
+    RemoveUnfinishedPaths();
+    std::vector<std::string> left;
+    for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+      left.push_back(e.path().filename().string());
+    }
+    EXPECT_EQ(left, std::vector<std::string>{"other"});
   }
   EXPECT_TRUE(std::filesystem::exists(dir.Join("other")));
 }

@@ -146,8 +146,9 @@ class Cleanup {
   Cleanup& operator=(const Cleanup&) = delete;
   ~Cleanup() {
     StopDaemon();
+    dirs_.clear();  // while a signal still finishes the removal, not cuts it short
     on_signal_.reset();
-  }  // then the folders go
+  }
   // The daemon, started unless a signal is ending the demo.
   Result<Child> StartDaemon(const std::vector<std::string>& args) {
     std::lock_guard lock(children.mu);
@@ -216,16 +217,20 @@ int RunDemo(const DemoOptions& o) {
     const char* tmp = std::getenv("TMPDIR");
     dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/weightd-demo-" + std::to_string(::getpid());
   }
+  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // "d/" + ".sock" is inside d
   const std::string socket_dir = dir + ".sock", cache_dir = dir + ".cache";
   // It removes these at the end: each must be new, so that nothing it did
-  // not make (a model, a daemon's socket) goes with them.
+  // not make (a model, a daemon's socket) goes with them. Made here, in one
+  // step each: a second demo given the same --dir is refused, not let in.
+  std::vector<std::string> made;
   for (const std::string& path : {dir, socket_dir, cache_dir}) {
-    struct stat st;
-    std::string why = " already exists";
-    if (::lstat(path.c_str(), &st) != 0) {
-      if (errno == ENOENT) continue;
-      why = ": " + std::string(std::strerror(errno));
+    if (::mkdir(path.c_str(), 0700) == 0) {
+      made.push_back(path);
+      continue;
     }
+    const std::string why =
+        errno == EEXIST ? " already exists" : ": " + std::string(std::strerror(errno));
+    for (const std::string& m : made) ::rmdir(m.c_str());
     return ReportError("demo",
                        path + why + ": the demo makes " + dir + ", " + socket_dir + " and " +
                            cache_dir + " and removes them at the end; " +
@@ -248,9 +253,6 @@ int RunDemo(const DemoOptions& o) {
             << " in " << plan->shards.size() << " shards\n";
 
   std::cout << "2. start the daemon: weightd serve --socket-dir " << socket_dir << "\n";
-  if (::mkdir(socket_dir.c_str(), 0700) != 0 && errno != EEXIST) {
-    return ReportError("demo", "cannot create " + socket_dir);
-  }
   auto daemon = cleanup.StartDaemon({"serve", "--socket-dir", socket_dir});
   if (!daemon.ok()) return ReportError("demo", daemon.error().message());
   {

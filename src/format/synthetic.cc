@@ -354,7 +354,7 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
     if (::rename(staging.c_str(), out_dir.c_str()) != 0) {
       status = Error(out_dir + ": cannot move the checkpoint into place: " + std::strerror(errno));
     } else {
-      unfinished.Complete();
+      unfinished.Keep();
     }
   }
   if (!status.ok()) return status.error();

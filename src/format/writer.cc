@@ -43,9 +43,12 @@ class TempFile {
     }
     temp_path_ = final_path_.substr(0, name_at + keep) + suffix;
     // Removed unless committed, and first by a process a signal ends (the
-    // CLI's): listed before it exists, the name being this process's own.
+    // CLI's): listed before it exists, so that no moment is left between.
     unfinished_ = std::make_unique<io::UnfinishedPath>(temp_path_);
     fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    // Not made: whatever has the name (another process's file, where two
+    // containers share a volume and a pid) is not ours to remove.
+    if (fd_ < 0) unfinished_->Keep();
   }
   TempFile(const TempFile&) = delete;
   TempFile& operator=(const TempFile&) = delete;
@@ -73,7 +76,7 @@ class TempFile {
     } else if (Status s = MoveUnlessTaken(); !s.ok()) {
       return s;
     }
-    unfinished_->Complete();
+    unfinished_->Keep();
     return OkStatus();
   }
 

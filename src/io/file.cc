@@ -389,6 +389,9 @@ void RemoveMadePath(const std::string& path) {
 }  // namespace
 
 UnfinishedPath::UnfinishedPath(std::string path) : path_(std::move(path)) {
+  // "dir/" would be moved aside into itself ("dir/.removing-PID"), which
+  // fails: the folder would stay.
+  while (path_.size() > 1 && path_.back() == '/') path_.pop_back();
   std::lock_guard lock(unfinished_mu);
   Unfinished().push_back(path_);
 }
@@ -397,7 +400,7 @@ UnfinishedPath::~UnfinishedPath() {
   std::lock_guard lock(unfinished_mu);  // a signal's removal is done, or waits
   auto& paths = Unfinished();
   if (auto it = std::find(paths.begin(), paths.end(), path_); it != paths.end()) paths.erase(it);
-  if (complete_) return;
+  if (keep_) return;
   try {
     RemoveMadePath(path_);
   } catch (...) {
@@ -407,7 +410,13 @@ UnfinishedPath::~UnfinishedPath() {
 
 void RemoveUnfinishedPaths() {
   std::lock_guard lock(unfinished_mu);  // held to the end: no new path meanwhile
-  for (const std::string& path : Unfinished()) RemoveMadePath(path);
+  for (const std::string& path : Unfinished()) {
+    try {
+      RemoveMadePath(path);
+    } catch (...) {
+      // Listing a folder needed memory there was none of: on to the next.
+    }
+  }
 }
 
 std::string JoinPath(const std::string& dir, const std::string& name) {

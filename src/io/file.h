@@ -114,11 +114,11 @@ class FileSystem {
 FileSystem& PosixFileSystem();
 
 // A path this process is making (a folder a checkpoint is staged in, a file
-// written under a temporary name), removed when this goes unless Complete()
-// said it was moved into place: however the making ends short of that, an
-// exception included. While one lives, its path is listed, so that a process
-// a signal ends can remove it first (RemoveUnfinishedPaths). A folder is
-// expected flat: its files, then itself.
+// written under a temporary name), removed when this goes unless Keep() was
+// called: however the making ends short of that, an exception included.
+// While one lives, its path is listed, so that a process a signal ends can
+// remove it first (RemoveUnfinishedPaths). A folder is expected flat: its
+// files, then itself.
 class UnfinishedPath {
  public:
   explicit UnfinishedPath(std::string path);
@@ -126,12 +126,13 @@ class UnfinishedPath {
   UnfinishedPath& operator=(const UnfinishedPath&) = delete;
   ~UnfinishedPath();
 
-  // The path was renamed into place: its name is gone, nothing to remove.
-  void Complete() { complete_ = true; }
+  // Nothing to remove when this goes: the path was renamed into place, or
+  // it turned out not to be this process's to make.
+  void Keep() { keep_ = true; }
 
  private:
   std::string path_;
-  bool complete_ = false;
+  bool keep_ = false;
 };
 
 // Removes every path an UnfinishedPath lists now. For a thread that takes
