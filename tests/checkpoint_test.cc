@@ -220,47 +220,59 @@ TEST(Checkpoint, ASymlinkSwappedInAfterTheEscapeCheckIsNotFollowed) {
   }
 }
 
-// A directory whose stat and index lookup take 3 ms each: by sleeping for
-// them (a network or FUSE round trip), or by keeping the thread busy (what
-// a thread kept off a core on a loaded machine looks like to the clock).
-// Only the first is a remote file system: the second, taken for one, got
-// hundreds of reads in flight, a thread each.
+// A directory whose stat and index lookup each take a while: asleep (a
+// network or FUSE round trip), or busy on the core (what a thread kept off
+// a core on a loaded machine looks like to the clock), or some of each.
 class SlowStatFileSystem final : public testing::PassThroughFileSystem {
  public:
-  explicit SlowStatFileSystem(bool sleeps) : sleeps_(sleeps) {}
+  struct Wait {
+    std::chrono::microseconds asleep{0}, busy{0};
+  };
+  SlowStatFileSystem(Wait directory, Wait index) : directory_(directory), index_(index) {}
   Result<bool> IsDirectory(const std::string& p) override {
-    Wait();
+    Take(directory_);
     return base_.IsDirectory(p);
   }
   Result<bool> Exists(const std::string& p) override {
-    Wait();
+    Take(index_);
     return base_.Exists(p);
   }
 
  private:
-  void Wait() const {
-    constexpr auto kFor = std::chrono::milliseconds(3);
-    if (sleeps_) {
-      std::this_thread::sleep_for(kFor);
-      return;
-    }
-    for (const auto until = std::chrono::steady_clock::now() + kFor;
+  static void Take(Wait w) {
+    if (w.asleep.count() > 0) std::this_thread::sleep_for(w.asleep);
+    for (const auto until = std::chrono::steady_clock::now() + w.busy;
          std::chrono::steady_clock::now() < until;) {
     }
   }
-  bool sleeps_;
+  Wait directory_, index_;
 };
 
+// Only a call that slept longer than a round trip's threshold is one:
+// either probe's; not 3 ms on the core, nor a short sleep and then the
+// core.
 TEST(Checkpoint, AStatIsARoundTripWhenTheThreadSleptForIt) {
+  using std::chrono::microseconds;
   TempDir dir;
   WriteShardWith(dir.Join("model.safetensors"), {"a"});
-  for (const bool sleeps : {true, false}) {
-    SlowStatFileSystem fs(sleeps);
+  const SlowStatFileSystem::Wait asleep{microseconds(3000), {}}, busy{{}, microseconds(3000)},
+      nap_then_busy{microseconds(100), microseconds(3000)}, quick{};
+  auto remote = [&](SlowStatFileSystem::Wait directory, SlowStatFileSystem::Wait index) {
+    SlowStatFileSystem fs(directory, index);
     auto listing = ListShards(fs, dir.path());
-    ASSERT_TRUE(listing.ok()) << listing.error().message();
-    EXPECT_EQ(listing->remote, sleeps) << (sleeps ? "slept" : "kept busy");
-    EXPECT_EQ(listing->shards.size(), 1u);
-  }
+    EXPECT_TRUE(listing.ok()) << listing.error().message();
+    return listing.ok() && listing->remote;
+  };
+  EXPECT_TRUE(remote(asleep, quick)) << "the folder's stat slept";
+  EXPECT_TRUE(remote(quick, asleep)) << "the index lookup slept";
+  EXPECT_FALSE(remote(busy, busy)) << "both kept busy";
+  // A 100 us sleep is itself over 500 us now and then on a virtual machine
+  // (its timer), and is then a round trip's sleep: of five tries, one at
+  // least must be taken for local. Counting the whole 3.1 ms as asleep
+  // takes all five for remote.
+  int local = 0;
+  for (int i = 0; i < 5; ++i) local += !remote(nap_then_busy, nap_then_busy);
+  EXPECT_GT(local, 0) << "a short sleep, then the core";
 }
 
 TEST(Checkpoint, IndexedTensorMustBeInItsShard) {

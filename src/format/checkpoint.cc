@@ -1,12 +1,16 @@
 #include "format/checkpoint.h"
 
+#include <fcntl.h>
 #include <simdjson.h>
 #include <sys/resource.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
+#include <charconv>
 #include <chrono>
 #include <cstring>
+#include <ctime>
 #include <deque>
 #include <new>
 #include <optional>
@@ -28,27 +32,35 @@ namespace {
 constexpr uint64_t kMaxIndexBytes = 64ull << 20;
 constexpr int kMaxParallelHeaderReads = 16;
 constexpr size_t kMaxParallelPathChecks = 128;
-// A stat slower than this went over a network (or a FUSE daemon): a local
-// stat, or one answered from an attribute cache, takes microseconds.
+// A metadata call that waited longer than this for its answer went over a
+// network (or to a FUSE daemon): a local stat, or one answered from an
+// attribute cache, takes microseconds.
 constexpr auto kRoundTripProbe = std::chrono::microseconds(500);
 
 // One metadata call timed, to tell a file system that answers over a
-// network (or through a FUSE daemon) from a local one: slower than
-// kRoundTripProbe, and this thread slept for it (waited for the answer).
-// A local stat on a busy machine can take as long while the thread waits
-// for a core (preempted, which is no sleep); taken for remote, the
-// checkpoint would get hundreds of reads in flight, a thread each (seen
-// under a parallel test run: 512 threads in a daemon with 256 MiB).
+// network (or through a FUSE daemon) from a local one: the call took over
+// kRoundTripProbe, and this thread slept that long in it (waiting for the
+// answer). On a busy machine a local stat takes as long while the thread
+// waits for a core, preempted or after a short sleep (a page reclaimed in
+// a full control group); taken for remote, the checkpoint would get
+// hundreds of reads in flight, a thread each (seen under a parallel test
+// run: 512 threads in a daemon with 256 MiB), and no stat shortcut.
 class RoundTripProbe {
  public:
-  RoundTripProbe() : start_(std::chrono::steady_clock::now()), sleeps_(Sleeps()) {}
+  RoundTripProbe() : start_(Clock::now()), sleeps_(Sleeps()), busy_(BusyNs()) {}
   bool Slow() const {
-    if (std::chrono::steady_clock::now() - start_ <= kRoundTripProbe) return false;
-    const std::optional<long> now = Sleeps();
-    return !now || !sleeps_ || *now != *sleeps_;  // where it cannot be told, the time says
+    const Clock::duration wall = Clock::now() - start_;
+    if (wall <= kRoundTripProbe) return false;
+    const std::optional<long> sleeps = Sleeps();
+    if (sleeps && sleeps_ && *sleeps == *sleeps_) return false;  // never slept
+    const std::optional<uint64_t> busy = BusyNs();
+    if (!busy || !busy_) return true;  // slept, for how long unknown
+    const auto on_or_waiting = std::chrono::nanoseconds(*busy - std::min(*busy, *busy_));
+    return wall - on_or_waiting > kRoundTripProbe;
   }
 
  private:
+  using Clock = std::chrono::steady_clock;
   // How many times this thread gave up its core to wait (voluntary
   // context switches).
   static std::optional<long> Sleeps() {
@@ -56,8 +68,31 @@ class RoundTripProbe {
     if (::getrusage(RUSAGE_THREAD, &usage) != 0) return std::nullopt;
     return usage.ru_nvcsw;
   }
-  std::chrono::steady_clock::time_point start_;
+  // Nanoseconds this thread has run on a core (its CPU clock: the
+  // schedstat's own figure lags by up to a tick) and waited in a run queue
+  // for one (the second field of its schedstat, up to date since it last
+  // got a core), where the kernel tells; time a hypervisor took the core
+  // is in neither.
+  static std::optional<uint64_t> BusyNs() {
+    const int fd = ::open("/proc/thread-self/schedstat", O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return std::nullopt;
+    char text[96];
+    const ssize_t n = ::read(fd, text, sizeof text);
+    ::close(fd);
+    timespec on;
+    if (n <= 0 || ::clock_gettime(CLOCK_THREAD_CPUTIME_ID, &on) != 0) return std::nullopt;
+    const char* end = text + n;
+    const char* space = std::find(static_cast<const char*>(text), end, ' ');
+    uint64_t waiting = 0;
+    if (space == end || std::from_chars(space + 1, end, waiting).ec != std::errc()) {
+      return std::nullopt;
+    }
+    return static_cast<uint64_t>(on.tv_sec) * 1'000'000'000u + static_cast<uint64_t>(on.tv_nsec) +
+           waiting;
+  }
+  Clock::time_point start_;
   std::optional<long> sleeps_;
+  std::optional<uint64_t> busy_;
 };
 
 constexpr std::string_view kShardSuffix = ".safetensors";
