@@ -181,7 +181,7 @@ class Cleanup {
   }
 
  private:
-  std::vector<std::unique_ptr<io::UnfinishedPath>> dirs_;  // never completed: removed
+  std::vector<std::unique_ptr<io::UnfinishedPath>> dirs_;  // never kept: removed
   std::unique_ptr<CleanUpOnSignal> on_signal_;             // made last, gone first
 };
 

@@ -365,24 +365,29 @@ std::vector<std::string>& Unfinished() {
 }
 
 // Removes a file, or a flat folder (moved aside first, then its files and
-// itself); nothing where the path is gone.
-void RemoveMadePath(const std::string& path) {
+// itself); nothing where the path is gone. Best effort: a folder it cannot
+// list for want of memory stays.
+void RemoveMadePath(const std::string& path) noexcept {
   struct stat st;
   if (::lstat(path.c_str(), &st) != 0) return;
   if (!S_ISDIR(st.st_mode)) {
     ::unlink(path.c_str());  // an owner's rename of it into place then fails
     return;
   }
-  // Moved aside first, in one step: an owner's rename of the folder into
-  // place (a staged checkpoint) then fails, instead of moving a folder half
-  // emptied. Either it was renamed whole already, or it never is.
-  const std::string aside = path + ".removing-" + std::to_string(::getpid());
-  if (::rename(path.c_str(), aside.c_str()) != 0) return;
-  // A file the process makes between the listing and the rmdir leaves the
-  // folder not empty: again, a few times.
-  for (int attempt = 0; attempt < 5 && ::rmdir(aside.c_str()) != 0 && errno == ENOTEMPTY;
-       ++attempt) {
-    RemoveFlatDirectory(aside);
+  try {
+    // Moved aside first, in one step: an owner's rename of the folder into
+    // place (a staged checkpoint) then fails, instead of moving a folder
+    // half emptied. Either it was renamed whole already, or it never is.
+    const std::string aside = path + ".removing-" + std::to_string(::getpid());
+    if (::rename(path.c_str(), aside.c_str()) != 0) return;
+    // A file the process makes between the listing and the rmdir leaves
+    // the folder not empty: again, a few times.
+    for (int attempt = 0; attempt < 5 && ::rmdir(aside.c_str()) != 0 && errno == ENOTEMPTY;
+         ++attempt) {
+      RemoveFlatDirectory(aside);
+    }
+  } catch (...) {
+    // Out of memory for a name or the folder's listing.
   }
 }
 
@@ -400,23 +405,12 @@ UnfinishedPath::~UnfinishedPath() {
   std::lock_guard lock(unfinished_mu);  // a signal's removal is done, or waits
   auto& paths = Unfinished();
   if (auto it = std::find(paths.begin(), paths.end(), path_); it != paths.end()) paths.erase(it);
-  if (keep_) return;
-  try {
-    RemoveMadePath(path_);
-  } catch (...) {
-    // Listing the folder needed memory there was none of: it stays.
-  }
+  if (!keep_) RemoveMadePath(path_);
 }
 
 void RemoveUnfinishedPaths() {
   std::lock_guard lock(unfinished_mu);  // held to the end: no new path meanwhile
-  for (const std::string& path : Unfinished()) {
-    try {
-      RemoveMadePath(path);
-    } catch (...) {
-      // Listing a folder needed memory there was none of: on to the next.
-    }
-  }
+  for (const std::string& path : Unfinished()) RemoveMadePath(path);
 }
 
 std::string JoinPath(const std::string& dir, const std::string& name) {
