@@ -96,6 +96,14 @@ constexpr uint64_t kHostPagesProbeBytes = 2ull << 20;
 constexpr int kParkAfterMs = 200;
 constexpr int kBusyServing = 2 * kKeptWorkers;
 
+// What one more read in flight costs the daemon's control group: a pool
+// thread's stacks, user and kernel, as the group is charged for them
+// (about 35 KiB an idle thread in a release build), with room to spare.
+constexpr uint64_t kBytesPerRead = 64 << 10;
+// Reads in flight at the least, however small the group: a mount that
+// answers each in a round trip needs some.
+constexpr int kFewestReads = 16;
+
 // After a preload of this many tensors or more, the freed heap goes back
 // to the system (see Preload).
 constexpr uint64_t kTrimAfterTensors = 250'000;
@@ -192,12 +200,19 @@ struct Server::State {
         registry(options.host_budget, options.check_host_room
                                           ? Registry::RoomProbe([this] { return HostRoomNow(); })
                                           : Registry::RoomProbe()) {
-    // A preload's buffers within what is kept of the memory for the
-    // daemon's own work (an eighth of a container's limit, at most 256
-    // MiB): room for the segments is weighed less that.
+    // A preload's buffers and threads within what is kept of the memory
+    // for the daemon's own work (an eighth of a container's limit, at most
+    // 256 MiB): room for the segments is weighed less that. A quarter of
+    // it goes to the threads of reads in flight: on a mount that answers
+    // in round trips, a fingerprint keeps 512 out, a thread each, which
+    // would take 18 MiB of a 256 MiB group's 32 kept.
     if (options.check_host_room) {
       if (const std::optional<Registry::Room> room = HostRoom()) {
-        buffer_bytes = std::min(buffer_bytes, std::max<uint64_t>(room->keep, 1));
+        kept_for_work = room->keep;
+        const uint64_t for_threads = room->keep / 4;
+        reads_in_flight = static_cast<int>(std::clamp<uint64_t>(
+            for_threads / kBytesPerRead, kFewestReads, static_cast<uint64_t>(reads_in_flight)));
+        buffer_bytes = std::min(buffer_bytes, std::max<uint64_t>(room->keep - for_threads, 1));
       }
     }
   }
@@ -215,7 +230,9 @@ struct Server::State {
   ServerOptions options;
   Registry registry;
   uint64_t buffer_bytes = loader::LoadOptions{}.buffer_bytes;  // each preload's, together
-  memory::UniqueFd dir_fd;                                     // the socket directory, as checked
+  int reads_in_flight = fingerprint::Options{}.max_inflight;   // each preload's, at most
+  uint64_t kept_for_work = 0;  // of a container's memory, for the above; 0: none known
+  memory::UniqueFd dir_fd;     // the socket directory, as checked
   memory::UniqueFd lock_fd;
   memory::UniqueFd listen_fd;
   memory::UniqueFd wake_read, wake_write;
@@ -630,6 +647,14 @@ Status Server::Start() {
     s.Log("host segments: normal pages; a hugetlbfs pool, or `within_size` in " +
           std::string(memory::kShmemHugePagePolicyPath) +
           ", lets preloads fill them 2 MiB at a time (docs/daemon.md)");
+  }
+
+  // Where what it keeps for its own work held a preload's reads in
+  // flight below the default, the operator hears why.
+  if (s.reads_in_flight < fingerprint::Options{}.max_inflight) {
+    s.Log("reads in flight: at most " + std::to_string(s.reads_in_flight) +
+          " per preload, within a quarter of the " + protocol::FormatBytes(s.kept_for_work) +
+          " kept for the daemon's own work");
   }
 
   // The GPUs, asked in the background and logged once known: the host is
@@ -1690,6 +1715,11 @@ Result<json> Server::State::PreloadUnguarded(
   fo.cache = cache.get();
   fo.mode = fingerprint::ModeNamed(processing.fingerprint);
   fo.cancel = &stopping;
+  // What a fingerprint keeps out and reads into at once: the same share
+  // of the daemon's kept memory as a load's.
+  fo.max_inflight = reads_in_flight;
+  fo.local_window_bytes = std::min(fo.local_window_bytes, buffer_bytes);
+  fo.remote_window_bytes = std::min(fo.remote_window_bytes, buffer_bytes);
   // A full key is every byte hashed now: not a digest taken on the
   // strength of a stat signature, which a file system that keeps one
   // through a rewrite (docs/fingerprint.md) would make stale. The cache is
@@ -1826,6 +1856,7 @@ Result<json> Server::State::PreloadUnguarded(
   lo.cancel = &stopping;
   lo.segment_name = io::BaseName(path);
   lo.buffer_bytes = buffer_bytes;
+  lo.max_inflight = std::min(lo.max_inflight, reads_in_flight);
   lo.processing = resolved;
   lo.ranks = missing;
   // Listed in `status` while it reads, however the load ends; until each
