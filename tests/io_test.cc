@@ -511,5 +511,25 @@ TEST(UnfinishedPath, ASignalsRemovalTakesEveryListedPath) {
   EXPECT_TRUE(std::filesystem::exists(dir.Join("other")));
 }
 
+// Moving a folder aside never takes the place of one already named as
+// the aside would be (an empty one, which rename(2) would replace).
+TEST(UnfinishedPath, AFolderIsNeverMovedOntoOneOfItsAsideName) {
+  TempDir dir;
+  const std::string folder = dir.Join("d.partial");
+  const std::string other = folder + ".removing-" + std::to_string(::getpid());
+  ASSERT_EQ(::mkdir(other.c_str(), 0755), 0);
+  {
+    UnfinishedPath d(folder);
+    ASSERT_EQ(::mkdir(folder.c_str(), 0755), 0);
+    testing::WriteFileText(folder + "/shard", "half");
+  }
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    left.push_back(e.path().filename().string());
+  }
+  EXPECT_EQ(left, std::vector<std::string>{"d.partial.removing-" + std::to_string(::getpid())});
+  EXPECT_TRUE(std::filesystem::is_empty(other));
+}
+
 }  // namespace
 }  // namespace weightd::io

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <climits>
+#include <cstdio>  // renameat2
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -378,8 +379,17 @@ void RemoveMadePath(const std::string& path) noexcept {
     // Moved aside first, in one step: an owner's rename of the folder into
     // place (a staged checkpoint) then fails, instead of moving a folder
     // half emptied. Either it was renamed whole already, or it never is.
-    const std::string aside = path + ".removing-" + std::to_string(::getpid());
-    if (::rename(path.c_str(), aside.c_str()) != 0) return;
+    // Never onto a folder of that name already there (rename(2) would
+    // replace an empty one): the next name then. A file system without
+    // RENAME_NOREPLACE gets rename(2).
+    std::string aside = path + ".removing-" + std::to_string(::getpid());
+    for (int n = 1;; ++n) {
+      int moved = ::renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, aside.c_str(), RENAME_NOREPLACE);
+      if (moved != 0 && errno == EINVAL) moved = ::rename(path.c_str(), aside.c_str());
+      if (moved == 0) break;
+      if (errno != EEXIST || n == 5) return;
+      aside = path + ".removing-" + std::to_string(::getpid()) + "-" + std::to_string(n);
+    }
     // A file the process makes between the listing and the rmdir leaves
     // the folder not empty: again, a few times.
     for (int attempt = 0; attempt < 5 && ::rmdir(aside.c_str()) != 0 && errno == ENOTEMPTY;
