@@ -202,17 +202,19 @@ struct Server::State {
                                           : Registry::RoomProbe()) {
     // A preload's buffers and threads within what is kept of the memory
     // for the daemon's own work (an eighth of a container's limit, at most
-    // 256 MiB): room for the segments is weighed less that. A quarter of
-    // it goes to the threads of reads in flight: on a mount that answers
-    // in round trips, a fingerprint keeps 512 out, a thread each, which
-    // would take 18 MiB of a 256 MiB group's 32 kept.
+    // 256 MiB): room for the segments is weighed less that. Up to a
+    // quarter of it goes to the threads of reads in flight, the rest to
+    // buffers: on a mount that answers in round trips, a fingerprint keeps
+    // 512 out, a thread each, which would take 18 MiB of a 256 MiB group's
+    // 32 kept.
     if (options.check_host_room) {
       if (const std::optional<Registry::Room> room = HostRoom()) {
         kept_for_work = room->keep;
-        const uint64_t for_threads = room->keep / 4;
         reads_in_flight = static_cast<int>(std::clamp<uint64_t>(
-            for_threads / kBytesPerRead, kFewestReads, static_cast<uint64_t>(reads_in_flight)));
-        buffer_bytes = std::min(buffer_bytes, std::max<uint64_t>(room->keep - for_threads, 1));
+            room->keep / 4 / kBytesPerRead, kFewestReads, static_cast<uint64_t>(reads_in_flight)));
+        const uint64_t for_threads = static_cast<uint64_t>(reads_in_flight) * kBytesPerRead;
+        buffer_bytes = std::min(buffer_bytes,
+                                room->keep > for_threads ? room->keep - for_threads : uint64_t{1});
       }
     }
   }
