@@ -58,6 +58,30 @@ bool HugePagesFree() {
   return pool >> free_pages && free_pages > 0;
 }
 
+// A model of another layout resident is no changed checkpoint: the engine
+// of a model never preloaded hears of a cold start, not of stale weights,
+// whatever else the daemon holds. One of its own layout elsewhere (a
+// fine-tune of the same base) is the stale-weights case, as above.
+TEST_F(DaemonTest, AnotherModelResidentIsAColdStartNotAChangedCheckpoint) {
+  const std::string a = MakeModel("a"), bigger = MakeModel("bigger", false, 48 << 20),
+                    b = MakeModel("b", /*finetune=*/true);
+  const std::string tiny = dir_.Join("tiny");
+  ASSERT_TRUE(format::WriteSyntheticCheckpoint(tiny, {.preset = "tiny"}).ok());
+  auto daemon = StartDaemon();
+  Preload(a);
+  for (const std::string& other : {tiny, bigger}) {
+    json cold = Load(other);
+    EXPECT_EQ(cold["source"], "disk") << cold.dump();
+    EXPECT_EQ(cold["miss_kind"], "not_resident") << cold.dump();
+    EXPECT_EQ(cold["mismatch"], json::array()) << cold.dump();
+    EXPECT_NE(cold["reason"].get<std::string>().find("or of its layout"), std::string::npos)
+        << cold.dump();
+  }
+  json stale = Load(b);
+  EXPECT_EQ(stale["miss_kind"], "different") << stale.dump();
+  EXPECT_EQ(stale["mismatch"], json::array({"checkpoint"})) << stale.dump();
+}
+
 TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {
   const std::string a = MakeModel("a"), b = MakeModel("b", /*finetune=*/true);
   auto daemon = StartDaemon();

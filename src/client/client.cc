@@ -333,11 +333,20 @@ Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
   return m;
 }
 
+// What the engine tells the daemon of its checkpoint, only to explain a
+// miss: its real path (or empty), and its shard files where it knows them
+// (empty when trusting a name, which reads none).
+struct EngineCheckpoint {
+  std::string path;
+  std::vector<protocol::ShardSize> shards;
+};
+
 // Asks the daemon; on a hit returns the weights, else fills `miss`.
-// `checkpoint` (its real path, or empty) only picks which resident model a
-// miss is explained against: a hit is by the key alone.
+// `checkpoint` only picks which resident model a miss is explained
+// against, and whether it is a changed checkpoint or a cold start: a hit is
+// by the key alone.
 std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const AcquireOptions& o,
-                                       const std::string& checkpoint, Miss& miss) {
+                                       const EngineCheckpoint& checkpoint, Miss& miss) {
   // Waiting for the daemon, to start or to finish loading this model: what
   // is left of the call's one wait (Acquire bounds it).
   const double wait = o.wait_for_daemon_seconds;
@@ -397,7 +406,8 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   json request = {{"type", "acquire"}, {"key", protocol::ToJson(key)}};
   if (!o.trust.empty()) request["trust"] = o.trust;
   if (wait_left > 0) request["wait_seconds"] = wait_left;
-  if (!checkpoint.empty()) request["path"] = protocol::PathToJson(checkpoint);
+  if (!checkpoint.path.empty()) request["path"] = protocol::PathToJson(checkpoint.path);
+  if (!checkpoint.shards.empty()) request["shards"] = protocol::ToJson(checkpoint.shards);
   auto send_failed = [&](const Error& e) {
     if (auto said = channel.ErrorSentBeforeClosing())
       return fail("refused", Error("the daemon says: " + *said));
@@ -531,7 +541,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
 // the bus's speed); the lease goes back once copied.
 std::unique_ptr<WeightsImpl> ReloadFromHost(const protocol::CacheKey& key,
                                             const memory::Device& device, const AcquireOptions& o,
-                                            const std::string& checkpoint, Miss& miss) {
+                                            const EngineCheckpoint& checkpoint, Miss& miss) {
   protocol::CacheKey host_key = key;
   host_key.device = "host";
   AcquireOptions mapped = o;
@@ -694,10 +704,11 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   protocol::Processing keyed = processing;
   keyed.device = device.Name();
 
-  // The checkpoint's real path, sent with an acquire only to explain a miss
-  // against the engine's own model: the fingerprint resolves it anyway;
-  // resolved apart only where none ran (trust) or none did (a single file).
-  std::string checkpoint;
+  // The checkpoint's real path and shard files, sent with an acquire only
+  // to explain a miss against the engine's own model, or one of its
+  // layout: the fingerprint finds both anyway; the path resolved apart
+  // only where none ran (trust) or none did (a single file).
+  EngineCheckpoint checkpoint;
   // The key with the checkpoint's content digest (the stat cache answers
   // for unchanged shards).
   auto content_key = [&]() -> Result<protocol::CacheKey> {
@@ -715,7 +726,11 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
       (void)cache->Save();
       if (const std::string w = cache->warning(); !w.empty()) log("stat cache: " + w);
     }
-    checkpoint = fp.real_path;
+    checkpoint.path = fp.real_path;
+    checkpoint.shards.clear();
+    for (const fingerprint::ShardFingerprint& shard : fp.shards) {
+      checkpoint.shards.push_back({shard.name, shard.file_bytes});
+    }
     return protocol::MakeKey(fp.digest, keyed, plan_name, plan_digest);
   };
 
@@ -727,8 +742,8 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
   // copied up to this GPU from there (the host-tier reload).
   auto ask = [&](const AcquireOptions& o) {
     miss = {};
-    if (checkpoint.empty()) {
-      if (auto real = io::PosixFileSystem().RealPath(spec.path); real.ok()) checkpoint = *real;
+    if (checkpoint.path.empty()) {
+      if (auto real = io::PosixFileSystem().RealPath(spec.path); real.ok()) checkpoint.path = *real;
     }
     std::unique_ptr<WeightsImpl> w = TryDaemon(key, wait_left(o), checkpoint, miss);
     if (!w && device.kind == memory::DeviceKind::kCuda &&
@@ -779,7 +794,7 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
       const std::string& from = hit->loaded_from_;
       log("TRUSTING resident model `" + options.trust + "`" +
           (from.empty() ? "" : " (loaded from " + from + ")") + " for " + spec.path +
-          (from.empty() || from == checkpoint ? "" : ", another directory,") +
+          (from.empty() || from == checkpoint.path ? "" : ", another directory,") +
           " without comparing its content: changes to that checkpoint are not seen until it is "
           "preloaded again");
     }

@@ -287,9 +287,10 @@ std::shared_ptr<ResidentModel> Registry::Publish(std::unique_ptr<ResidentModel> 
 
 Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::string& trust,
                                    std::chrono::steady_clock::time_point wait_until,
-                                   const std::string& path, const std::function<bool()>& gone) {
+                                   const std::string& path, const std::function<bool()>& gone,
+                                   const std::vector<protocol::ShardSize>* shards) {
   std::unique_lock lock(mu_);
-  Lookup out = AcquireLocked(key, trust, path);
+  Lookup out = AcquireLocked(key, trust, path, shards);
   if (out.model || !trust.empty()) return out;
   // A load of this key in flight or queued is waited for, and, by an
   // acquire that may wait, announced loads not keyed yet (one may be this
@@ -335,9 +336,9 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
       out.loading = true;
       return out;
     }
-    return AcquireLocked(key, trust, path);  // its model was not among them, so far
+    return AcquireLocked(key, trust, path, shards);  // its model was not among them, so far
   }
-  Lookup after = AcquireLocked(key, trust, path);
+  Lookup after = AcquireLocked(key, trust, path, shards);
   after.waited = after.model != nullptr;
   return after;
 }
@@ -357,7 +358,8 @@ void Registry::NoteFailedLoad(const std::vector<protocol::CacheKey>& keys, const
 }
 
 Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const std::string& trust,
-                                         const std::string& path) {
+                                         const std::string& path,
+                                         const std::vector<protocol::ShardSize>* shards) {
   Lookup out;
   // On a miss: the engine's model failed to load here, that is why, first.
   auto failed_to_load = [&]() -> std::string {
@@ -378,10 +380,16 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
   // GPU engine copies from the host); then a model loaded from the engine's
   // own checkpoint directory, however many fields differ (its own model,
   // processed otherwise or changed since, says more than some other model
-  // with fewer differences); then the fewest differing fields.
+  // with fewer differences); then one of the engine's layout (a fine-tune
+  // of the same base: the stale-weights case); then the fewest differing
+  // fields.
+  auto other_layout = [&](const ResidentModel& m) {
+    return shards == nullptr || !protocol::SameLayout(m.shards, *shards);
+  };
   auto rank = [&](const std::vector<protocol::FieldDifference>& d, const ResidentModel& m) {
     const bool device_only = d.size() == 1 && d[0].field == "device";
-    return std::tuple(!d.empty(), !device_only, path.empty() || m.path != path, d.size());
+    return std::tuple(!d.empty(), !device_only, path.empty() || m.path != path, other_layout(m),
+                      d.size());
   };
   for (size_t i = 0; i < models_.size(); ++i) {
     const bool trusted = !trust.empty();
@@ -407,6 +415,13 @@ Registry::Lookup Registry::AcquireLocked(const protocol::CacheKey& key, const st
         nearest.key.checkpoint != key.checkpoint) {
       if (!failed.empty()) {
         out.reason = failed;
+        return out;
+      }
+      // Nor one of its layout, where the engine said what its files are:
+      // another model altogether, whose fields would only raise a false
+      // alarm of stale weights.
+      if (shards != nullptr && other_layout(nearest)) {
+        out.reason = "no model from this checkpoint, or of its layout, is resident";
         return out;
       }
       out.reason = "no model from this checkpoint is resident; the nearest, from " + nearest.path +

@@ -39,6 +39,9 @@ struct ResidentModel {
   // read it from a Lookup or a Snapshot.
   std::string name;
   std::string path;  // where it was loaded from: for people, never for matching
+  // Its shard files as loaded (names and sizes): whether a miss is against
+  // a model of the engine's layout, never for matching.
+  std::vector<protocol::ShardSize> shards;
   std::unique_ptr<memory::Segment> segment;
   // A GPU's model: its manifest in host memory, sent along with the
   // segment (an engine cannot read it off the GPU without a copy).
@@ -150,11 +153,15 @@ class Registry {
   // `gone`, when given, is asked every half second of a wait whether the
   // asker went away: then the wait ends, a miss with `asker_gone`.
   // A miss is explained against the same model on another device first,
-  // then one loaded from `path` (the engine's checkpoint), then the model
-  // with the fewest differing fields: never a hit by path.
+  // then one loaded from `path` (the engine's checkpoint), then one of the
+  // engine's layout (`shards`, its files; where given), then the model
+  // with the fewest differing fields: never a hit by path. Where `shards`
+  // is given and no model of that layout or from `path` is resident, the
+  // miss names no differing fields: a cold start, not a changed checkpoint.
   Lookup Acquire(const protocol::CacheKey& key, const std::string& trust,
                  std::chrono::steady_clock::time_point wait_until = {},
-                 const std::string& path = {}, const std::function<bool()>& gone = {});
+                 const std::string& path = {}, const std::function<bool()>& gone = {},
+                 const std::vector<protocol::ShardSize>* shards = nullptr);
   void Release(const std::shared_ptr<ResidentModel>& model);
 
   // Names every resident model whose key is in `group` (the ranks of one
@@ -229,7 +236,7 @@ class Registry {
   Eviction EvictLocked(size_t index, Dropped& dropped);
   // REQUIRES: mu_ held.
   Lookup AcquireLocked(const protocol::CacheKey& key, const std::string& trust,
-                       const std::string& path);
+                       const std::string& path, const std::vector<protocol::ShardSize>* shards);
   // REQUIRES: mu_ held.
   bool LoadingLocked(const protocol::CacheKey& key) const;
   // Takes `name` from every model whose key is not in `group`: a name pins

@@ -1285,6 +1285,14 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       if (!given.ok()) return Error("`path`: " + given.error().message());
       engine_path = std::move(given).value();
     }
+    // The engine's shard files, to tell a changed checkpoint from another
+    // model altogether on a miss (an older engine sends none).
+    std::optional<std::vector<protocol::ShardSize>> engine_shards;
+    if (auto it = body.find("shards"); it != body.end()) {
+      auto given = protocol::ShardSizesFromJson(*it);
+      if (!given.ok()) return Error("`shards`: " + given.error().message());
+      engine_shards = std::move(given).value();
+    }
     // Gone: closed (POLLHUP), not only done sending (an engine may shut
     // its side after the request and still read the reply).
     const auto asker_gone = [fd = ch.fd()] {
@@ -1299,7 +1307,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
                          std::chrono::steady_clock::now() +
                              std::chrono::duration_cast<std::chrono::steady_clock::duration>(
                                  std::chrono::duration<double>(wait_seconds)),
-                         engine_path, asker_gone);
+                         engine_path, asker_gone, engine_shards ? &*engine_shards : nullptr);
     if (found.asker_gone) {
       Log("acquire from " + who + ": the engine went away while it waited for a load");
       return Error(protocol::Channel::kClosed);
@@ -2000,6 +2008,9 @@ Result<json> Server::State::PreloadUnguarded(
     // since they were looked at).
     model->name = pin;
     model->path = path;
+    for (const auto& r : loaded->read_shards) model->shards.push_back({r.name, r.signature.size});
+    std::sort(model->shards.begin(), model->shards.end(),
+              [](const auto& a, const auto& b) { return a.name < b.name; });
     model->tensors = loaded->tensors;
     // What the asker waited for: the fingerprint first, then the load.
     model->load_seconds = seconds;

@@ -1,6 +1,9 @@
 #include "protocol/cache_key.h"
 
+#include <algorithm>
+
 #include "memory/cuda.h"
+#include "protocol/paths.h"
 
 namespace weightd::protocol {
 
@@ -34,6 +37,41 @@ std::vector<FieldDifference> Compare(const CacheKey& held, const CacheKey& wante
   check("tp_rank", held.tp_rank, wanted.tp_rank);
   check("device", held.device, wanted.device);
   check("format", held.format, wanted.format);
+  return out;
+}
+
+// How far apart two sizes of one layout's shard may be, at the least.
+constexpr uint64_t kLeastLayoutSlack = 64 << 10;
+
+bool SameLayout(const std::vector<ShardSize>& a, const std::vector<ShardSize>& b) {
+  return std::equal(a.begin(), a.end(), b.begin(), b.end(),
+                    [](const ShardSize& x, const ShardSize& y) {
+                      const uint64_t larger = std::max(x.bytes, y.bytes);
+                      const uint64_t apart = larger - std::min(x.bytes, y.bytes);
+                      return x.name == y.name && apart <= std::max(kLeastLayoutSlack, larger / 100);
+                    });
+}
+
+nlohmann::json ToJson(const std::vector<ShardSize>& shards) {
+  nlohmann::json out = nlohmann::json::array();
+  for (const ShardSize& s : shards)
+    out.push_back({{"name", PathToJson(s.name)}, {"bytes", s.bytes}});
+  return out;
+}
+
+Result<std::vector<ShardSize>> ShardSizesFromJson(const nlohmann::json& j) {
+  if (!j.is_array()) return Error("not an array");
+  std::vector<ShardSize> out;
+  out.reserve(j.size());
+  for (const nlohmann::json& e : j) {
+    auto name = e.is_object() && e.contains("name") ? PathFromJson(e["name"])
+                                                    : Result<std::string>(Error("no name"));
+    if (!name.ok()) return Error("a shard's name: " + name.error().message());
+    if (!e.contains("bytes") || !e["bytes"].is_number_unsigned()) {
+      return Error("a shard's `bytes` is not a size");
+    }
+    out.push_back({std::move(name).value(), e["bytes"].get<uint64_t>()});
+  }
   return out;
 }
 

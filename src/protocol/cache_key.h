@@ -48,6 +48,23 @@ nlohmann::json ToJson(const CacheKey& key);
 // Every field must be present with the right type.
 Result<CacheKey> KeyFromJson(const nlohmann::json& j);
 
+// A checkpoint's shard files by name, with their sizes: its layout as far
+// as a stat tells it, for explaining a miss. A fine-tune saved as its base
+// was has the same files and sizes (its tensors' bytes are the same; its
+// headers differ at most in their metadata); another model has other files
+// or sizes.
+struct ShardSize {
+  std::string name;
+  uint64_t bytes = 0;
+  bool operator==(const ShardSize&) const = default;
+};
+// Whether two checkpoints' files are those of one layout: the same names,
+// each size within 1% (at least 64 KiB) of the other's.
+bool SameLayout(const std::vector<ShardSize>& a, const std::vector<ShardSize>& b);
+nlohmann::json ToJson(const std::vector<ShardSize>& shards);
+// An array of {"name", "bytes"}, names as PathToJson writes them.
+Result<std::vector<ShardSize>> ShardSizesFromJson(const nlohmann::json& j);
+
 // What an engine asks to be done to the weights (the processing flags), as
 // they travel. `shard_plan` is a preset's name or a plan file's path; the
 // transform layer resolves it (and both sides put its name and digest into
