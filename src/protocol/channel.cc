@@ -215,6 +215,9 @@ Status Channel::Send(const nlohmann::json& body, std::span<const memory::UniqueF
     ssize_t n = ::sendmsg(socket_.get(), &msg, MSG_NOSIGNAL);
     if (n < 0) {
       if (errno == EINTR) continue;
+      // The peer gone (an engine that asked and did not wait for the
+      // answer): as Receive says it.
+      if (errno == EPIPE || errno == ECONNRESET) return Error(Channel::kClosed);
       return Error(Errno("send"));
     }
     fds_sent = true;

@@ -55,7 +55,8 @@ class Channel {
  public:
   explicit Channel(memory::UniqueFd socket) : socket_(std::move(socket)) {}
 
-  // Sends one frame; `fd` (optional) travels with it.
+  // Sends one frame; `fd` (optional) travels with it. A peer that has
+  // closed its end gives an error whose message is kClosed.
   Status Send(const nlohmann::json& body, const memory::UniqueFd* fd = nullptr);
   // The same with up to kMaxDescriptors descriptors, in this order.
   Status Send(const nlohmann::json& body, std::span<const memory::UniqueFd* const> fds);
