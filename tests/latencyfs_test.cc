@@ -534,8 +534,8 @@ TEST(Latencyfs, AModelNamedTwiceInTheConfigLoadsOnceWithoutDeadlock) {
 
 // `status` lists a preload under way; SIGTERM cancels it even when its
 // reads are all under way (a model of a few jobs, each megabytes from a
-// slow file system): the stop does not wait for the load to end, and
-// publishes nothing.
+// slow file system): the stop does not wait for the load to end, publishes
+// nothing, and tells the preload's asker so.
 TEST(Latencyfs, StatusListsAPreloadUnderWayAndSigtermCancelsIt) {
   if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
   // Its 23 MB come through at 1 MB/s, in fewer jobs than reads in flight.
@@ -565,6 +565,9 @@ TEST(Latencyfs, StatusListsAPreloadUnderWayAndSigtermCancelsIt) {
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
   EXPECT_NE(preload.Wait(), 0) << preload.out();
+  // Its asker hears why, not a connection closed on it.
+  EXPECT_NE(preload.err().find("the daemon is stopping: "), std::string::npos) << preload.err();
+  EXPECT_NE(preload.err().find("cancelled"), std::string::npos) << preload.err();
   EXPECT_TRUE(testing::Logged(daemon, "the load was cancelled")) << daemon.err();
   EXPECT_EQ(daemon.err().find("preloaded "), std::string::npos) << daemon.err();
   EXPECT_EQ(daemon.err().find("still busy"), std::string::npos) << daemon.err();

@@ -266,6 +266,9 @@ struct Server::State {
     config_turn_cv.notify_all();
   }
   std::set<int> open_sockets;  // raw fds of live connections, to shut down on stop
+  // Those of them a preload's asker waits on: a stop shuts only their
+  // reading side, so that the asker hears that its preload was cancelled.
+  std::set<int> preloading_sockets;
   int live_connections = 0;
   // Preloads asked for by the daemon's owner (Server::Preload: the config's
   // models), which a stop waits for like connections.
@@ -773,7 +776,9 @@ Server::Stopped Server::Run() {
   ::unlinkat(s.dir_fd.get(), protocol::kSocketName, 0);
   s.WakeParkThread();
   std::unique_lock lock(s.conn_mu);
-  for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
+  for (int fd : s.open_sockets) {
+    ::shutdown(fd, s.preloading_sockets.contains(fd) ? SHUT_RD : SHUT_RDWR);
+  }
   auto all_ended = [&] {
     return s.live_connections == 0 && s.live_preloads == 0 && s.workers == 0;
   };
@@ -1414,6 +1419,19 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       }
     }
     Log("preload of " + path + " requested by " + who);
+    // Its asker hears how it ends, a stop's cancel too.
+    struct MarkPreloading {
+      State& s;
+      int fd;
+      MarkPreloading(State& state, int f) : s(state), fd(f) {
+        std::lock_guard lock(s.conn_mu);
+        s.preloading_sockets.insert(fd);
+      }
+      ~MarkPreloading() {
+        std::lock_guard lock(s.conn_mu);
+        s.preloading_sockets.erase(fd);
+      }
+    } preloading{*this, ch.fd()};
     // Progress goes out as the load reports it and, while nothing moves (a
     // fingerprint, another load of the same model to wait for), as a
     // heartbeat at least every kHeartbeat: the asker can tell a busy daemon
@@ -1515,7 +1533,9 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       reply["type"] = "preloaded";
     } else {
       Log("preload failed: " + result.error().message());
-      reply = {{"type", "error"}, {"message", result.error().message()}};
+      std::string message = result.error().message();
+      if (stopping.load()) message = "the daemon is stopping: " + message;
+      reply = {{"type", "error"}, {"message", message}};
     }
     // An asker that did not wait for the answer (`load --populate`) is no
     // error: the preload was logged above either way. After a frame that
