@@ -57,9 +57,17 @@ Result<nlohmann::json> Request(const std::string& socket_dir, const nlohmann::js
       const bool silent = why == protocol::Channel::kTimedOut;
       char limit[32];
       std::snprintf(limit, sizeof limit, "%g", silence_limit_ms / 1000.0);
+      // A request that changes what the daemon holds was sent whole: a
+      // daemon stopped, not dead, carries it out once it runs again.
+      const std::string type = request.value("type", "");
+      const bool changes = type != "status" && type != "memory" && type != "hello";
       return Error(
           "the daemon did not answer: " + why +
-          (silent ? " (nothing for " + std::string(limit) + " s: is it stopped or hung?)" : ""));
+          (silent ? " (nothing for " + std::string(limit) + " s: is it stopped or hung?)" : "") +
+          (changes ? "; the " + type +
+                         " was sent and may still be carried out if the daemon goes on: "
+                         "`weightd status` shows what it holds"
+                   : ""));
     }
     if (reply->type() == "progress") {
       const auto beat = reply->body.find("heartbeat");
