@@ -914,6 +914,7 @@ TEST_F(DaemonTest, ProcessedRanksAreTheSameFromTheDaemonAndFromDisk) {
       warm_flags.insert(warm_flags.end(), {"--save", saved_warm});
       json warm = Load(a, warm_flags);
       EXPECT_EQ(warm["source"], "daemon") << warm.dump();
+      EXPECT_EQ(warm["saved"], saved_warm) << warm.dump();
       std::vector<std::string> cold_args = {
           "load",   a,          "--json",       "--checksum",
           "--save", saved_cold, "--socket-dir", dir_.Join("no-daemon-here")};

@@ -182,6 +182,7 @@ int RunLoad(LoadCommandOptions& o) {
         {"mode", w.mode() == AcquireMode::kZeroCopy ? "zero_copy" : "copy"},
         {"trusted", w.trusted().empty() ? json(nullptr) : json(w.trusted())}};
     if (o.checksum) out["checksum"] = checksum;
+    out["saved"] = o.save.empty() ? json(nullptr) : protocol::PathToJson(o.save);
     std::cout << DumpJson(out, 2) << std::endl;
   } else {
     std::cout << "source: " << w.source() << ", " << Printable(w.reason()) << "\n"
@@ -193,6 +194,7 @@ int RunLoad(LoadCommandOptions& o) {
     }
     std::cout << "\n";
     if (o.checksum) std::cout << "checksum: " << checksum << "\n";
+    if (!o.save.empty()) std::cout << "saved: " << Printable(o.save) << "\n";
     std::cout << std::flush;
   }
   if (o.hold > 0) {
@@ -302,10 +304,11 @@ Command AddLoadCommand(CLI::App& root) {
   app->add_option("--socket-dir", o->socket_dir, "the daemon's socket directory")
       ->check(NotEmpty());
   app->add_flag("--no-cache", o->no_cache, "do not use the fingerprint's stat cache");
-  app->add_flag("--json", o->json,
-                "print JSON: source, reason, miss_kind (none, no_daemon, not_resident, different, "
-                "failed), mismatch, tensors, bytes, seconds (of which waiting for "
-                "the daemon: waited_seconds; CUDA's start apart: cuda_start_seconds), checksum");
+  app->add_flag(
+      "--json", o->json,
+      "print JSON: source, reason, miss_kind (none, no_daemon, not_resident, different, "
+      "failed), mismatch, tensors, bytes, seconds (of which waiting for "
+      "the daemon: waited_seconds; CUDA's start apart: cuda_start_seconds), checksum, saved");
   return {app, [o] { return RunLoad(*o); }};
 }
 
