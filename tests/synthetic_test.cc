@@ -149,6 +149,11 @@ TEST(Synthetic, RefusesANonEmptyOutputAndLeavesNothingBehindOnError) {
   auto r = WriteSyntheticCheckpoint(dir.path(), {.preset = "tiny"});
   ASSERT_FALSE(r.ok());
   EXPECT_NE(r.error().message().find("not an empty directory"), std::string::npos);
+  // A file there is not called a folder.
+  auto onto_file = WriteSyntheticCheckpoint(dir.Join("keep"), {.preset = "tiny"});
+  ASSERT_FALSE(onto_file.ok());
+  EXPECT_NE(onto_file.error().message().find("exists and is not a directory"), std::string::npos)
+      << onto_file.error().message();
   EXPECT_FALSE(WriteSyntheticCheckpoint(dir.Join("x"), {.preset = "nope"}).ok());
   auto entries = io::PosixFileSystem().ListDirectory(dir.path());
   ASSERT_TRUE(entries.ok());
