@@ -80,6 +80,25 @@ TEST_F(DaemonTest, AnotherModelResidentIsAColdStartNotAChangedCheckpoint) {
   json stale = Load(b);
   EXPECT_EQ(stale["miss_kind"], "different") << stale.dump();
   EXPECT_EQ(stale["mismatch"], json::array({"checkpoint"})) << stale.dump();
+
+  // Single files: their names say nothing of their layout, their sizes do.
+  auto single = [&](const std::string& name, bool finetune) {
+    const std::string folder = dir_.Join(name + "-dir");
+    EXPECT_TRUE(
+        format::WriteSyntheticCheckpoint(
+            folder, {.preset = "llama", .finetune = finetune, .size_bytes = 4 << 20, .shards = 1})
+            .ok());
+    const std::string file = dir_.Join(name + ".safetensors");
+    std::filesystem::rename(folder + "/model.safetensors", file);
+    return file;
+  };
+  const std::string base_file = single("base", false), tuned_file = single("tuned", true);
+  Run({"evict", "all"});
+  Preload(base_file);
+  json tuned = Load(tuned_file);
+  EXPECT_EQ(tuned["miss_kind"], "different") << tuned.dump();
+  json unrelated = Load(tiny);
+  EXPECT_EQ(unrelated["miss_kind"], "not_resident") << unrelated.dump();
 }
 
 TEST_F(DaemonTest, WarmLoadMatchesDiskAndChangedCheckpointFallsBack) {

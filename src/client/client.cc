@@ -333,6 +333,9 @@ Result<protocol::Message> Expect(protocol::Channel& ch, const std::string& want,
   return m;
 }
 
+// What an acquire's shard list may take, about: a quarter of a request.
+constexpr uint64_t kMostShardListBytes = protocol::kMaxRequestBytes / 4;
+
 // What the engine tells the daemon of its checkpoint, only to explain a
 // miss: its real path (or empty), and its shard files where it knows them
 // (empty when trusting a name, which reads none).
@@ -728,8 +731,16 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
     }
     checkpoint.path = fp.real_path;
     checkpoint.shards.clear();
+    // A single file's name says nothing of its layout: its size alone.
+    const bool single_file = fp.real_path.empty();
     for (const fingerprint::ShardFingerprint& shard : fp.shards) {
-      checkpoint.shards.push_back({shard.name, shard.file_bytes});
+      checkpoint.shards.push_back({single_file ? "" : shard.name, shard.file_bytes});
+    }
+    // Within what a request may be: a checkpoint of a thousand shards and
+    // more says nothing of them (a miss against another model is then
+    // called a changed checkpoint, as by an engine that sends none).
+    if (protocol::ToJson(checkpoint.shards).dump().size() > kMostShardListBytes) {
+      checkpoint.shards.clear();
     }
     return protocol::MakeKey(fp.digest, keyed, plan_name, plan_digest);
   };

@@ -1292,11 +1292,18 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     }
     // The engine's shard files, to tell a changed checkpoint from another
     // model altogether on a miss (an older engine sends none).
+    // Only an explanation: one that cannot be read is left out, and the
+    // acquire goes on.
     std::optional<std::vector<protocol::ShardSize>> engine_shards;
     if (auto it = body.find("shards"); it != body.end()) {
       auto given = protocol::ShardSizesFromJson(*it);
-      if (!given.ok()) return Error("`shards`: " + given.error().message());
-      engine_shards = std::move(given).value();
+      if (given.ok()) {
+        engine_shards = std::move(given).value();
+        std::sort(engine_shards->begin(), engine_shards->end(),
+                  [](const auto& a, const auto& b) { return a.name < b.name; });
+      } else {
+        Log("acquire from " + who + ": `shards` left out: " + given.error().message());
+      }
     }
     // Gone: closed (POLLHUP), not only done sending (an engine may shut
     // its side after the request and still read the reply).

@@ -48,7 +48,8 @@ bool SameLayout(const std::vector<ShardSize>& a, const std::vector<ShardSize>& b
                     [](const ShardSize& x, const ShardSize& y) {
                       const uint64_t larger = std::max(x.bytes, y.bytes);
                       const uint64_t apart = larger - std::min(x.bytes, y.bytes);
-                      return x.name == y.name && apart <= std::max(kLeastLayoutSlack, larger / 100);
+                      const bool named_alike = x.name == y.name || x.name.empty() || y.name.empty();
+                      return named_alike && apart <= std::max(kLeastLayoutSlack, larger / 100);
                     });
 }
 

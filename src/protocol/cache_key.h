@@ -58,8 +58,9 @@ struct ShardSize {
   uint64_t bytes = 0;
   bool operator==(const ShardSize&) const = default;
 };
-// Whether two checkpoints' files are those of one layout: the same names,
-// each size within 1% (at least 64 KiB) of the other's.
+// Whether two checkpoints' files are those of one layout: the same names
+// (an empty one, a single file's, stands for any), each size within 1%
+// (at least 64 KiB) of the other's. Both lists sorted by name.
 bool SameLayout(const std::vector<ShardSize>& a, const std::vector<ShardSize>& b);
 nlohmann::json ToJson(const std::vector<ShardSize>& shards);
 // An array of {"name", "bytes"}, names as PathToJson writes them.
