@@ -96,6 +96,10 @@ constexpr uint64_t kHostPagesProbeBytes = 2ull << 20;
 constexpr int kParkAfterMs = 200;
 constexpr int kBusyServing = 2 * kKeptWorkers;
 
+// The end of a stop's grace (at most half of it) in which a preload's
+// connection, kept writable until then for its answer, is shut both ways.
+constexpr double kLastOfTheGraceSeconds = 1;
+
 // What one more read in flight costs the daemon's control group: a pool
 // thread's stacks, user and kernel, as the group is charged for them
 // (about 35 KiB an idle thread in a release build), with room to spare.
@@ -784,7 +788,16 @@ Server::Stopped Server::Run() {
   };
   auto only_threads = [&] { return s.live_connections == 0 && s.live_preloads == 0; };
   double waited = s.options.stop_grace_seconds;
-  bool ended = s.conn_done.wait_for(lock, std::chrono::duration<double>(waited), all_ended);
+  // A preload's asker may hear how it ended (its cancel takes a read's
+  // while) until shortly before the grace ends; then its connection is
+  // shut both ways too, which wakes a send it stalls (an asker that
+  // stopped reading), so that only work can outlast the grace.
+  const double heard = waited - std::min(kLastOfTheGraceSeconds, waited / 2);
+  bool ended = s.conn_done.wait_for(lock, std::chrono::duration<double>(heard), all_ended);
+  if (!ended) {
+    for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
+    ended = s.conn_done.wait_for(lock, std::chrono::duration<double>(waited - heard), all_ended);
+  }
   if (!ended && only_threads()) {
     // Only threads on their way out of accept() or a park, woken above: the
     // grace (which may be 0) is for work, not for them.
@@ -1540,8 +1553,11 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       reply["type"] = "preloaded";
     } else {
       Log("preload failed: " + result.error().message());
+      // Cancelled by a stop (the fingerprint or the load): said so.
       std::string message = result.error().message();
-      if (stopping.load()) message = "the daemon is stopping: " + message;
+      if (stopping.load() && message.find(" was cancelled") != std::string::npos) {
+        message = "the daemon is stopping: " + message;
+      }
       reply = {{"type", "error"}, {"message", message}};
     }
     // An asker that did not wait for the answer (`load --populate`) is no
