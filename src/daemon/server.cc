@@ -107,6 +107,7 @@ constexpr uint64_t kBytesPerRead = 64 << 10;
 // Reads in flight at the least, however small the group: a mount that
 // answers each in a round trip needs some.
 constexpr int kFewestReads = 16;
+constexpr uint64_t kFewestBufferBytes = 1 << 20;
 
 // After a preload of this many tensors or more, the freed heap goes back
 // to the system (see Preload).
@@ -216,9 +217,13 @@ struct Server::State {
         kept_for_work = room->keep;
         reads_in_flight = static_cast<int>(std::clamp<uint64_t>(
             room->keep / 4 / kBytesPerRead, kFewestReads, static_cast<uint64_t>(reads_in_flight)));
+        // Buffers of a MiB at the least: under that, a fingerprint's
+        // window would make every sample read a round trip of its own.
         const uint64_t for_threads = static_cast<uint64_t>(reads_in_flight) * kBytesPerRead;
-        buffer_bytes = std::min(buffer_bytes,
-                                room->keep > for_threads ? room->keep - for_threads : uint64_t{1});
+        buffer_bytes =
+            std::min(buffer_bytes,
+                     std::max(room->keep > for_threads ? room->keep - for_threads : uint64_t{0},
+                              kFewestBufferBytes));
       }
     }
   }
@@ -662,8 +667,9 @@ Status Server::Start() {
   // flight below the default, the operator hears why.
   if (s.reads_in_flight < fingerprint::Options{}.max_inflight) {
     s.Log("reads in flight: at most " + std::to_string(s.reads_in_flight) +
-          " per preload, within a quarter of the " + protocol::FormatBytes(s.kept_for_work) +
-          " kept for the daemon's own work");
+          " per preload, for the " + protocol::FormatBytes(s.kept_for_work) +
+          " kept for the daemon's own work (a quarter of it, " + std::to_string(kFewestReads) +
+          " at the least)");
   }
 
   // The GPUs, asked in the background and logged once known: the host is
