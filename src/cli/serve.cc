@@ -190,11 +190,19 @@ Status ReadConfig(const std::string& file, ServeOptions& o,
 // that share an arena take turns on its lock, though: on many cores the
 // trade may go the other way, so an operator's own setting
 // (MALLOC_ARENA_MAX, or glibc.malloc.arena_max in GLIBC_TUNABLES) wins.
+// Whether `text` starts with a number above 0, as glibc takes one.
+bool PositiveNumber(const char* text) {
+  return text != nullptr && std::strtol(text, nullptr, 10) > 0;
+}
+
 void ShareTwoArenas() {
 #ifdef __GLIBC__
+  // Set to something glibc ignores (empty, 0), it is not the operator's.
+  constexpr char kTunable[] = "glibc.malloc.arena_max=";
   const char* tunables = std::getenv("GLIBC_TUNABLES");
-  if (std::getenv("MALLOC_ARENA_MAX") != nullptr ||
-      (tunables != nullptr && std::strstr(tunables, "glibc.malloc.arena_max=") != nullptr)) {
+  const char* tuned = tunables == nullptr ? nullptr : std::strstr(tunables, kTunable);
+  if (PositiveNumber(std::getenv("MALLOC_ARENA_MAX")) ||
+      (tuned != nullptr && PositiveNumber(tuned + sizeof kTunable - 1))) {
     return;
   }
   ::mallopt(M_ARENA_MAX, 2);

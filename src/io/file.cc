@@ -380,12 +380,14 @@ void RemoveMadePath(const std::string& path) noexcept {
     // place (a staged checkpoint) then fails, instead of moving a folder
     // half emptied. Either it was renamed whole already, or it never is.
     // Never onto a folder of that name already there (rename(2) would
-    // replace an empty one): the next name then. A file system without
-    // RENAME_NOREPLACE gets rename(2).
+    // replace an empty one): the next name then. A file system, kernel or
+    // seccomp filter without RENAME_NOREPLACE gets rename(2).
     std::string aside = path + ".removing-" + std::to_string(::getpid());
     for (int n = 1;; ++n) {
       int moved = ::renameat2(AT_FDCWD, path.c_str(), AT_FDCWD, aside.c_str(), RENAME_NOREPLACE);
-      if (moved != 0 && errno == EINVAL) moved = ::rename(path.c_str(), aside.c_str());
+      if (moved != 0 && (errno == EINVAL || errno == ENOSYS || errno == EPERM)) {
+        moved = ::rename(path.c_str(), aside.c_str());
+      }
       if (moved == 0) break;
       if (errno != EEXIST || n == 5) return;
       aside = path + ".removing-" + std::to_string(::getpid()) + "-" + std::to_string(n);
