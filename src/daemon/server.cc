@@ -276,7 +276,8 @@ struct Server::State {
   }
   std::set<int> open_sockets;  // raw fds of live connections, to shut down on stop
   // Those of them a preload's asker waits on: a stop shuts only their
-  // reading side, so that the asker hears that its preload was cancelled.
+  // reading side until near the end of its grace, so that the asker hears
+  // that its preload was cancelled.
   std::set<int> preloading_sockets;
   int live_connections = 0;
   // Preloads asked for by the daemon's owner (Server::Preload: the config's
