@@ -217,7 +217,7 @@ int RunDemo(const DemoOptions& o) {
     const char* tmp = std::getenv("TMPDIR");
     dir = std::string(tmp && *tmp ? tmp : "/tmp") + "/weightd-demo-" + std::to_string(::getpid());
   }
-  while (dir.size() > 1 && dir.back() == '/') dir.pop_back();  // "d/" + ".sock" is inside d
+  dir = io::WithoutTrailingSlashes(dir);  // "d/" + ".sock" is inside d
   const std::string socket_dir = dir + ".sock", cache_dir = dir + ".cache";
   // It removes these at the end: each must be new, so that nothing it did
   // not make (a model, a daemon's socket) goes with them. Made here, in one

@@ -307,9 +307,8 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
     }
   }
 
-  std::string staging = out_dir;
-  while (staging.size() > 1 && staging.back() == '/') staging.pop_back();
-  staging += ".partial-" + std::to_string(::getpid());
+  const std::string staging =
+      io::WithoutTrailingSlashes(out_dir) + ".partial-" + std::to_string(::getpid());
   // Written beside OUT and renamed when complete; an error names OUT.
   if (::mkdir(staging.c_str(), 0755) != 0) {
     return Error(out_dir + ": cannot create it (it is written as " + io::BaseName(staging) +

@@ -405,10 +405,9 @@ void RemoveMadePath(const std::string& path) noexcept {
 
 }  // namespace
 
-UnfinishedPath::UnfinishedPath(std::string path) : path_(std::move(path)) {
-  // "dir/" would be moved aside into itself ("dir/.removing-PID"), which
-  // fails: the folder would stay.
-  while (path_.size() > 1 && path_.back() == '/') path_.pop_back();
+// "dir/" would be moved aside into itself ("dir/.removing-PID"), which
+// fails: the folder would stay.
+UnfinishedPath::UnfinishedPath(std::string path) : path_(WithoutTrailingSlashes(std::move(path))) {
   std::lock_guard lock(unfinished_mu);
   Unfinished().push_back(path_);
 }
@@ -431,9 +430,13 @@ std::string JoinPath(const std::string& dir, const std::string& name) {
   return dir + "/" + name;
 }
 
+std::string WithoutTrailingSlashes(std::string path) {
+  while (path.size() > 1 && path.back() == '/') path.pop_back();
+  return path;
+}
+
 std::string BaseName(const std::string& path) {
-  std::string p = path;
-  while (p.size() > 1 && p.back() == '/') p.pop_back();
+  const std::string p = WithoutTrailingSlashes(path);
   size_t slash = p.rfind('/');
   return slash == std::string::npos ? p : p.substr(slash + 1);
 }

@@ -141,6 +141,10 @@ class UnfinishedPath {
 // fails.
 void RemoveUnfinishedPaths();
 
+// `path` without the slashes it ends with ("d/" is "d"; "/" stays): what
+// is added to the name then goes beside the folder, not inside it.
+std::string WithoutTrailingSlashes(std::string path);
+
 // Joins a directory and a relative name with exactly one '/'.
 std::string JoinPath(const std::string& dir, const std::string& name);
 
