@@ -338,10 +338,10 @@ constexpr uint64_t kMostShardListBytes = protocol::kMaxRequestBytes / 4;
 
 // What the engine tells the daemon of its checkpoint, only to explain a
 // miss: its real path (or empty), and its shard files where it knows them
-// (empty when trusting a name, which reads none).
+// (null when trusting a name, which reads none).
 struct EngineCheckpoint {
   std::string path;
-  std::vector<protocol::ShardSize> shards;
+  json shards;  // as the request carries it; null when none is sent
 };
 
 // Asks the daemon; on a hit returns the weights, else fills `miss`.
@@ -410,7 +410,7 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   if (!o.trust.empty()) request["trust"] = o.trust;
   if (wait_left > 0) request["wait_seconds"] = wait_left;
   if (!checkpoint.path.empty()) request["path"] = protocol::PathToJson(checkpoint.path);
-  if (!checkpoint.shards.empty()) request["shards"] = protocol::ToJson(checkpoint.shards);
+  if (!checkpoint.shards.is_null()) request["shards"] = checkpoint.shards;
   auto send_failed = [&](const Error& e) {
     if (auto said = channel.ErrorSentBeforeClosing())
       return fail("refused", Error("the daemon says: " + *said));
@@ -730,18 +730,17 @@ Result<std::unique_ptr<Weights>> Acquire(const LoadSpec& spec, const AcquireOpti
       if (const std::string w = cache->warning(); !w.empty()) log("stat cache: " + w);
     }
     checkpoint.path = fp.real_path;
-    checkpoint.shards.clear();
     // A single file's name says nothing of its layout: its size alone.
     const bool single_file = fp.real_path.empty();
+    std::vector<protocol::ShardSize> shards;
     for (const fingerprint::ShardFingerprint& shard : fp.shards) {
-      checkpoint.shards.push_back({single_file ? "" : shard.name, shard.file_bytes});
+      shards.push_back({single_file ? "" : shard.name, shard.file_bytes});
     }
     // Within what a request may be: a checkpoint of a thousand shards and
     // more says nothing of them (a miss against another model is then
     // called a changed checkpoint, as by an engine that sends none).
-    if (protocol::ToJson(checkpoint.shards).dump().size() > kMostShardListBytes) {
-      checkpoint.shards.clear();
-    }
+    checkpoint.shards = protocol::ToJson(shards);
+    if (checkpoint.shards.dump().size() > kMostShardListBytes) checkpoint.shards = nullptr;
     return protocol::MakeKey(fp.digest, keyed, plan_name, plan_digest);
   };
 
