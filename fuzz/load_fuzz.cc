@@ -117,8 +117,9 @@ std::string Cut(const weightd::format::TensorInfo& t, std::string_view bytes, Sp
   __builtin_trap();
 }
 
-// The shape each of `ranks` ranks gets of a tensor of `shape`.
-std::vector<uint64_t> CutShape(std::vector<uint64_t> shape, Split split, int ranks) {
+// The shape each of `ranks` ranks gets of a tensor of shape `given`.
+std::vector<uint64_t> CutShape(std::span<const uint64_t> given, Split split, int ranks) {
+  std::vector<uint64_t> shape(given.begin(), given.end());
   const auto n = static_cast<uint64_t>(ranks);
   if (split == Split::kColumn) shape[0] /= n;
   if (split == Split::kVocab) shape[0] = shape[0] / n + (shape[0] % n != 0);

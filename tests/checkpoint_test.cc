@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
+#include <deque>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -300,6 +301,8 @@ TEST(Checkpoint, TensorInTwoShardsIsAnError) {
 // neighbouring places (where the check above finds it).
 TEST(Checkpoint, TensorsByNameMergesRunsOfEveryLength) {
   std::vector<Shard> shards(4);
+  std::deque<std::string> names;  // what the tensors' names point into
+  static constexpr uint64_t kShape[] = {1};
   uint32_t state = 12345;
   auto next = [&] { return state = state * 1103515245u + 12345u; };
   for (int i = 0; i < 2000; ++i) {
@@ -309,23 +312,23 @@ TEST(Checkpoint, TensorsByNameMergesRunsOfEveryLength) {
     for (int k = 0; k < run; ++k) {
       char name[32];
       std::snprintf(name, sizeof name, "t.%06d.%02d", i, k);
-      shard.header.tensors.push_back({name, DType::kU8, {1}});
+      shard.header.tensors.push_back({names.emplace_back(name), DType::kU8, kShape});
     }
   }
-  shards[3].header.tensors.push_back({"u.shared", DType::kU8, {1}});
-  shards[1].header.tensors.push_back({"u.shared", DType::kU8, {1}});
-  shards[2].header.tensors.push_back({"v.last", DType::kU8, {1}});
+  shards[3].header.tensors.push_back({"u.shared", DType::kU8, kShape});
+  shards[1].header.tensors.push_back({"u.shared", DType::kU8, kShape});
+  shards[2].header.tensors.push_back({"v.last", DType::kU8, kShape});
 
   std::vector<std::string> expected;
   for (const Shard& s : shards) {
-    for (const TensorInfo& t : s.header.tensors) expected.push_back(t.name);
+    for (const TensorInfo& t : s.header.tensors) expected.emplace_back(t.name);
   }
   std::sort(expected.begin(), expected.end());
   const std::vector<std::pair<size_t, size_t>> merged = TensorsByName(shards);
   std::vector<std::string> got;
   std::set<std::pair<size_t, size_t>> seen;
   for (const auto& [s, t] : merged) {
-    got.push_back(shards[s].header.tensors[t].name);
+    got.emplace_back(shards[s].header.tensors[t].name);
     EXPECT_TRUE(seen.insert({s, t}).second) << "given twice: " << got.back();
   }
   EXPECT_EQ(got, expected);

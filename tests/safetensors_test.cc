@@ -62,6 +62,27 @@ TEST(Header, ParsesTensorsSortedByNameWithMetadata) {
   EXPECT_EQ(h->Find("c"), nullptr);
 }
 
+// A tensor's name and shape are views into what the header keeps: they
+// must outlive the text parsed, and a copy of the header must keep them
+// when the original goes (the test runs under ASan in CI).
+TEST(Header, NamesAndShapesOutliveTheTextAndTheHeaderCopied) {
+  std::vector<std::byte> file =
+      File(R"({"long.name.a.of.many.bytes":{"dtype":"U8","shape":[1,1,1,1,1,1,1,1,1,2],)"
+           R"("data_offsets":[0,2]},"b":{"dtype":"U8","shape":[],"data_offsets":[2,3]}})",
+           3);
+  auto parsed = std::make_optional(Parse(file));
+  ASSERT_TRUE(parsed->ok()) << parsed->error().message();
+  std::fill(file.begin(), file.end(), std::byte{'x'});
+  const ShardHeader copy = **parsed;
+  parsed.reset();
+  ASSERT_EQ(copy.tensors.size(), 2u);
+  EXPECT_EQ(copy.tensors[0].name, "b");
+  EXPECT_TRUE(copy.tensors[0].shape.empty());
+  EXPECT_EQ(copy.tensors[1].name, "long.name.a.of.many.bytes");
+  EXPECT_EQ(ShapeString(copy.tensors[1].shape), "[1, 1, 1, 1, 1, 1, 1, 1, 1, 2]");
+  EXPECT_EQ(copy.Find("long.name.a.of.many.bytes"), &copy.tensors[1]);
+}
+
 TEST(Header, UnknownFieldsAreIgnoredAsByTheReference) {
   auto h = Parse(File(R"({"a":{"dtype":"U8","shape":[1],"data_offsets":[0,1],"extra":[[1]]}})", 1));
   EXPECT_TRUE(h.ok());

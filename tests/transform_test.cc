@@ -731,12 +731,12 @@ void CheckRoundTrip(const std::string& path, int tp, const std::string& plan,
     for (const auto& t : shard.header.tensors) {
       std::vector<std::span<const std::byte>> pieces;
       for (const auto& r : ranks) {
-        auto it = r.find(t.name);
+        auto it = r.find(std::string(t.name));
         ASSERT_NE(it, r.end()) << t.name;
         pieces.push_back(it->second);
       }
       const transform::Split split =
-          tp == 1 ? transform::Split::kReplicate : o.processing.plan->SplitOf(t.name);
+          tp == 1 ? transform::Split::kReplicate : o.processing.plan->SplitOf(std::string(t.name));
       if (split != transform::Split::kReplicate) ++split_tensors;
       const auto at =
           file.begin() + static_cast<std::ptrdiff_t>(shard.header.data_offset() + t.begin);

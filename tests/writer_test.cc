@@ -43,7 +43,7 @@ void ExpectReadsBack(const std::string& path, const std::vector<TensorData>& ten
     const TensorInfo* info = header->Find(t.spec.name);
     ASSERT_NE(info, nullptr) << t.spec.name;
     EXPECT_EQ(info->dtype, t.spec.dtype);
-    EXPECT_EQ(info->shape, t.spec.shape);
+    EXPECT_EQ(std::vector<uint64_t>(info->shape.begin(), info->shape.end()), t.spec.shape);
     if (DTypeBits(info->dtype) >= 8) {
       EXPECT_EQ((header->data_offset() + info->begin) % (DTypeBits(info->dtype) / 8), 0u)
           << t.spec.name << " is not aligned to its element size";

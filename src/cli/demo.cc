@@ -201,7 +201,7 @@ Status FineTuneOneTensor(const std::string& dir, std::string* which) {
       ok = ok && ::pwrite(fd, bytes.data(), bytes.size(), at) == 1024;
       ::close(fd);
       if (!ok) return Error("cannot rewrite " + shard.path);
-      *which = t.name + " in " + shard.name;
+      *which = std::string(t.name) + " in " + shard.name;
       return OkStatus();
     }
   }

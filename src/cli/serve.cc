@@ -187,9 +187,10 @@ Status ReadConfig(const std::string& file, ServeOptions& o,
 // cost the next a quarter of its time, faulting it in again). On a VM
 // where a fresh page costs ~10 us, that is also faster: with an arena per
 // thread, 70,000 tensors' headers took 53 ms against 30 (medians). Threads
-// that share an arena take turns on its lock, though: on many cores the
-// trade may go the other way, so an operator's own setting
-// (MALLOC_ARENA_MAX, or glibc.malloc.arena_max in GLIBC_TUNABLES) wins.
+// that share an arena take turns on its lock, though (a header's parse
+// allocates a few blocks, not one per tensor, for that reason): where the
+// trade goes the other way, an operator's own setting (MALLOC_ARENA_MAX,
+// or glibc.malloc.arena_max in GLIBC_TUNABLES) wins.
 // Whether `text` starts with a number above 0, as glibc takes one.
 bool PositiveNumber(const char* text) {
   return text != nullptr && std::strtol(text, nullptr, 10) > 0;

@@ -476,9 +476,7 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
 std::vector<std::pair<size_t, size_t>> TensorsByName(const std::vector<Shard>& shards) {
   // A k-way merge: each header's tensors are already sorted by name.
   using Cursor = std::pair<size_t, size_t>;  // shard, position
-  auto name = [&](const Cursor& c) -> const std::string& {
-    return shards[c.first].header.tensors[c.second].name;
-  };
+  auto name = [&](const Cursor& c) { return shards[c.first].header.tensors[c.second].name; };
   auto later = [&](const Cursor& a, const Cursor& b) { return name(b) < name(a); };
   std::vector<Cursor> heap;
   size_t total = 0;
@@ -516,13 +514,13 @@ Status CheckAcrossShards(const std::string& path, const std::vector<Shard>& shar
 Status CheckAcrossShards(const std::string& path, const std::vector<Shard>& shards,
                          const std::optional<WeightMap>& weight_map,
                          const std::vector<std::pair<size_t, size_t>>& all) {
-  auto name = [&](const std::pair<size_t, size_t>& t) -> const std::string& {
+  auto name = [&](const std::pair<size_t, size_t>& t) {
     return shards[t.first].header.tensors[t.second].name;
   };
   // A tensor name may appear in one shard only.
   for (size_t i = 1; i < all.size(); ++i) {
     if (name(all[i]) == name(all[i - 1])) {
-      return Error(path + ": tensor `" + name(all[i]) +
+      return Error(path + ": tensor `" + std::string(name(all[i])) +
                    "`: " + std::string(rules::kTensorInTwoShards) + " (" +
                    shards[all[i - 1].first].name + " and " + shards[all[i].first].name + ")");
     }

@@ -7,6 +7,7 @@
 #include <cstring>
 #include <mutex>
 #include <numeric>
+#include <optional>
 
 #include "format/json.h"
 #include "format/rules.h"
@@ -64,33 +65,47 @@ bool ReadUnsigned(json::od::value& value, Take&& take) {
   return true;
 }
 
-// A shape, into `out` in one allocation: its length is known only once it
-// is read.
-bool ReadShape(json::od::value& value, std::vector<uint64_t>& out) {
-  constexpr size_t kInline = 8;
-  uint64_t first[kInline];
-  size_t n = 0;
-  const bool ok = ReadUnsigned(value, [&](uint64_t d) {
-    if (n < kInline) {
-      first[n] = d;
-    } else {
-      if (n == kInline) out.assign(first, first + kInline);
-      out.push_back(d);
-    }
-    ++n;
-  });
-  if (ok && n <= kInline) out.assign(first, first + n);
-  return ok;
-}
+// Where one header's tensor names and shapes are kept while it is parsed:
+// the names back to back in a block the size of the JSON (a name unescaped
+// is never longer than the JSON spells it), the dimensions one after
+// another. A shape's span is set once every entry is read, when `dims`
+// grows no more.
+struct EntryStorage {
+  explicit EntryStorage(size_t json_bytes)
+      : names(std::make_unique_for_overwrite<char[]>(json_bytes)), capacity(json_bytes) {}
+
+  // `name`, kept.
+  std::optional<std::string_view> Keep(std::string_view name) {
+    if (name.size() > capacity - used) return std::nullopt;
+    char* at = names.get() + used;
+    std::memcpy(at, name.data(), name.size());
+    used += name.size();
+    return std::string_view(at, name.size());
+  }
+
+  std::unique_ptr<char[]> names;
+  size_t capacity;
+  size_t used = 0;
+  std::vector<uint64_t> dims;
+};
+
+// Where a tensor's shape lies in EntryStorage::dims.
+struct DimsAt {
+  size_t first = 0;
+  size_t count = 0;
+};
 
 Result<TensorInfo> ParseTensorEntry(std::string_view label, std::string_view name,
-                                    json::od::value value, const char* end) {
+                                    json::od::value value, const char* end, EntryStorage& storage,
+                                    DimsAt& shape) {
   json::od::object entry;
   if (value.get_object().get(entry) != simdjson::SUCCESS) {
     return TensorError(label, name, rules::kEntryNotObject);
   }
   TensorInfo info;
-  info.name = std::string(name);
+  const std::optional<std::string_view> kept = storage.Keep(name);
+  if (!kept) return FileError(label, "the tensors' names add up to more than the header");
+  info.name = *kept;
   bool have_dtype = false, have_shape = false, have_offsets = false;
   for (auto item : entry) {
     json::od::field field;
@@ -118,9 +133,11 @@ Result<TensorInfo> ParseTensorEntry(std::string_view label, std::string_view nam
       if (!dtype) return TensorError(label, name, rules::kUnknownDType, std::string(dtype_name));
       info.dtype = *dtype;
     } else if (which == EntryField::kShape) {
-      if (!ReadShape(field.value(), info.shape)) {
+      shape.first = storage.dims.size();
+      if (!ReadUnsigned(field.value(), [&](uint64_t d) { storage.dims.push_back(d); })) {
         return TensorError(label, name, rules::kBadShape);
       }
+      shape.count = storage.dims.size() - shape.first;
     } else {
       uint64_t offsets[2];
       size_t n = 0;
@@ -242,6 +259,10 @@ Result<ShardHeader> ReadEntries(std::string_view label, const char* json, size_t
   size_t fields = 0;
   if (auto err = object.count_fields().get(fields)) return NotJson(label, err);
   header.tensors.reserve(fields);
+  auto storage = std::make_shared<EntryStorage>(size);
+  storage->dims.reserve(2 * fields);  // most tensors are matrices
+  std::vector<DimsAt> shapes;
+  shapes.reserve(fields);
   const char* end = json + size;
   bool have_metadata = false;
   for (auto item : object) {
@@ -255,10 +276,17 @@ Result<ShardHeader> ReadEntries(std::string_view label, const char* json, size_t
       WEIGHTD_RETURN_IF_ERROR(ParseMetadata(label, field.value(), end, header.metadata));
       continue;
     }
-    WEIGHTD_ASSIGN_OR_RETURN(TensorInfo info, ParseTensorEntry(label, name, field.value(), end));
-    header.tensors.push_back(std::move(info));
+    DimsAt& shape = shapes.emplace_back();
+    WEIGHTD_ASSIGN_OR_RETURN(TensorInfo info,
+                             ParseTensorEntry(label, name, field.value(), end, *storage, shape));
+    header.tensors.push_back(info);
   }
   if (!json::AtEnd(doc)) return NotJson(label, simdjson::TRAILING_CONTENT);
+  const uint64_t* dims = storage->dims.data();
+  for (size_t i = 0; i < shapes.size(); ++i) {
+    header.tensors[i].shape = std::span(dims + shapes[i].first, shapes[i].count);
+  }
+  header.storage = std::move(storage);
   return header;
 }
 

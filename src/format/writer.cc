@@ -200,7 +200,8 @@ Result<ShardLayout> LayoutShard(std::vector<TensorSpec> tensors,
 
   std::vector<std::string_view> names;
   uint64_t offset = 0;
-  for (const TensorSpec& spec : tensors) {
+  layout.specs = std::make_shared<const std::vector<TensorSpec>>(std::move(tensors));
+  for (const TensorSpec& spec : *layout.specs) {
     if (spec.name == "__metadata__" ||
         !simdjson::validate_utf8(spec.name.data(), spec.name.size())) {
       return Error("tensor `" + spec.name + "`: not a valid tensor name");
@@ -231,7 +232,7 @@ Result<ShardLayout> LayoutShard(std::vector<TensorSpec> tensors,
     json += JsonQuote(spec.name) + ":{\"dtype\":\"" + std::string(DTypeName(spec.dtype)) +
             "\",\"shape\":" + ShapeJson(spec.shape) + ",\"data_offsets\":[" +
             std::to_string(info.begin) + "," + std::to_string(info.end) + "]}";
-    layout.tensors.push_back(std::move(info));
+    layout.tensors.push_back(info);
     names.push_back(spec.name);
   }
   std::sort(names.begin(), names.end());
@@ -309,22 +310,22 @@ Status WriteSafetensors(const std::string& path, const std::vector<TensorData>& 
   std::sort(by_name.begin(), by_name.end(),
             [](const TensorData* a, const TensorData* b) { return a->spec.name < b->spec.name; });
   for (const TensorInfo& info : layout.tensors) {
-    auto it = std::lower_bound(
-        by_name.begin(), by_name.end(), info.name,
-        [](const TensorData* t, const std::string& n) { return t->spec.name < n; });
+    auto it =
+        std::lower_bound(by_name.begin(), by_name.end(), info.name,
+                         [](const TensorData* t, std::string_view n) { return t->spec.name < n; });
     if ((*it)->bytes.size() != info.bytes()) {
-      return Error("tensor `" + info.name + "`: " + std::string(rules::kSizeMismatch) + " (" +
-                   std::to_string((*it)->bytes.size()) + " bytes given, " +
+      return Error("tensor `" + std::string(info.name) + "`: " + std::string(rules::kSizeMismatch) +
+                   " (" + std::to_string((*it)->bytes.size()) + " bytes given, " +
                    std::to_string(info.bytes()) + " expected)");
     }
   }
-  return WriteShard(
-      path, layout, [&](const TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
-        auto it = std::lower_bound(
-            by_name.begin(), by_name.end(), t.name,
-            [](const TensorData* d, const std::string& n) { return d->spec.name < n; });
-        std::memcpy(dst.data(), (*it)->bytes.data() + offset, dst.size());
-      });
+  return WriteShard(path, layout,
+                    [&](const TensorInfo& t, uint64_t offset, std::span<std::byte> dst) {
+                      auto it = std::lower_bound(
+                          by_name.begin(), by_name.end(), t.name,
+                          [](const TensorData* d, std::string_view n) { return d->spec.name < n; });
+                      std::memcpy(dst.data(), (*it)->bytes.data() + offset, dst.size());
+                    });
 }
 
 }  // namespace weightd::format

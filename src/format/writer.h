@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -32,6 +33,8 @@ struct ShardLayout {
   std::string header_json;  // padded; its length is the file's N
   // In data order; begin/end relative to the data region.
   std::vector<TensorInfo> tensors;
+  // The specs the tensors' names and shapes point into; copies share them.
+  std::shared_ptr<const std::vector<TensorSpec>> specs;
   uint64_t data_bytes = 0;
 
   uint64_t data_offset() const { return kHeaderLengthBytes + header_json.size(); }

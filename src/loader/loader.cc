@@ -210,7 +210,7 @@ Result<ShardRun> LayOutShard(const format::Shard& shard) {
     uint64_t row = 1;
     for (size_t d = 1; d < info.shape.size(); ++d) {
       if (__builtin_mul_overflow(row, info.shape[d], &row)) {
-        return Error(shard.path + ": tensor `" + info.name + "`: too many elements");
+        return Error(shard.path + ": tensor `" + std::string(info.name) + "`: too many elements");
       }
     }
     run.offsets[t] = at;
