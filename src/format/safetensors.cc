@@ -7,7 +7,6 @@
 #include <cstring>
 #include <mutex>
 #include <numeric>
-#include <optional>
 
 #include "format/json.h"
 #include "format/rules.h"
@@ -65,47 +64,38 @@ bool ReadUnsigned(json::od::value& value, Take&& take) {
   return true;
 }
 
-// Where one header's tensor names and shapes are kept while it is parsed:
-// the names back to back in a block the size of the JSON (a name unescaped
-// is never longer than the JSON spells it), the dimensions one after
-// another. A shape's span is set once every entry is read, when `dims`
-// grows no more.
+// Where one header's tensor names and shapes are kept: the names back to
+// back in one string, the dimensions one after another in one vector. Both
+// grow while the header is parsed, so each entry's views are set once
+// every entry is read.
 struct EntryStorage {
-  explicit EntryStorage(size_t json_bytes)
-      : names(std::make_unique_for_overwrite<char[]>(json_bytes)), capacity(json_bytes) {}
-
-  // `name`, kept.
-  std::optional<std::string_view> Keep(std::string_view name) {
-    if (name.size() > capacity - used) return std::nullopt;
-    char* at = names.get() + used;
-    std::memcpy(at, name.data(), name.size());
-    used += name.size();
-    return std::string_view(at, name.size());
-  }
-
-  std::unique_ptr<char[]> names;
-  size_t capacity;
-  size_t used = 0;
+  std::string names;
   std::vector<uint64_t> dims;
 };
 
-// Where a tensor's shape lies in EntryStorage::dims.
-struct DimsAt {
-  size_t first = 0;
-  size_t count = 0;
+// Where one entry's name and shape lie in EntryStorage.
+struct EntryAt {
+  size_t name_first = 0;
+  size_t name_bytes = 0;
+  size_t dims_first = 0;
+  size_t dims_count = 0;
 };
+
+// The fewest bytes of JSON a tensor's entry takes:
+// "":{"dtype":"U8","shape":[],"data_offsets":[0,0]}
+constexpr size_t kShortestEntryBytes = 49;
 
 Result<TensorInfo> ParseTensorEntry(std::string_view label, std::string_view name,
                                     json::od::value value, const char* end, EntryStorage& storage,
-                                    DimsAt& shape) {
+                                    EntryAt& at) {
   json::od::object entry;
   if (value.get_object().get(entry) != simdjson::SUCCESS) {
     return TensorError(label, name, rules::kEntryNotObject);
   }
   TensorInfo info;
-  const std::optional<std::string_view> kept = storage.Keep(name);
-  if (!kept) return FileError(label, "the tensors' names add up to more than the header");
-  info.name = *kept;
+  at.name_first = storage.names.size();
+  at.name_bytes = name.size();
+  storage.names.append(name);
   bool have_dtype = false, have_shape = false, have_offsets = false;
   for (auto item : entry) {
     json::od::field field;
@@ -133,11 +123,11 @@ Result<TensorInfo> ParseTensorEntry(std::string_view label, std::string_view nam
       if (!dtype) return TensorError(label, name, rules::kUnknownDType, std::string(dtype_name));
       info.dtype = *dtype;
     } else if (which == EntryField::kShape) {
-      shape.first = storage.dims.size();
+      at.dims_first = storage.dims.size();
       if (!ReadUnsigned(field.value(), [&](uint64_t d) { storage.dims.push_back(d); })) {
         return TensorError(label, name, rules::kBadShape);
       }
-      shape.count = storage.dims.size() - shape.first;
+      at.dims_count = storage.dims.size() - at.dims_first;
     } else {
       uint64_t offsets[2];
       size_t n = 0;
@@ -258,11 +248,15 @@ Result<ShardHeader> ReadEntries(std::string_view label, const char* json, size_t
   header.header_bytes = size;
   size_t fields = 0;
   if (auto err = object.count_fields().get(fields)) return NotJson(label, err);
-  header.tensors.reserve(fields);
-  auto storage = std::make_shared<EntryStorage>(size);
-  storage->dims.reserve(2 * fields);  // most tensors are matrices
-  std::vector<DimsAt> shapes;
-  shapes.reserve(fields);
+  // Room for the entries the text can hold: a hostile header's fields
+  // may be far shorter than any tensor's.
+  const size_t entries = std::min(fields, size / kShortestEntryBytes);
+  header.tensors.reserve(entries);
+  auto storage = std::make_shared<EntryStorage>();
+  storage->names.reserve(entries * 48);  // a long name, about
+  storage->dims.reserve(2 * entries);    // most tensors are matrices
+  std::vector<EntryAt> places;
+  places.reserve(entries);
   const char* end = json + size;
   bool have_metadata = false;
   for (auto item : object) {
@@ -276,15 +270,19 @@ Result<ShardHeader> ReadEntries(std::string_view label, const char* json, size_t
       WEIGHTD_RETURN_IF_ERROR(ParseMetadata(label, field.value(), end, header.metadata));
       continue;
     }
-    DimsAt& shape = shapes.emplace_back();
+    EntryAt& at = places.emplace_back();
     WEIGHTD_ASSIGN_OR_RETURN(TensorInfo info,
-                             ParseTensorEntry(label, name, field.value(), end, *storage, shape));
+                             ParseTensorEntry(label, name, field.value(), end, *storage, at));
     header.tensors.push_back(info);
   }
   if (!json::AtEnd(doc)) return NotJson(label, simdjson::TRAILING_CONTENT);
+  // Kept as long as the header: not twice what the names take.
+  if (storage->names.capacity() > 2 * storage->names.size()) storage->names.shrink_to_fit();
+  const std::string_view names = storage->names;
   const uint64_t* dims = storage->dims.data();
-  for (size_t i = 0; i < shapes.size(); ++i) {
-    header.tensors[i].shape = std::span(dims + shapes[i].first, shapes[i].count);
+  for (size_t i = 0; i < places.size(); ++i) {
+    header.tensors[i].name = names.substr(places[i].name_first, places[i].name_bytes);
+    header.tensors[i].shape = std::span(dims + places[i].dims_first, places[i].dims_count);
   }
   header.storage = std::move(storage);
   return header;

@@ -32,9 +32,10 @@ inline constexpr uint64_t kHeaderLengthBytes = 8;
 inline constexpr uint64_t kMaxHeaderBytes = 100'000'000;
 
 // A tensor's entry. `name` and `shape` are views into what holds the entry
-// (a ShardHeader, a ShardLayout): 70,000 tensors parsed are two blocks of
-// memory, not 140,000 allocations, which threads parsing headers at once
-// would take turns for on the allocator's locks.
+// (a ShardHeader's storage, a ShardLayout's specs), valid while it or a copy
+// of it lives: 70,000 tensors parsed are a few blocks of memory, not
+// 140,000 allocations, which threads parsing headers at once would take
+// turns for on the allocator's locks.
 struct TensorInfo {
   std::string_view name;
   DType dtype = DType::kU8;
@@ -76,10 +77,10 @@ Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std:
                                     uint64_t file_size);
 
 // A parse reserves about six times a document's size (the parser's index
-// of its structure and string buffer), and the header it makes keeps a
-// block of the document's size for the names (filled only as far as they
-// go) and the shapes; an invalid one is parsed a second time, whole, at ten
-// times its size, to tell which error it is.
+// of its structure and string buffer), and the header it makes keeps its
+// tensors' entries (64 bytes each, their names, 8 bytes a dimension); an
+// invalid one is parsed a second time, whole, at ten times its size, to
+// tell which error it is.
 // Many headers (and indexes) are read and parsed at once, by up to hundreds
 // of threads: the JSON they hold for it, read or being parsed, stays within
 // kParseBudgetBytes for the whole process, and a document larger than that
