@@ -297,10 +297,8 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
   io::FileSystem& fs = io::PosixFileSystem();
   WEIGHTD_ASSIGN_OR_RETURN(bool exists, fs.Exists(out_dir));
   if (exists) {
-    struct stat st;
-    if (::stat(out_dir.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
-      return Error(out_dir + ": already exists and is not a directory");
-    }
+    WEIGHTD_ASSIGN_OR_RETURN(bool is_dir, fs.IsDirectory(out_dir));
+    if (!is_dir) return Error(out_dir + ": already exists and is not a directory");
     auto entries = fs.ListDirectory(out_dir);
     if (!entries.ok() || !entries->empty()) {
       return Error(out_dir + ": already exists and is not an empty directory");
