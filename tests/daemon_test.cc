@@ -1193,8 +1193,12 @@ TEST_F(DaemonTest, QuietConnectionsHoldNoThreadAndThoseWithoutLeasesAreClosed) {
   // All accepted (and the status's own connection)...
   ASSERT_TRUE(Eventually([&] { return Status()["connections"] == kEngines + kSilent + 1; }))
       << Status().dump();
-  // ...where a thread each would be kEngines + kSilent more.
-  EXPECT_LT(ServingThreads(daemon->pid()), before + 100) << before << " before";
+  // ...where a thread each would be kEngines + kSilent more. Threads
+  // started for the bursts of fifty may not have ended yet (86 to 105 more
+  // than the kept ones were seen here): half a thread a connection is far
+  // from one each, and clear of them.
+  EXPECT_LT(ServingThreads(daemon->pid()), before + (kEngines + kSilent) / 2)
+      << before << " before";
   EXPECT_EQ(TotalLeases(), kEngines);
 
   // The silent ones are closed (the peer reads the end), the engines' kept.
