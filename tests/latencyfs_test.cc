@@ -427,6 +427,43 @@ TEST(Latencyfs, AnEngineKilledWhileItWaitsForALoadEndsItsWait) {
   preload.Wait();
 }
 
+// An engine that trusts the name a config's model will be pinned as,
+// started with the daemon: willing to wait for the daemon, it waits for
+// that model's load and takes it on trust, rather than being told the
+// name is not served and checking its checkpoint's content instead.
+TEST(Latencyfs, AnEngineTrustingAConfigModelsPinWaitsForItsLoad) {
+  if (!HaveFuse()) GTEST_SKIP() << "/dev/fuse is not available here";
+  // Its 23 MB come through at 4 MB/s: a load of some seconds.
+  SlowCheckpoint slow("0", "4M", {.preset = "llama", .size_bytes = 16 << 20});
+  ASSERT_TRUE(slow.ready());
+  const std::string src = slow.src(), mnt = slow.mnt(), sock = slow.sock();
+  const std::string config = slow.Join("c.toml");
+  testing::WriteFileText(config, "[[model]]\npath = \"" + mnt + "/m\"\npin = \"prod\"\n");
+  testing::Process daemon({"serve", "--socket-dir", sock, "--config", config});
+  ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
+
+  // Not willing to wait: told the model is coming, and read from disk.
+  auto impatient = testing::RunWeightd(
+      {"load", src + "/m", "--trust", "prod", "--json", "--socket-dir", sock, "--checksum"});
+  ASSERT_EQ(impatient.exit_code, 0) << impatient.err;
+  auto j = nlohmann::json::parse(impatient.out);
+  EXPECT_EQ(j["source"], "disk");
+  EXPECT_NE(impatient.err.find("trusted name `prod` not served (the daemon is loading"),
+            std::string::npos)
+      << impatient.err;
+  auto patient =
+      testing::RunWeightd({"load", src + "/m", "--trust", "prod", "--json", "--socket-dir", sock,
+                           "--checksum", "--wait-for-daemon", "600"});
+  ASSERT_EQ(patient.exit_code, 0) << patient.err;
+  auto k = nlohmann::json::parse(patient.out);
+  EXPECT_EQ(k["source"], "daemon") << k.dump() << daemon.err();
+  EXPECT_EQ(k["trusted"], "prod") << k.dump() << patient.err;
+  EXPECT_EQ(k["checksum"], j["checksum"]);
+  EXPECT_TRUE(testing::Logged(daemon, ", after waiting for its load")) << daemon.err();
+  daemon.Signal(SIGTERM);
+  EXPECT_EQ(daemon.Wait(), 0) << daemon.err();
+}
+
 // The config's models load one after another; an engine started with the
 // daemon, willing to wait for it, waits for its model even while it is
 // queued behind another, and an engine whose model is not in the config is

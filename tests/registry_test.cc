@@ -429,6 +429,53 @@ TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
   EXPECT_FALSE(miss.loading);
 }
 
+// A trusted name a load will pin (a config's model, announced at start)
+// is waited for like a key: by an acquire that may wait, until that load
+// ends; without a wait, the miss says a load is coming. Names no load will
+// pin are a plain miss at once, and a stop drops what was expected.
+TEST(Registry, ATrustedLookupMayWaitForTheLoadThatPinsItsName) {
+  Registry r(8 * kMiB);
+  protocol::CacheKey trusted;  // an engine's key on trust: no digest
+  trusted.device = "host";
+  r.ExpectPin("chat");
+  Registry::Lookup now = r.Acquire(trusted, "chat");
+  EXPECT_FALSE(now.model);
+  EXPECT_TRUE(now.loading);
+  std::thread loader([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    Publish(r, "host", 1, "xxh3-128:chat", 0, "chat");
+    r.DropPin("chat");
+  });
+  const auto later = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  Registry::Lookup waited = r.Acquire(trusted, "chat", later);
+  loader.join();
+  ASSERT_TRUE(waited.model) << waited.reason;
+  EXPECT_TRUE(waited.waited);
+  EXPECT_EQ(waited.name, "chat");
+  r.Release(waited.model);
+
+  // Another name no load will pin: at once.
+  Registry::Lookup other = r.Acquire(trusted, "other", later);
+  EXPECT_FALSE(other.model);
+  EXPECT_FALSE(other.loading);
+  // Expected twice (two loads pin it), dropped once: still coming.
+  r.ExpectPin("next");
+  r.ExpectPin("next");
+  r.DropPin("next");
+  EXPECT_TRUE(r.Acquire(trusted, "next").loading);
+  // A stop: whoever waits for it is let go, with a plain miss.
+  std::thread stop([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(200));
+    r.DropExpected();
+  });
+  Registry::Lookup stopped = r.Acquire(trusted, "next", later);
+  stop.join();
+  EXPECT_FALSE(stopped.model);
+  EXPECT_FALSE(stopped.loading);
+  r.DropPin("next");  // its load ending after the stop: nothing left to drop
+  EXPECT_FALSE(r.Acquire(trusted, "next").loading);
+}
+
 // A miss is explained against the same checkpoint on another device first
 // (a GPU engine copies that one from the host), then against a model loaded
 // from the engine's own directory, then the closest. Never a hit by path.

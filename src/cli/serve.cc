@@ -338,7 +338,9 @@ int RunServe(ServeOptions o) {
   daemon::Server server(so);
   // Before the first connection is accepted: an engine that may wait for
   // the daemon is told of the config's models from the start.
-  server.ExpectPreloads(preloads.size());
+  std::vector<std::string> pins;
+  for (const auto& m : preloads) pins.push_back(m.pin);
+  server.ExpectPreloads(pins);
   // In place before the socket is bound: a stop asked for while it starts
   // is taken too (Run then returns at once and removes the socket).
   running_server = &server;

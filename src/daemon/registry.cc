@@ -291,7 +291,8 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
                                    const std::vector<protocol::ShardSize>* shards) {
   std::unique_lock lock(mu_);
   Lookup out = AcquireLocked(key, trust, path, shards);
-  if (out.model || !trust.empty()) return out;
+  if (out.model) return out;
+  const bool may_wait = wait_until > std::chrono::steady_clock::now();
   // A load of this key in flight or queued is waited for, and, by an
   // acquire that may wait, announced loads not keyed yet (one may be this
   // model). For a GPU, the same model coming into host memory counts too:
@@ -302,17 +303,22 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
     const auto d = protocol::Compare(k, key, false);
     return d.size() == 1 && d[0].field == "device";
   };
+  // A trusted name: the loads that will pin it, whatever their keys (all
+  // of a load's ranks are published before its pin is dropped).
   auto coming = [&] {
+    if (!trust.empty()) return pins_coming_.contains(trust);
     return std::any_of(loading_.begin(), loading_.end(), for_us) ||
            std::any_of(queued_.begin(), queued_.end(), for_us);
   };
-  const bool may_wait = wait_until > std::chrono::steady_clock::now();
-  if (!coming() && (expected_ == 0 || !may_wait)) return out;
+  // Announced loads not keyed yet may be any key's model; those that will
+  // pin a name say so when announced (ExpectPin).
+  auto unkeyed = [&] { return trust.empty() && expected_ > 0; };
+  if (!coming() && (!unkeyed() || !may_wait)) return out;
   // Published when the load ends (before EndLoad wakes us): look again then.
   auto settled = [&] {
-    return !coming() &&
-           (expected_ == 0 || std::any_of(models_.begin(), models_.end(),
-                                          [&](const auto& m) { return m->key == key; }));
+    if (coming()) return false;
+    return !unkeyed() || std::any_of(models_.begin(), models_.end(),
+                                     [&](const auto& m) { return m->key == key; });
   };
   // Waited a slice at a time, to ask between them whether the asker is
   // still there: a wait is up to an hour, and holds a thread.
@@ -517,7 +523,22 @@ void Registry::ExpectLoads(size_t n) {
 void Registry::DropExpected(size_t n) {
   std::lock_guard lock(mu_);
   expected_ -= std::min(expected_, n);
-  if (n == SIZE_MAX) queued_.clear();  // a stop: none of them will load
+  if (n == SIZE_MAX) {  // a stop: none of them will load
+    queued_.clear();
+    pins_coming_.clear();
+  }
+  load_done_.notify_all();
+}
+
+void Registry::ExpectPin(const std::string& name) {
+  std::lock_guard lock(mu_);
+  pins_coming_.insert(name);
+}
+
+void Registry::DropPin(const std::string& name) {
+  std::lock_guard lock(mu_);
+  // Gone already where a stop dropped them all.
+  if (auto it = pins_coming_.find(name); it != pins_coming_.end()) pins_coming_.erase(it);
   load_done_.notify_all();
 }
 

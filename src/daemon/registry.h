@@ -23,6 +23,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -150,6 +151,8 @@ class Registry {
   // reload's source), waits for that load until `wait_until` (default: no
   // wait) and looks again;
   // with a wait, also while announced loads are not keyed yet (ExpectLoads).
+  // Trusted, it waits instead while loads that will pin that name are
+  // coming (ExpectPin), and looks again once none is.
   // `gone`, when given, is asked every half second of a wait whether the
   // asker went away: then the wait ends, a miss with `asker_gone`.
   // A miss is explained against the same model on another device first,
@@ -187,6 +190,13 @@ class Registry {
   // announced loads that fail before Queue; DropExpected() for all of them
   // and every queued mark (a stop).
   void ExpectLoads(size_t n);
+  // A load that will pin `name` once its model is resident (a config's
+  // model, announced before it is keyed; a preload with a pin), until
+  // DropPin: a trusted acquire of that name may wait for it, as one by
+  // key waits for its key. Counted: each ExpectPin needs its DropPin.
+  // DropExpected() (a stop) drops them all.
+  void ExpectPin(const std::string& name);
+  void DropPin(const std::string& name);
   void Queue(const std::vector<protocol::CacheKey>& keys);
   void Unqueue(const std::vector<protocol::CacheKey>& keys);
   void DropExpected(size_t n = SIZE_MAX);
@@ -251,6 +261,7 @@ class Registry {
   std::deque<std::pair<protocol::CacheKey, std::string>> failed_loads_;  // key, why; newest last
   size_t expected_ = 0;                     // announced loads not keyed yet
   std::vector<protocol::CacheKey> queued_;  // keys of announced loads waiting for their turn
+  std::multiset<std::string> pins_coming_;  // names loads in flight or announced will pin
   struct Account {
     uint64_t budget = 0;
     uint64_t used = 0;

@@ -262,6 +262,9 @@ struct Server::State {
   // Orders that will never come (no thread could be made for them): the
   // turn passes over them.
   std::set<size_t> config_skipped;
+  // By order, the name each of the config's models will be pinned as (or
+  // none), expected from the start (Registry::ExpectPin).
+  std::vector<std::string> config_pins;
   // Waits (conn_mu held by `lock`) until it is `order`'s turn or the
   // daemon stops; whether it is its turn.
   bool WaitForTurn(std::unique_lock<std::mutex>& lock, size_t order) {
@@ -464,8 +467,10 @@ struct Server::State {
     std::vector<protocol::CacheKey> queued;
     std::vector<protocol::CacheKey> loading;  // marked by BeginLoad
     bool published = false;                   // some rank of it is resident
+    std::string pin;                          // expected (Registry::ExpectPin) until the end
     ~LoadMarks() {
       if (!loading.empty()) s.registry.EndLoad(loading);
+      if (!pin.empty()) s.registry.DropPin(pin);
       if (announced) s.registry.DropExpected(1);
       if (!queued.empty()) s.registry.Unqueue(queued);
       if (!order) return;
@@ -502,7 +507,9 @@ struct Server::State {
                        const std::string& asked_by,
                        const std::function<void(uint64_t, uint64_t)>& progress,
                        std::optional<size_t> config_order = std::nullopt) {
-    LoadMarks marks{*this, config_order, config_order.has_value(), {}, {}};
+    // A config's pin was expected when it was announced.
+    if (!config_order && !pin.empty()) registry.ExpectPin(pin);
+    LoadMarks marks{*this, config_order, config_order.has_value(), {}, {}, false, pin};
     Result<json> r = Error("");
     try {
       r = PreloadUnguarded(path, processing, pin, only, asked_by, progress, marks);
@@ -2104,11 +2111,25 @@ Result<json> Server::State::PreloadUnguarded(
               {"pin_taken_from", taken_json()}};
 }
 
-void Server::ExpectPreloads(size_t n) { state_->registry.ExpectLoads(n); }
+void Server::ExpectPreloads(const std::vector<std::string>& pins) {
+  State& s = *state_;
+  s.registry.ExpectLoads(pins.size());
+  for (const std::string& pin : pins) {
+    if (!pin.empty()) s.registry.ExpectPin(pin);
+  }
+  std::lock_guard lock(s.conn_mu);
+  s.config_pins = pins;
+}
 
 void Server::SkipPreload(size_t order) {
   State& s = *state_;
   s.registry.DropExpected(1);
+  std::string pin;
+  {
+    std::lock_guard lock(s.conn_mu);
+    if (order < s.config_pins.size()) pin = s.config_pins[order];
+  }
+  if (!pin.empty()) s.registry.DropPin(pin);
   std::lock_guard lock(s.conn_mu);
   s.config_skipped.insert(order);
   if (s.config_turn == order) s.PassTurn(order);

@@ -92,11 +92,13 @@ class Server {
   void RequestStop(int signal = 0);
   bool stopping() const;
 
-  // The config's models, before `ready`: engines that may wait for the
-  // daemon (--wait-for-daemon) wait for these to be keyed too, as any may
-  // be theirs, not only for loads already begun. Each Preload call below
+  // The config's models, before `ready`, by the name each will be pinned
+  // as (empty: none), in order: engines that may wait for the daemon
+  // (--wait-for-daemon) wait for these to be keyed too, as any may be
+  // theirs, not only for loads already begun; an engine that trusts one of
+  // those names waits for its model's load. Each Preload call below
   // settles one; a stop settles the rest.
-  void ExpectPreloads(size_t n);
+  void ExpectPreloads(const std::vector<std::string>& pins);
 
   // Preloads a model as a `preload` request would (for --config at start),
   // one that ExpectPreloads announced: call it for every model at once, each
