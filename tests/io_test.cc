@@ -490,25 +490,43 @@ TEST(UnfinishedPath, RemovesWhatWasNotKept) {
 }
 
 // A signal's removal takes every listed path at once, and leaves nothing
-// moved aside; what was not listed stays, and the owners going after it is
-// no error.
+// moved aside; what was not listed stays. The process is ending then: a
+// path listed after the removal waits for that end, rather than being made
+// and left behind. In a process of its own, as the thread that takes the
+// signals does it just before the process ends.
 TEST(UnfinishedPath, ASignalsRemovalTakesEveryListedPath) {
   TempDir dir;
   const std::string file = dir.Join("f.tmp"), folder = dir.Join("d.partial");
-  {
+  const std::string late = dir.Join("late.tmp");
+  testing::WriteFileText(dir.Join("other"), "not listed");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
     UnfinishedPath f(file), d(folder);
     testing::WriteFileText(file, "half");
-    ASSERT_EQ(::mkdir(folder.c_str(), 0755), 0);
+    if (::mkdir(folder.c_str(), 0755) != 0) ::_exit(3);
     testing::WriteFileText(folder + "/shard", "half");
-    testing::WriteFileText(dir.Join("other"), "not listed");
     RemoveUnfinishedPaths();
-    std::vector<std::string> left;
-    for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
-      left.push_back(e.path().filename().string());
-    }
-    EXPECT_EQ(left, std::vector<std::string>{"other"});
+    std::atomic<bool> made{false};
+    std::thread([&] {
+      UnfinishedPath l(late);
+      testing::WriteFileText(late, "after the removal");
+      made = true;
+    }).detach();
+    // Not a timing that can pass wrongly: a late path made at all is the
+    // failure, however long this waits.
+    std::this_thread::sleep_for(std::chrono::milliseconds(300));
+    ::_exit(made ? 2 : 0);
   }
-  EXPECT_TRUE(std::filesystem::exists(dir.Join("other")));
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0) << "2: a path was listed and made after the removal";
+  std::vector<std::string> left;
+  for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
+    left.push_back(e.path().filename().string());
+  }
+  EXPECT_EQ(left, std::vector<std::string>{"other"});
 }
 
 // Moving a folder aside never takes the place of one already named as

@@ -420,7 +420,10 @@ UnfinishedPath::~UnfinishedPath() {
 }
 
 void RemoveUnfinishedPaths() {
-  std::lock_guard lock(unfinished_mu);  // held to the end: no new path meanwhile
+  // Held for good, not only while they go: the process is ending, and a
+  // path listed between this and its end would be left behind. Whoever
+  // lists or drops one from now on waits for that end.
+  unfinished_mu.lock();
   for (const std::string& path : Unfinished()) RemoveMadePath(path);
 }
 

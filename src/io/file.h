@@ -136,9 +136,10 @@ class UnfinishedPath {
 };
 
 // Removes every path an UnfinishedPath lists now. For a thread that takes
-// the signals that end the process: what the process goes on doing
-// meanwhile (writing into the folder, renaming it or the file into place)
-// fails.
+// the signals that end the process, once, just before it ends it: what the
+// process goes on doing meanwhile (writing into the folder, renaming it or
+// the file into place) fails, and an UnfinishedPath made or destroyed from
+// then on waits for the end.
 void RemoveUnfinishedPaths();
 
 // `path` without the slashes it ends with ("d/" is "d"; "/" stays): what
