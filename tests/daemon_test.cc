@@ -2705,10 +2705,24 @@ TEST(Server, ConfigModelsPassOverOneThatWillNotCome) {
   options.log = [](const std::string&) {};
   options.use_stat_cache = false;
   daemon::Server server(options);
-  server.ExpectPreloads({"", "", ""});
+  server.ExpectPreloads({"", "skipped", ""});
   ASSERT_TRUE(server.Start().ok());
   std::thread runner([&] { server.Run(); });
   server.SkipPreload(1);
+  // Nor does an engine that trusts its name wait for it: the acquire is
+  // answered, not held for its ten minutes.
+  protocol::Processing on_host;
+  on_host.device = "host";
+  auto ch = protocol::ConnectToDaemon(options.socket_dir);
+  ASSERT_TRUE(ch.ok()) << ch.error().message();
+  ASSERT_TRUE(ch->Send({{"type", "acquire"},
+                        {"key", protocol::ToJson(protocol::MakeKey("", on_host, "replicate", ""))},
+                        {"trust", "skipped"},
+                        {"wait_seconds", 600}})
+                  .ok());
+  auto trusted = ch->Receive(120'000);
+  ASSERT_TRUE(trusted.ok()) << trusted.error().message();
+  EXPECT_EQ(trusted->type(), "miss") << trusted->body.dump();
   auto last = std::async(std::launch::async, [&] { return server.Preload({b, "", {}, 2}, {}); });
   auto first = std::async(std::launch::async, [&] { return server.Preload({a, "", {}, 0}, {}); });
   // Not a timing: a turn never passed would wait forever; a stop ends it.

@@ -429,24 +429,32 @@ TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
   EXPECT_FALSE(miss.loading);
 }
 
-// A trusted name a load will pin (a config's model, announced at start)
-// is waited for like a key: by an acquire that may wait, until that load
-// ends; without a wait, the miss says a load is coming. Names no load will
-// pin are a plain miss at once, and a stop drops what was expected.
+// A trusted name a load will pin (a config's model, announced at start),
+// which no resident model has, is waited for like a key: by an acquire
+// that may wait, until that load ends. Without a wait, or for a name some
+// model has already, it is a plain miss at once, never `loading`; a stop
+// drops what was expected. (An acquire that waits asks `gone` every half
+// second: whether one waited is told by that, not by a clock.)
 TEST(Registry, ATrustedLookupMayWaitForTheLoadThatPinsItsName) {
   Registry r(8 * kMiB);
   protocol::CacheKey trusted;  // an engine's key on trust: no digest
   trusted.device = "host";
+  const auto later = std::chrono::steady_clock::now() + std::chrono::minutes(5);
+  bool asked = false;
+  auto waits = [&] {  // ends a wait at its first slice
+    asked = true;
+    return true;
+  };
   r.ExpectPin("chat");
   Registry::Lookup now = r.Acquire(trusted, "chat");
   EXPECT_FALSE(now.model);
-  EXPECT_TRUE(now.loading);
+  EXPECT_FALSE(now.loading);
+  EXPECT_EQ(now.reason, "no model is resident");
   std::thread loader([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     Publish(r, "host", 1, "xxh3-128:chat", 0, "chat");
     r.DropPin("chat");
   });
-  const auto later = std::chrono::steady_clock::now() + std::chrono::minutes(5);
   Registry::Lookup waited = r.Acquire(trusted, "chat", later);
   loader.join();
   ASSERT_TRUE(waited.model) << waited.reason;
@@ -454,15 +462,29 @@ TEST(Registry, ATrustedLookupMayWaitForTheLoadThatPinsItsName) {
   EXPECT_EQ(waited.name, "chat");
   r.Release(waited.model);
 
-  // Another name no load will pin: at once.
-  Registry::Lookup other = r.Acquire(trusted, "other", later);
+  // A name a resident model has: found, or the miss explained against it,
+  // at once, while another load that will pin it is under way.
+  r.ExpectPin("chat");
+  protocol::CacheKey cast = trusted;
+  cast.dtype = "fp16";
+  Registry::Lookup differs = r.Acquire(cast, "chat", later, {}, waits);
+  EXPECT_FALSE(differs.model);
+  EXPECT_FALSE(asked) << "waited for a name a resident model has";
+  EXPECT_FALSE(differs.mismatch.empty()) << differs.reason;
+  r.DropPin("chat");
+  // Another name no load will pin; an announced load with no pin: at once.
+  r.ExpectLoads(1);
+  Registry::Lookup other = r.Acquire(trusted, "other", later, {}, waits);
   EXPECT_FALSE(other.model);
-  EXPECT_FALSE(other.loading);
+  EXPECT_FALSE(asked) << "waited for a name no load will pin";
+  r.DropExpected(1);
   // Expected twice (two loads pin it), dropped once: still coming.
   r.ExpectPin("next");
   r.ExpectPin("next");
   r.DropPin("next");
-  EXPECT_TRUE(r.Acquire(trusted, "next").loading);
+  Registry::Lookup coming = r.Acquire(trusted, "next", later, {}, waits);
+  EXPECT_TRUE(asked) << "did not wait for the second load that pins the name";
+  EXPECT_TRUE(coming.asker_gone);
   // A stop: whoever waits for it is let go, with a plain miss.
   std::thread stop([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
@@ -473,7 +495,9 @@ TEST(Registry, ATrustedLookupMayWaitForTheLoadThatPinsItsName) {
   EXPECT_FALSE(stopped.model);
   EXPECT_FALSE(stopped.loading);
   r.DropPin("next");  // its load ending after the stop: nothing left to drop
-  EXPECT_FALSE(r.Acquire(trusted, "next").loading);
+  asked = false;
+  EXPECT_FALSE(r.Acquire(trusted, "next", later, {}, waits).model);
+  EXPECT_FALSE(asked);
 }
 
 // A miss is explained against the same checkpoint on another device first

@@ -303,8 +303,15 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
     const auto d = protocol::Compare(k, key, false);
     return d.size() == 1 && d[0].field == "device";
   };
-  // A trusted name: the loads that will pin it, whatever their keys (all
-  // of a load's ranks are published before its pin is dropped).
+  // A trusted name no resident model has: the loads that will pin it,
+  // whatever their keys (all of a load's ranks are published before its
+  // pin is dropped), waited for by an acquire that may wait. A name some
+  // model has is served, or the miss is explained against that model.
+  if (!trust.empty() && (!may_wait || !pins_coming_.contains(trust) ||
+                         std::any_of(models_.begin(), models_.end(),
+                                     [&](const auto& m) { return m->name == trust; }))) {
+    return out;
+  }
   auto coming = [&] {
     if (!trust.empty()) return pins_coming_.contains(trust);
     return std::any_of(loading_.begin(), loading_.end(), for_us) ||
@@ -338,7 +345,8 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
     }
   }
   if (!done) {
-    if (coming()) {
+    // Of exactly this key (a trusted name's load may be of any).
+    if (trust.empty() && coming()) {
       out.loading = true;
       return out;
     }

@@ -263,8 +263,14 @@ struct Server::State {
   // turn passes over them.
   std::set<size_t> config_skipped;
   // By order, the name each of the config's models will be pinned as (or
-  // none), expected from the start (Registry::ExpectPin).
+  // none), expected from the start (Registry::ExpectPin). Set before the
+  // server starts and never changed: read without a lock.
   std::vector<std::string> config_pins;
+  // The config's pin for `order`; null for none.
+  const std::string* ConfigPin(size_t order) const {
+    return order < config_pins.size() && !config_pins[order].empty() ? &config_pins[order]
+                                                                     : nullptr;
+  }
   // Waits (conn_mu held by `lock`) until it is `order`'s turn or the
   // daemon stops; whether it is its turn.
   bool WaitForTurn(std::unique_lock<std::mutex>& lock, size_t order) {
@@ -467,10 +473,12 @@ struct Server::State {
     std::vector<protocol::CacheKey> queued;
     std::vector<protocol::CacheKey> loading;  // marked by BeginLoad
     bool published = false;                   // some rank of it is resident
-    std::string pin;                          // expected (Registry::ExpectPin) until the end
+    // Expected (Registry::ExpectPin) until the end; null for none. Not a
+    // copy: nothing between its ExpectPin and this may fail to drop it.
+    const std::string* pin = nullptr;
     ~LoadMarks() {
       if (!loading.empty()) s.registry.EndLoad(loading);
-      if (!pin.empty()) s.registry.DropPin(pin);
+      if (pin != nullptr) s.registry.DropPin(*pin);
       if (announced) s.registry.DropExpected(1);
       if (!queued.empty()) s.registry.Unqueue(queued);
       if (!order) return;
@@ -508,8 +516,12 @@ struct Server::State {
                        const std::function<void(uint64_t, uint64_t)>& progress,
                        std::optional<size_t> config_order = std::nullopt) {
     // A config's pin was expected when it was announced.
-    if (!config_order && !pin.empty()) registry.ExpectPin(pin);
-    LoadMarks marks{*this, config_order, config_order.has_value(), {}, {}, false, pin};
+    const std::string* expected_pin = config_order ? ConfigPin(*config_order) : nullptr;
+    if (!config_order && !pin.empty()) {
+      registry.ExpectPin(pin);
+      expected_pin = &pin;
+    }
+    LoadMarks marks{*this, config_order, config_order.has_value(), {}, {}, false, expected_pin};
     Result<json> r = Error("");
     try {
       r = PreloadUnguarded(path, processing, pin, only, asked_by, progress, marks);
@@ -2113,23 +2125,17 @@ Result<json> Server::State::PreloadUnguarded(
 
 void Server::ExpectPreloads(const std::vector<std::string>& pins) {
   State& s = *state_;
+  s.config_pins = pins;
   s.registry.ExpectLoads(pins.size());
   for (const std::string& pin : pins) {
     if (!pin.empty()) s.registry.ExpectPin(pin);
   }
-  std::lock_guard lock(s.conn_mu);
-  s.config_pins = pins;
 }
 
 void Server::SkipPreload(size_t order) {
   State& s = *state_;
   s.registry.DropExpected(1);
-  std::string pin;
-  {
-    std::lock_guard lock(s.conn_mu);
-    if (order < s.config_pins.size()) pin = s.config_pins[order];
-  }
-  if (!pin.empty()) s.registry.DropPin(pin);
+  if (const std::string* pin = s.ConfigPin(order)) s.registry.DropPin(*pin);
   std::lock_guard lock(s.conn_mu);
   s.config_skipped.insert(order);
   if (s.config_turn == order) s.PassTurn(order);

@@ -92,8 +92,8 @@ class Server {
   void RequestStop(int signal = 0);
   bool stopping() const;
 
-  // The config's models, before `ready`, by the name each will be pinned
-  // as (empty: none), in order: engines that may wait for the daemon
+  // The config's models, once, before Start, by the name each will be
+  // pinned as (empty: none), in order: engines that may wait for the daemon
   // (--wait-for-daemon) wait for these to be keyed too, as any may be
   // theirs, not only for loads already begun; an engine that trusts one of
   // those names waits for its model's load. Each Preload call below
