@@ -324,8 +324,14 @@ TEST(Latencyfs, ADaemonInASmallGroupKeepsItsReadsInFlightWithinWhatItKeeps) {
   const std::string sock = slow.sock();
   testing::Process daemon({"serve", "--socket-dir", sock, "--budget", "host=64M"}, group.Prefix());
   ASSERT_TRUE(daemon.WaitForOutput("ready")) << daemon.err();
-  // A quarter of the 32 MiB kept, at 64 KiB a read.
+  // A quarter of the 32 MiB kept, at 64 KiB a read; the buffers the rest,
+  // 24 MiB, of which a fingerprint's first reads, one a shard in flight,
+  // take a quarter (48 KiB each, not 256: 6 MiB for 128 shards at once).
   EXPECT_TRUE(testing::Logged(daemon, "reads in flight: at most 128 per preload")) << daemon.err();
+  EXPECT_TRUE(testing::Logged(daemon,
+                              "a fingerprint's first read of each shard 48.00 KiB, its "
+                              "window 18.00 MiB"))
+      << daemon.err();
   auto preload = testing::RunWeightd({"preload", slow.mnt() + "/m", "--socket-dir", sock});
   ASSERT_EQ(preload.exit_code, 0) << preload.err << daemon.err();
   // The pool grows in the background, a thread at a time: its most over

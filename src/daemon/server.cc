@@ -108,6 +108,9 @@ constexpr uint64_t kBytesPerRead = 64 << 10;
 // answers each in a round trip needs some.
 constexpr int kFewestReads = 16;
 constexpr uint64_t kFewestBufferBytes = 1 << 20;
+// A fingerprint's first read of each shard (its header and first samples)
+// at the least: one read for the header of a few hundred tensors.
+constexpr uint64_t kFewestFirstReadBytes = 16 << 10;
 
 // After a preload of this many tensors or more, the freed heap goes back
 // to the system (see Preload).
@@ -224,6 +227,17 @@ struct Server::State {
             std::min(buffer_bytes,
                      std::max(room->keep > for_threads ? room->keep - for_threads : uint64_t{0},
                               kFewestBufferBytes));
+        // A fingerprint reads the first bytes of as many shards at once as
+        // it has reads in flight, each into a slot of its own (256 KiB: 32
+        // MiB for a checkpoint of 128 shards or more, all that a 256 MiB
+        // group keeps, before the budget has refused a model too big for
+        // it): a quarter of the buffers at most, its window the rest.
+        first_read_bytes =
+            std::clamp<uint64_t>(buffer_bytes / 4 / static_cast<uint64_t>(reads_in_flight),
+                                 kFewestFirstReadBytes, first_read_bytes);
+        window_bytes =
+            buffer_bytes -
+            std::min(buffer_bytes, static_cast<uint64_t>(reads_in_flight) * first_read_bytes);
       }
     }
   }
@@ -242,6 +256,9 @@ struct Server::State {
   Registry registry;
   uint64_t buffer_bytes = loader::LoadOptions{}.buffer_bytes;  // each preload's, together
   int reads_in_flight = fingerprint::Options{}.max_inflight;   // each preload's, at most
+  // A fingerprint's first read of each shard, and its window for the rest.
+  uint64_t first_read_bytes = fingerprint::Options{}.speculative_bytes;
+  uint64_t window_bytes = buffer_bytes;
   uint64_t kept_for_work = 0;  // of a container's memory, for the above; 0: none known
   memory::UniqueFd dir_fd;     // the socket directory, as checked
   memory::UniqueFd lock_fd;
@@ -685,11 +702,14 @@ Status Server::Start() {
 
   // Where what it keeps for its own work held a preload's reads in
   // flight below the default, the operator hears why.
-  if (s.reads_in_flight < fingerprint::Options{}.max_inflight) {
+  if (s.reads_in_flight < fingerprint::Options{}.max_inflight ||
+      s.first_read_bytes < fingerprint::Options{}.speculative_bytes) {
     s.Log("reads in flight: at most " + std::to_string(s.reads_in_flight) +
           " per preload, for the " + protocol::FormatBytes(s.kept_for_work) +
           " kept for the daemon's own work (a quarter of it, " + std::to_string(kFewestReads) +
-          " at the least)");
+          " at the least); a fingerprint's first read of each shard " +
+          protocol::FormatBytes(s.first_read_bytes) + ", its window " +
+          protocol::FormatBytes(s.window_bytes));
   }
 
   // The GPUs, asked in the background and logged once known: the host is
@@ -1797,8 +1817,9 @@ Result<json> Server::State::PreloadUnguarded(
   // What a fingerprint keeps out and reads into at once: the same share
   // of the daemon's kept memory as a load's.
   fo.max_inflight = reads_in_flight;
-  fo.local_window_bytes = std::min(fo.local_window_bytes, buffer_bytes);
-  fo.remote_window_bytes = std::min(fo.remote_window_bytes, buffer_bytes);
+  fo.speculative_bytes = first_read_bytes;
+  fo.local_window_bytes = std::min(fo.local_window_bytes, window_bytes);
+  fo.remote_window_bytes = std::min(fo.remote_window_bytes, window_bytes);
   // A full key is every byte hashed now: not a digest taken on the
   // strength of a stat signature, which a file system that keeps one
   // through a rewrite (docs/fingerprint.md) would make stale. The cache is
