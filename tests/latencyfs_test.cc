@@ -281,6 +281,9 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
   ASSERT_EQ(impatient.exit_code, 0) << impatient.err;
   auto j = nlohmann::json::parse(impatient.out);
   EXPECT_EQ(j["source"], "disk");
+  EXPECT_NE(j["reason"].get<std::string>().find("loading this very model right now"),
+            std::string::npos)
+      << j.dump();
   auto patient = testing::RunWeightd({"load", src + "/m", "--json", "--socket-dir", sock,
                                       "--checksum", "--wait-for-daemon", "600"});
   ASSERT_EQ(patient.exit_code, 0) << patient.err;
