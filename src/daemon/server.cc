@@ -228,16 +228,18 @@ struct Server::State {
                      std::max(room->keep > for_threads ? room->keep - for_threads : uint64_t{0},
                               kFewestBufferBytes));
         // A fingerprint reads the first bytes of as many shards at once as
-        // it has reads in flight, each into a slot of its own (256 KiB: 32
-        // MiB for a checkpoint of 128 shards or more, all that a 256 MiB
-        // group keeps, before the budget has refused a model too big for
-        // it): a quarter of the buffers at most, its window the rest.
-        first_read_bytes =
-            std::clamp<uint64_t>(buffer_bytes / 4 / static_cast<uint64_t>(reads_in_flight),
-                                 kFewestFirstReadBytes, first_read_bytes);
-        window_bytes =
-            buffer_bytes -
-            std::min(buffer_bytes, static_cast<uint64_t>(reads_in_flight) * first_read_bytes);
+        // it has reads in flight, each into a slot of its own, beside its
+        // window for the other samples. Where that would be more than the
+        // buffers (in a 256 MiB group, 32 MiB of slots for a checkpoint of
+        // 128 shards or more, all it keeps, taken before the budget refuses
+        // a model too big for it), the slots get a quarter of them at most
+        // and the window the rest.
+        const uint64_t reads = static_cast<uint64_t>(reads_in_flight);
+        if (reads * first_read_bytes + fingerprint::Options{}.remote_window_bytes > buffer_bytes) {
+          first_read_bytes = std::clamp<uint64_t>(buffer_bytes / 4 / reads, kFewestFirstReadBytes,
+                                                  first_read_bytes);
+          window_bytes = buffer_bytes - std::min(buffer_bytes, reads * first_read_bytes);
+        }
       }
     }
   }
