@@ -430,11 +430,11 @@ TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
 }
 
 // A trusted name a load will pin (a config's model, announced at start),
-// which no resident model has, is waited for like a key: by an acquire
-// that may wait, until that load ends. Without a wait, or for a name some
-// model has already, it is a plain miss at once, never `loading`; a stop
-// drops what was expected. (An acquire that waits asks `gone` every half
-// second: whether one waited is told by that, not by a clock.)
+// which no resident model of the key's rank and device has, is waited for
+// like a key: by an acquire that may wait, until that load ends. Without a
+// wait, or for a name such a model has already, it is a plain miss at
+// once, never `loading`; a stop drops what was expected. (An acquire that waits asks `gone` every
+// half second: whether one waited is told by that, not by a clock.)
 TEST(Registry, ATrustedLookupMayWaitForTheLoadThatPinsItsName) {
   Registry r(8 * kMiB);
   protocol::CacheKey trusted;  // an engine's key on trust: no digest
@@ -471,6 +471,14 @@ TEST(Registry, ATrustedLookupMayWaitForTheLoadThatPinsItsName) {
   EXPECT_FALSE(differs.model);
   EXPECT_FALSE(asked) << "waited for a name a resident model has";
   EXPECT_FALSE(differs.mismatch.empty()) << differs.reason;
+  // Another rank of it, not published yet (the name is on rank 0): waited
+  // for, as the load pinning the name publishes every rank before it ends.
+  protocol::CacheKey rank1 = trusted;
+  rank1.tp_rank = 1;
+  Registry::Lookup next_rank = r.Acquire(rank1, "chat", later, {}, waits);
+  EXPECT_TRUE(asked) << "did not wait for the other ranks of the load pinning the name";
+  EXPECT_TRUE(next_rank.asker_gone);
+  asked = false;
   r.DropPin("chat");
   // Another name no load will pin; an announced load with no pin: at once.
   r.ExpectLoads(1);

@@ -303,13 +303,15 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
     const auto d = protocol::Compare(k, key, false);
     return d.size() == 1 && d[0].field == "device";
   };
-  // A trusted name no resident model has: the loads that will pin it,
-  // whatever their keys (all of a load's ranks are published before its
-  // pin is dropped), waited for by an acquire that may wait. A name some
-  // model has is served, or the miss is explained against that model.
+  // A trusted name no resident model of this rank and device has: the
+  // loads that will pin it, whatever their keys (all of a load's ranks are
+  // published before its pin is dropped), waited for by an acquire that
+  // may wait. Where one has it, the miss is explained against that model.
+  auto named_here = [&](const std::shared_ptr<ResidentModel>& m) {
+    return m->name == trust && m->key.tp_rank == key.tp_rank && m->key.device == key.device;
+  };
   if (!trust.empty() && (!may_wait || !pins_coming_.contains(trust) ||
-                         std::any_of(models_.begin(), models_.end(),
-                                     [&](const auto& m) { return m->name == trust; }))) {
+                         std::any_of(models_.begin(), models_.end(), named_here))) {
     return out;
   }
   auto coming = [&] {

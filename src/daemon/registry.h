@@ -151,9 +151,10 @@ class Registry {
   // reload's source), waits for that load until `wait_until` (default: no
   // wait) and looks again;
   // with a wait, also while announced loads are not keyed yet (ExpectLoads).
-  // Trusted, with a wait and no resident model of that name, it waits
-  // instead while loads that will pin that name are coming (ExpectPin),
-  // and looks again once none is; never a miss with `loading`.
+  // Trusted, with a wait and no resident model of that name on the key's
+  // rank and device, it waits instead while loads that will pin that name
+  // are coming (ExpectPin), and looks again once none is; never a miss
+  // with `loading`.
   // `gone`, when given, is asked every half second of a wait whether the
   // asker went away: then the wait ends, a miss with `asker_gone`.
   // A miss is explained against the same model on another device first,
