@@ -502,21 +502,27 @@ TEST(UnfinishedPath, ASignalsRemovalTakesEveryListedPath) {
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
   if (child == 0) {
-    UnfinishedPath f(file), d(folder);
-    testing::WriteFileText(file, "half");
-    if (::mkdir(folder.c_str(), 0755) != 0) ::_exit(3);
-    testing::WriteFileText(folder + "/shard", "half");
-    RemoveUnfinishedPaths();
-    std::atomic<bool> made{false};
-    std::thread([&] {
-      UnfinishedPath l(late);
-      testing::WriteFileText(late, "after the removal");
-      made = true;
-    }).detach();
-    // Not a timing that can pass wrongly: a late path made at all is the
-    // failure, however long this waits.
-    std::this_thread::sleep_for(std::chrono::milliseconds(300));
-    ::_exit(made ? 2 : 0);
+    // Whatever fails here ends the child, never goes on as the test.
+    try {
+      UnfinishedPath f(file), d(folder);
+      testing::WriteFileText(file, "half");
+      if (::mkdir(folder.c_str(), 0755) != 0) ::_exit(3);
+      testing::WriteFileText(folder + "/shard", "half");
+      RemoveUnfinishedPaths();
+      std::atomic<bool> made{false};
+      std::thread([&] {
+        UnfinishedPath l(late);
+        testing::WriteFileText(late, "after the removal");
+        made = true;
+      }).detach();
+      // A late path made is the failure. One made only after this wait
+      // would go unseen: the check may miss it on a slow machine, never
+      // report it wrongly.
+      std::this_thread::sleep_for(std::chrono::seconds(1));
+      ::_exit(made ? 2 : 0);
+    } catch (...) {
+      ::_exit(4);
+    }
   }
   int status = 0;
   ASSERT_EQ(::waitpid(child, &status, 0), child);
