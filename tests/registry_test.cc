@@ -433,8 +433,9 @@ TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
 // which no resident model of the key's rank and device has, is waited for
 // like a key: by an acquire that may wait, until that load ends. Without a
 // wait, or for a name such a model has already, it is a plain miss at
-// once, never `loading`; a stop drops what was expected. (An acquire that waits asks `gone` every
-// half second: whether one waited is told by that, not by a clock.)
+// once, never `loading`; a stop drops what was expected. (An acquire that
+// waits asks `gone` every half second: whether one waited is told by
+// that, not by a clock.)
 TEST(Registry, ATrustedLookupMayWaitForTheLoadThatPinsItsName) {
   Registry r(8 * kMiB);
   protocol::CacheKey trusted;  // an engine's key on trust: no digest
