@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <stdexcept>
@@ -170,6 +171,20 @@ TEST(Synthetic, AnExceptionLeavesNoStagingDirectoryBehind) {
   auto entries = io::PosixFileSystem().ListDirectory(dir.path());
   ASSERT_TRUE(entries.ok());
   for (const auto& e : *entries) ADD_FAILURE() << "left behind: " << e.name;
+}
+
+// The staging folder is listed for removal before it is made (so that a
+// signal as soon as it exists finds it): one that cannot be made, its name
+// taken already by what is not this call's, is left alone.
+TEST(Synthetic, AStagingNameTakenAlreadyIsNotRemoved) {
+  TempDir dir;
+  const std::string taken = dir.Join("out.partial-" + std::to_string(::getpid()));
+  testing::WriteFileText(taken, "someone else's");
+  auto r = WriteSyntheticCheckpoint(dir.Join("out"), {.preset = "tiny"});
+  ASSERT_FALSE(r.ok());
+  EXPECT_NE(r.error().message().find("cannot create it"), std::string::npos) << r.error().message();
+  const std::vector<std::byte> left = testing::ReadFileBytes(taken);
+  EXPECT_EQ(std::string(reinterpret_cast<const char*>(left.data()), left.size()), "someone else's");
 }
 
 }  // namespace

@@ -307,14 +307,17 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
 
   const std::string staging =
       io::WithoutTrailingSlashes(out_dir) + ".partial-" + std::to_string(::getpid());
+  // Removed however this ends short of the rename (an exception too), and
+  // first by a process a signal ends (the CLI's): listed before it exists,
+  // so that a signal that comes as soon as it does finds it listed.
+  io::UnfinishedPath unfinished(staging);
   // Written beside OUT and renamed when complete; an error names OUT.
   if (::mkdir(staging.c_str(), 0755) != 0) {
+    const int error = errno;
+    unfinished.Keep();  // not made here: whatever has the name is not ours
     return Error(out_dir + ": cannot create it (it is written as " + io::BaseName(staging) +
-                 " beside it first): " + std::strerror(errno));
+                 " beside it first): " + std::strerror(error));
   }
-  // Removed however this ends short of the rename (an exception too), and
-  // first by a process a signal ends (the CLI's).
-  io::UnfinishedPath unfinished(staging);
 
   std::vector<std::optional<Error>> errors(plan.shards.size());
   std::atomic<size_t> next{0}, done{0};
