@@ -467,6 +467,16 @@ TEST(PrivateMemory, ABufferOwnsItsMemoryUntilItGoes) {
   EXPECT_THROW(PrivateBuffer(SIZE_MAX - 10), std::bad_alloc);
 }
 
+// A file made new (O_EXCL), as a writer makes its temporary file; false
+// where the name is taken.
+bool WriteNew(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return false;
+  const bool written = ::write(fd, "half", 4) == 4;
+  ::close(fd);
+  return written;
+}
+
 // What a process makes goes unless it said to keep it: a file, and a
 // folder with files in it, named with a slash at the end too; a kept path
 // stays.
@@ -475,12 +485,12 @@ TEST(UnfinishedPath, RemovesWhatWasNotKept) {
   const std::string file = dir.Join("f.tmp"), folder = dir.Join("d.partial"),
                     kept = dir.Join("kept");
   {
-    UnfinishedPath f(file), d(folder + "/"), k(kept);
-    testing::WriteFileText(file, "half");
-    ASSERT_EQ(::mkdir(folder.c_str(), 0755), 0);
+    auto f = UnfinishedPath::Make(file, [&] { return WriteNew(file); });
+    auto d = UnfinishedPath::Make(folder + "/", [&] { return ::mkdir(folder.c_str(), 0755) == 0; });
+    auto k = UnfinishedPath::Make(kept, [&] { return WriteNew(kept); });
+    ASSERT_TRUE(f && d && k);
     testing::WriteFileText(folder + "/shard", "half");
-    testing::WriteFileText(kept, "whole");
-    k.Keep();
+    k->Keep();
   }
   std::vector<std::string> left;
   for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
@@ -504,15 +514,14 @@ TEST(UnfinishedPath, ASignalsRemovalTakesEveryListedPath) {
   if (child == 0) {
     // Whatever fails here ends the child, never goes on as the test.
     try {
-      UnfinishedPath f(file), d(folder);
-      testing::WriteFileText(file, "half");
-      if (::mkdir(folder.c_str(), 0755) != 0) ::_exit(3);
+      auto f = UnfinishedPath::Make(file, [&] { return WriteNew(file); });
+      auto d = UnfinishedPath::Make(folder, [&] { return ::mkdir(folder.c_str(), 0755) == 0; });
+      if (!f || !d) ::_exit(3);
       testing::WriteFileText(folder + "/shard", "half");
       RemoveUnfinishedPaths();
       std::atomic<bool> made{false};
       std::thread([&] {
-        UnfinishedPath l(late);
-        testing::WriteFileText(late, "after the removal");
+        auto l = UnfinishedPath::Make(late, [&] { return WriteNew(late); });
         made = true;
       }).detach();
       // A late path made is the failure. One made only after this wait
@@ -535,6 +544,51 @@ TEST(UnfinishedPath, ASignalsRemovalTakesEveryListedPath) {
   EXPECT_EQ(left, std::vector<std::string>{"other"});
 }
 
+// A name that cannot be made is not this process's: a folder already
+// there (a user's) is never listed, so that a signal's removal, which
+// here comes while the making is under way, leaves it and its files. In a
+// process of its own, since the removal is for a process that is ending.
+TEST(UnfinishedPath, ASignalsRemovalNeverTakesANameThatWasTaken) {
+  TempDir dir;
+  const std::string theirs = dir.Join("model"), ours = dir.Join("model.partial");
+  ASSERT_EQ(::mkdir(theirs.c_str(), 0755), 0);
+  testing::WriteFileText(theirs + "/weights", "a user's");
+  const pid_t child = ::fork();
+  ASSERT_GE(child, 0);
+  if (child == 0) {
+    try {
+      auto made = UnfinishedPath::Make(ours, [&] { return ::mkdir(ours.c_str(), 0755) == 0; });
+      if (!made) ::_exit(3);
+      // The removal, started while the taken name is being made, ends the
+      // process as a signal's does. Had that name been listed before its
+      // mkdir failed, the removal would take the user's folder now; since
+      // it is not, the removal waits for the making to end. Whichever way
+      // it goes, only `ours` may go.
+      auto taken = UnfinishedPath::Make(theirs, [&] {
+        std::thread([] {
+          RemoveUnfinishedPaths();
+          ::_exit(0);
+        }).detach();
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        return ::mkdir(theirs.c_str(), 0755) == 0;
+      });
+      if (taken || errno != EEXIST) ::_exit(5);
+      std::this_thread::sleep_for(std::chrono::seconds(5));
+      ::_exit(6);
+    } catch (...) {
+      ::_exit(4);
+    }
+  }
+  int status = 0;
+  ASSERT_EQ(::waitpid(child, &status, 0), child);
+  ASSERT_TRUE(WIFEXITED(status)) << status;
+  EXPECT_EQ(WEXITSTATUS(status), 0)
+      << "5: the taken name was made (the user's folder removed first?); 6: no removal";
+  ASSERT_TRUE(std::filesystem::exists(theirs + "/weights")) << "the user's folder was removed";
+  EXPECT_EQ(testing::ReadFileBytes(theirs + "/weights"), testing::Bytes("a user's"));
+  EXPECT_FALSE(std::filesystem::exists(ours));
+}
+
 // Moving a folder aside never takes the place of one already named as
 // the aside would be (an empty one, which rename(2) would replace).
 TEST(UnfinishedPath, AFolderIsNeverMovedOntoOneOfItsAsideName) {
@@ -543,8 +597,8 @@ TEST(UnfinishedPath, AFolderIsNeverMovedOntoOneOfItsAsideName) {
   const std::string other = folder + ".removing-" + std::to_string(::getpid());
   ASSERT_EQ(::mkdir(other.c_str(), 0755), 0);
   {
-    UnfinishedPath d(folder);
-    ASSERT_EQ(::mkdir(folder.c_str(), 0755), 0);
+    auto d = UnfinishedPath::Make(folder, [&] { return ::mkdir(folder.c_str(), 0755) == 0; });
+    ASSERT_TRUE(d);
     testing::WriteFileText(folder + "/shard", "half");
   }
   std::vector<std::string> left;

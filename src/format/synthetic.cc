@@ -307,16 +307,15 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
 
   const std::string staging =
       io::WithoutTrailingSlashes(out_dir) + ".partial-" + std::to_string(::getpid());
-  // Removed however this ends short of the rename (an exception too), and
-  // first by a process a signal ends (the CLI's): listed before it exists,
-  // so that a signal that comes as soon as it does finds it listed.
-  io::UnfinishedPath unfinished(staging);
   // Written beside OUT and renamed when complete; an error names OUT.
-  if (::mkdir(staging.c_str(), 0755) != 0) {
-    const int error = errno;
-    unfinished.Keep();  // not made here: whatever has the name is not ours
+  // Removed however this ends short of the rename (an exception too), and
+  // first by a process a signal ends (the CLI's), with no moment between
+  // its making and its listing. Not made, whatever has the name is not ours.
+  auto unfinished =
+      io::UnfinishedPath::Make(staging, [&] { return ::mkdir(staging.c_str(), 0755) == 0; });
+  if (!unfinished) {
     return Error(out_dir + ": cannot create it (it is written as " + io::BaseName(staging) +
-                 " beside it first): " + std::strerror(error));
+                 " beside it first): " + std::strerror(errno));
   }
 
   std::vector<std::optional<Error>> errors(plan.shards.size());
@@ -358,7 +357,7 @@ Result<SyntheticPlan> WriteSyntheticCheckpoint(
     if (::rename(staging.c_str(), out_dir.c_str()) != 0) {
       status = Error(out_dir + ": cannot move the checkpoint into place: " + std::strerror(errno));
     } else {
-      unfinished.Keep();
+      unfinished->Keep();
     }
   }
   if (!status.ok()) return status.error();

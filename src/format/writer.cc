@@ -43,12 +43,13 @@ class TempFile {
     }
     temp_path_ = final_path_.substr(0, name_at + keep) + suffix;
     // Removed unless committed, and first by a process a signal ends (the
-    // CLI's): listed before it exists, so that no moment is left between.
-    unfinished_ = std::make_unique<io::UnfinishedPath>(temp_path_);
-    fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    // Not made: whatever has the name (another process's file, where two
-    // containers share a volume and a pid) is not ours to remove.
-    if (fd_ < 0) unfinished_->Keep();
+    // CLI's), with no moment between its making and its listing. Not made,
+    // it is not listed: whatever has the name (another process's file,
+    // where two containers share a volume and a pid) is not ours to remove.
+    unfinished_ = io::UnfinishedPath::Make(temp_path_, [&] {
+      fd_ = ::open(temp_path_.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+      return fd_ >= 0;
+    });
   }
   TempFile(const TempFile&) = delete;
   TempFile& operator=(const TempFile&) = delete;

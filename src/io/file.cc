@@ -407,9 +407,27 @@ void RemoveMadePath(const std::string& path) noexcept {
 
 // "dir/" would be moved aside into itself ("dir/.removing-PID"), which
 // fails: the folder would stay.
-UnfinishedPath::UnfinishedPath(std::string path) : path_(WithoutTrailingSlashes(std::move(path))) {
-  std::lock_guard lock(unfinished_mu);
-  Unfinished().push_back(path_);
+UnfinishedPath::UnfinishedPath(std::string path) : path_(WithoutTrailingSlashes(std::move(path))) {}
+
+std::unique_ptr<UnfinishedPath> UnfinishedPath::Make(std::string path,
+                                                     const std::function<bool()>& make) {
+  // What can fail is done before the path exists: once made, it is listed
+  // by moves into room already there, which cannot throw.
+  std::unique_ptr<UnfinishedPath> made(new UnfinishedPath(std::move(path)));
+  std::string entry = made->path_;
+  std::unique_lock lock(unfinished_mu);  // a signal's removal waits, or is done
+  auto& paths = Unfinished();
+  paths.reserve(paths.size() + 1);
+  if (!make()) {
+    const int error = errno;
+    lock.unlock();
+    made.reset();  // kept: nothing of ours to remove
+    errno = error;
+    return nullptr;
+  }
+  paths.push_back(std::move(entry));
+  made->keep_ = false;
+  return made;
 }
 
 UnfinishedPath::~UnfinishedPath() {

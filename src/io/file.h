@@ -10,6 +10,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -121,18 +122,27 @@ FileSystem& PosixFileSystem();
 // files, then itself.
 class UnfinishedPath {
  public:
-  explicit UnfinishedPath(std::string path);
+  // Makes the path with `make` (a mkdir, an open with O_EXCL: true where it
+  // made the path) and lists it, one step as a signal's removal sees it:
+  // the removal never finds the path listed before it exists, when a name
+  // already taken (by another process, or a user's folder) would go with
+  // it, nor made and not yet listed, when it would stay. Where `make` makes
+  // nothing, nullptr, with errno as `make` left it.
+  static std::unique_ptr<UnfinishedPath> Make(std::string path, const std::function<bool()>& make);
+
   UnfinishedPath(const UnfinishedPath&) = delete;
   UnfinishedPath& operator=(const UnfinishedPath&) = delete;
   ~UnfinishedPath();
 
   // Nothing to remove when this goes: the path was renamed into place, or
-  // it turned out not to be this process's to make.
+  // is the process's result to keep.
   void Keep() { keep_ = true; }
 
  private:
+  explicit UnfinishedPath(std::string path);  // not listed, and kept, until Make lists it
+
   std::string path_;
-  bool keep_ = false;
+  bool keep_ = true;
 };
 
 // Removes every path an UnfinishedPath lists now. For a thread that takes
