@@ -126,10 +126,7 @@ Result<nlohmann::json> RunSelf(const std::vector<std::string>& args) {
 // a signal too (SIGINT, SIGTERM, SIGHUP), which ends its engine as well.
 class Cleanup {
  public:
-  Cleanup(const std::vector<std::string>& dirs, bool keep_first) {
-    for (size_t i = keep_first ? 1 : 0; i < dirs.size(); ++i) {
-      dirs_.push_back(std::make_unique<io::UnfinishedPath>(dirs[i]));
-    }
+  Cleanup() {
     on_signal_ = std::make_unique<CleanUpOnSignal>([] {
       {
         std::lock_guard lock(children.mu);
@@ -149,6 +146,16 @@ class Cleanup {
     dirs_.clear();  // while a signal still finishes the removal, not cuts it short
     on_signal_.reset();
   }
+  // Makes a new folder, removed at the end or by a signal; false, with
+  // errno, where the path cannot be made (then it is not the demo's).
+  bool MakeFolder(const std::string& path) {
+    auto made = io::UnfinishedPath::Make(path, [&] { return ::mkdir(path.c_str(), 0700) == 0; });
+    if (!made) return false;
+    dirs_.push_back(std::move(made));
+    return true;
+  }
+  // The first folder made stays at the end (--keep).
+  void KeepFirst() { dirs_.front()->Keep(); }
   // The daemon, started unless a signal is ending the demo.
   Result<Child> StartDaemon(const std::vector<std::string>& args) {
     std::lock_guard lock(children.mu);
@@ -181,8 +188,8 @@ class Cleanup {
   }
 
  private:
-  std::vector<std::unique_ptr<io::UnfinishedPath>> dirs_;  // never kept: removed
-  std::unique_ptr<CleanUpOnSignal> on_signal_;             // made last, gone first
+  std::unique_ptr<CleanUpOnSignal> on_signal_;             // made first, gone last
+  std::vector<std::unique_ptr<io::UnfinishedPath>> dirs_;  // removed, but for --keep's
 };
 
 // Rewrites the first KiB of one tensor in place: same layout, other values.
@@ -219,18 +226,16 @@ int RunDemo(const DemoOptions& o) {
   }
   dir = io::WithoutTrailingSlashes(dir);  // "d/" + ".sock" is inside d
   const std::string socket_dir = dir + ".sock", cache_dir = dir + ".cache";
+  // A signal from here on stops what the demo started and removes what it
+  // made.
+  Cleanup cleanup;
   // It removes these at the end: each must be new, so that nothing it did
   // not make (a model, a daemon's socket) goes with them. Made here, in one
   // step each: a second demo given the same --dir is refused, not let in.
-  std::vector<std::string> made;
   for (const std::string& path : {dir, socket_dir, cache_dir}) {
-    if (::mkdir(path.c_str(), 0700) == 0) {
-      made.push_back(path);
-      continue;
-    }
+    if (cleanup.MakeFolder(path)) continue;
     const std::string why =
         errno == EEXIST ? " already exists" : ": " + std::string(std::strerror(errno));
-    for (const std::string& m : made) ::rmdir(m.c_str());
     return ReportError("demo",
                        path + why + ": the demo makes " + dir + ", " + socket_dir + " and " +
                            cache_dir + " and removes them at the end; " +
@@ -238,9 +243,9 @@ int RunDemo(const DemoOptions& o) {
                                           : "give --dir a path where none exists"),
                        kExitUsage);
   }
+  if (o.keep) cleanup.KeepFirst();
   // The demo's own socket and stat cache: it touches nothing of a real setup.
   ::setenv("WEIGHTD_CACHE_DIR", cache_dir.c_str(), 1);
-  Cleanup cleanup({dir, socket_dir, cache_dir}, o.keep);
 
   std::cout << "1. generate a llama-shaped checkpoint of about " << FormatBytes(*size) << " in "
             << dir << "\n";
