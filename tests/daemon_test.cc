@@ -2505,6 +2505,14 @@ TEST_F(DaemonTest, AnEngineCanWaitForADaemonThatIsStarting) {
   const json reached = json::parse(engine.out());
   EXPECT_EQ(reached["reason"], "no model is resident") << engine.out();
   EXPECT_GT(reached["waited_seconds"].get<double>(), 0) << engine.out();
+  // A daemon that is there and answers at once was not waited for: an
+  // engine allowed to wait spent none of it waiting (its answer's round
+  // trip is not a wait), missing or hitting.
+  EXPECT_EQ(Load(a, {"--wait-for-daemon", "60"})["waited_seconds"], 0.0);
+  Preload(a);
+  const json hit = Load(a, {"--wait-for-daemon", "60"});
+  EXPECT_EQ(hit["source"], "daemon") << hit.dump();
+  EXPECT_EQ(hit["waited_seconds"], 0.0) << hit.dump();
 }
 
 // A socket directory that will not do is not a daemon still starting: an

@@ -290,8 +290,9 @@ TEST(Latencyfs, AnEngineMayWaitForTheLoadOfItsModelInFlight) {
   auto k = nlohmann::json::parse(patient.out);
   EXPECT_EQ(k["source"], "daemon") << k.dump() << daemon.err();
   EXPECT_EQ(k["checksum"], j["checksum"]);
-  // It waited for the load, rather than coming after it.
+  // It waited for the load, rather than coming after it, and says so.
   EXPECT_TRUE(testing::Logged(daemon, ", after waiting for its load")) << daemon.err();
+  EXPECT_GT(k["waited_seconds"].get<double>(), 0) << k.dump();
   EXPECT_EQ(preload.Wait(), 0) << preload.err();
   daemon.Signal(SIGTERM);
   EXPECT_EQ(daemon.Wait(), 0) << daemon.err();

@@ -153,7 +153,8 @@ struct AcquireOptions {
   Miss* miss = nullptr;
   // When set, receives how long Acquire waited for the daemon, as
   // wait_for_daemon_seconds let it (to start, or to load this model): a
-  // part of the time it took, not the load's own; 0 when it did not wait.
+  // part of the time it took, not the load's own; 0 when it did not wait
+  // (a daemon that was there and answered at once).
   double* waited_seconds = nullptr;
 };
 

@@ -354,28 +354,15 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
   // is left of the call's one wait (Acquire bounds it).
   const double wait = o.wait_for_daemon_seconds;
   const auto started = std::chrono::steady_clock::now();
-  // When asked to wait: from here to the daemon's answer (however this
-  // ends before it), not what is done with the answer (a copy, a mapping),
-  // and no more than the wait allowed: the reply timeout a silent daemon
-  // runs out comes on top of it.
-  struct CountWait {
-    double& waited;
-    std::chrono::steady_clock::time_point started;
-    double allowed;
-    bool counts;
-    void Stop() {
-      if (counts) {
-        waited += std::min(
-            allowed,
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count());
-      }
-      counts = false;
-    }
-    ~CountWait() { Stop(); }
-  } count_wait{miss.waited, started, wait, wait > 0};
+  // What was waited, as the wait allowed: for the daemon to start (its
+  // socket tried again), then for its load (as the daemon says it waited,
+  // or, with no answer, the time since asking). Not a round trip answered
+  // at once; the reply timeout a silent daemon runs out comes on top.
+  double waited_to_connect = 0;
   protocol::ConnectFailure failure = protocol::ConnectFailure::kRefused;
   auto ch = protocol::ConnectToDaemonWaiting(protocol::SocketDirectory(o.socket_dir), wait,
-                                             &failure, BusyConnectTimeoutMs(o));
+                                             &failure, BusyConnectTimeoutMs(o), &waited_to_connect);
+  miss.waited += std::min(wait, waited_to_connect);
   if (!ch.ok()) {
     // Something there that will not do (an unsafe socket directory, another
     // user's daemon) is a failure to alert on, not a daemon not running.
@@ -421,14 +408,26 @@ std::unique_ptr<WeightsImpl> TryDaemon(const protocol::CacheKey& key, const Acqu
     return send_failed(s.error());
   }
   if (Status s = channel.Send(request); !s.ok()) return send_failed(s.error());
+  const auto asked = std::chrono::steady_clock::now();
+  auto waited_unanswered = [&] {
+    miss.waited += std::min(
+        wait_left, std::chrono::duration<double>(std::chrono::steady_clock::now() - asked).count());
+  };
   const double reply_seconds = ReplyTimeoutSeconds(o);
   if (auto hello = Expect(channel, "hello", reply_seconds); !hello.ok()) {
+    waited_unanswered();
     return fail("protocol error", hello.error());
   }
   auto reply = Expect(channel, "acquired", reply_seconds, wait_left);
-  count_wait.Stop();
-  if (!reply.ok()) return fail("protocol error", reply.error());
+  if (!reply.ok()) {
+    waited_unanswered();
+    return fail("protocol error", reply.error());
+  }
   const json& body = reply->body;
+  if (auto it = body.find("waited_seconds"); it != body.end() && it->is_number()) {
+    const double said = it->get<double>();  // nan fails both comparisons: not counted
+    if (said > 0) miss.waited += std::min(wait_left, said);
+  }
   if (reply->type() == "miss") {
     auto strings = [&](const char* field, std::vector<std::string>& out) {
       auto it = body.find(field);

@@ -332,6 +332,10 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
   // Waited a slice at a time, to ask between them whether the asker is
   // still there: a wait is up to an hour, and holds a thread.
   constexpr auto kSlice = std::chrono::milliseconds(500);
+  const auto wait_started = std::chrono::steady_clock::now();
+  auto waited = [&] {
+    return std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_started).count();
+  };
   bool done = false;
   while (!done) {
     const auto slice_end =
@@ -343,19 +347,19 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
     lock.lock();
     if (left) {
       out.asker_gone = true;
+      out.waited_seconds = waited();
       return out;
     }
   }
-  if (!done) {
-    // Of exactly this key (a trusted name's load may be of any).
-    if (trust.empty() && coming()) {
-      out.loading = true;
-      return out;
-    }
-    return AcquireLocked(key, trust, path, shards);  // its model was not among them, so far
+  // Of exactly this key (a trusted name's load may be of any), still coming.
+  if (!done && trust.empty() && coming()) {
+    out.loading = true;
+    out.waited_seconds = waited();
+    return out;
   }
+  // Its model among those published meanwhile, or not (yet).
   Lookup after = AcquireLocked(key, trust, path, shards);
-  after.waited = after.model != nullptr;
+  after.waited_seconds = waited();
   return after;
 }
 

@@ -140,9 +140,9 @@ class Registry {
     std::vector<protocol::FieldDifference> mismatch;  // on a miss, against the closest model
     std::string reason;                               // on a miss
     std::string name;                                 // on a hit: its pinned name, if any
-    bool loading = false;     // on a miss: a load of exactly this key is in flight
-    bool waited = false;      // on a hit: found once the load in flight ended
-    bool asker_gone = false;  // the wait ended because `gone` said so
+    bool loading = false;       // on a miss: a load of exactly this key is in flight
+    double waited_seconds = 0;  // how long it waited for loads; 0 when it answered at once
+    bool asker_gone = false;    // the wait ended because `gone` said so
   };
   // Finds the model for `key` and leases it. `trust` (not empty) names a
   // pinned model whose content is not compared (every other field is).

@@ -1401,8 +1401,10 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
       }
       Log("acquire miss from " + who + ": " + found.reason +
           (described.empty() ? "" : " (" + described + ")"));
-      return ch.Send(
-          {{"type", "miss"}, {"reason", found.reason}, {"mismatch", mismatch}, {"fields", fields}});
+      json reply = {
+          {"type", "miss"}, {"reason", found.reason}, {"mismatch", mismatch}, {"fields", fields}};
+      if (found.waited_seconds > 0) reply["waited_seconds"] = found.waited_seconds;
+      return ch.Send(reply);
     }
     leases.push_back(found.model);
     const ResidentModel& model = *found.model;
@@ -1429,7 +1431,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
     }
     Log("acquire hit from " + who + ": " + protocol::ShortDescription(model.key) +
         (found.name.empty() ? "" : " (" + found.name + ")") +
-        (found.waited ? ", after waiting for its load" : ""));
+        (found.waited_seconds > 0 ? ", after waiting for its load" : ""));
     json reply = {{"type", "acquired"},
                   {"lease", model.id},
                   {"bytes", model.segment->size()},
@@ -1438,6 +1440,7 @@ Status Server::State::Handle(protocol::Channel& ch, const protocol::Message& m, 
                   {"key", protocol::ToJson(model.key)},
                   {"path", protocol::PathToJson(model.path)}};
     if (model.manifest) reply["manifest_bytes"] = model.manifest->size();
+    if (found.waited_seconds > 0) reply["waited_seconds"] = found.waited_seconds;
     return ch.Send(reply, fds);
   }
 

@@ -357,10 +357,17 @@ Result<Channel> ConnectToDaemon(const std::string& socket_dir, int busy_timeout_
 }
 
 Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds,
-                                       ConnectFailure* why, int busy_timeout_ms) {
+                                       ConnectFailure* why, int busy_timeout_ms,
+                                       double* waited_seconds) {
   constexpr auto kRetry = std::chrono::milliseconds(50);
-  const auto deadline =
-      std::chrono::steady_clock::now() + std::chrono::duration<double>(wait_seconds);
+  const auto started = std::chrono::steady_clock::now();
+  const auto deadline = started + std::chrono::duration<double>(wait_seconds);
+  bool waiting = false;  // a try failed, and the wait went on
+  auto tell_waited = [&] {
+    if (waited_seconds == nullptr) return;
+    const std::chrono::duration<double> took = std::chrono::steady_clock::now() - started;
+    *waited_seconds = waiting ? took.count() : 0;
+  };
   while (true) {
     const std::chrono::duration<double> left = deadline - std::chrono::steady_clock::now();
     const int busy = wait_seconds <= 0
@@ -373,8 +380,13 @@ Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wai
     // A daemon that is starting ends what stands between; nothing ends a
     // refusal but someone mending it (an unsafe directory, another user's
     // daemon), so it is not waited on.
-    if (ch.ok() || wait_seconds <= 0 || failure == ConnectFailure::kRefused) return ch;
+    if (ch.ok() || wait_seconds <= 0 || failure == ConnectFailure::kRefused) {
+      tell_waited();
+      return ch;
+    }
+    waiting = true;
     if (std::chrono::steady_clock::now() >= deadline) {
+      tell_waited();
       char waited[64];
       std::snprintf(waited, sizeof waited, " (after waiting %g s for it)", wait_seconds);
       return Error(ch.error().message() + waited);

@@ -112,9 +112,12 @@ Result<Channel> ConnectToDaemon(const std::string& socket_dir,
 // the daemon is busy (one that is starting); a refusal ends it at once.
 // Each try's busy timeout is what is left of the wait, `busy_timeout_ms` at
 // most (that when not waiting); an error says how long it waited.
+// `waited_seconds`, where given, gets the time it took where a try failed
+// and it waited on; 0 where the first try ended it.
 Result<Channel> ConnectToDaemonWaiting(const std::string& socket_dir, double wait_seconds,
                                        ConnectFailure* why = nullptr,
-                                       int busy_timeout_ms = kConnectBusyTimeoutMs);
+                                       int busy_timeout_ms = kConnectBusyTimeoutMs,
+                                       double* waited_seconds = nullptr);
 
 // A list for a reply whose length the daemon does not choose (every
 // resident model, every model an `evict all` dropped): the entries, in
