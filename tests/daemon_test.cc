@@ -1477,7 +1477,10 @@ TEST_F(DaemonTest, ALogNobodyReadsDoesNotKillTheDaemon) {
 // A daemon that answers an acquire with the engine's own key, as a hit,
 // and a segment that is not what it says: a broken or hostile daemon on
 // the engine's socket. The engine must map nothing of it and load from
-// disk, saying why.
+// disk, saying why. Mapping it (zero-copy), it reads the manifest's tables
+// only, not the size the manifest claims: a sparse memfd claims any size
+// for free, and its holes, once read through a mapping, are filled with
+// pages charged to the engine.
 TEST_F(DaemonTest, AnEngineRefusesSegmentsThatAreNotWhatTheDaemonSays) {
   const std::string a = MakeModel("a");
   const std::string fake_dir = dir_.Join("fake");
@@ -1495,17 +1498,24 @@ TEST_F(DaemonTest, AnEngineRefusesSegmentsThatAreNotWhatTheDaemonSays) {
     uint64_t segment_bytes;  // the memfd's size
     uint64_t announced;      // `bytes` in the reply
     bool seal;
-    std::string reason;  // in the engine's fallback line
+    std::string reason;          // in the engine's fallback line
+    uint64_t manifest_says = 0;  // a manifest's header claiming this size (0: none)
+    bool zero_copy = false;      // else copied, which reads every byte
   };
   const std::vector<Case> cases = {
       {"far bigger than announced", 64 << 20, 1 << 20, true, "were announced"},
       {"smaller than announced", 1 << 20, 8 << 20, true, "were announced"},
       {"not sealed", 1 << 20, 1 << 20, false, "not sealed"},
       {"no manifest in it", 1 << 20, 1 << 20, true, "segment error"},
+      // One record, a hole of zeros: the manifest's tables are 120 bytes,
+      // whatever it says of its size.
+      {"a manifest that says it is 512 MiB", 512 << 20, 512 << 20, true, "points outside",
+       512 << 20, true},
   };
   const std::string disk = DiskChecksum(a);
   for (const Case& c : cases) {
     std::promise<std::string> served;
+    memory::UniqueFd sent;  // kept to look at once the engine is done
     std::thread fake([&] {
       pollfd waiting{listener.get(), POLLIN, 0};
       if (::poll(&waiting, 1, 60'000) != 1) {  // no engine came: fail, not hang
@@ -1523,6 +1533,13 @@ TEST_F(DaemonTest, AnEngineRefusesSegmentsThatAreNotWhatTheDaemonSays) {
         if (m->type() != "acquire") continue;
         memory::UniqueFd fd(::memfd_create("fake", MFD_CLOEXEC | MFD_ALLOW_SEALING));
         (void)::ftruncate(fd.get(), static_cast<off_t>(c.segment_bytes));
+        if (c.manifest_says > 0) {
+          // magic, its size, 1 tensor, no dimensions or names, data after
+          // the claimed tables, none of it.
+          const uint64_t header[8] = {0, c.manifest_says, 1, 0, 0, c.manifest_says, 0, 0};
+          (void)::pwrite(fd.get(), header, sizeof header, 0);
+          (void)::pwrite(fd.get(), "WDSEG01", 8, 0);
+        }
         if (c.seal) {
           (void)::fcntl(fd.get(), F_ADD_SEALS, F_SEAL_WRITE | F_SEAL_GROW | F_SEAL_SHRINK);
         }
@@ -1533,11 +1550,12 @@ TEST_F(DaemonTest, AnEngineRefusesSegmentsThatAreNotWhatTheDaemonSays) {
                        {"name", ""},
                        {"key", m->body["key"]}},
                       &fd);
+        sent = std::move(fd);
       }
       served.set_value(seen);
     });
-    CommandResult r =
-        RunWeightd({"load", a, "--json", "--checksum", "--mode", "copy", "--socket-dir", fake_dir});
+    CommandResult r = RunWeightd({"load", a, "--json", "--checksum", "--mode",
+                                  c.zero_copy ? "zero_copy" : "copy", "--socket-dir", fake_dir});
     fake.join();
     EXPECT_EQ(served.get_future().get(), "hello acquire ") << c.what;
     ASSERT_EQ(r.exit_code, 0) << c.what << ": " << r.err;
@@ -1546,6 +1564,11 @@ TEST_F(DaemonTest, AnEngineRefusesSegmentsThatAreNotWhatTheDaemonSays) {
     EXPECT_EQ(j["miss_kind"], "failed") << c.what;
     EXPECT_EQ(j["checksum"], disk) << c.what;
     EXPECT_NE(r.err.find(c.reason), std::string::npos) << c.what << ": " << r.err;
+    struct stat st {};
+    ASSERT_EQ(::fstat(sent.get(), &st), 0) << c.what;
+    if (c.zero_copy) {
+      EXPECT_LE(st.st_blocks * 512, 64 << 10) << c.what << ": the engine filled its holes";
+    }
   }
 }
 

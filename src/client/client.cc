@@ -40,6 +40,9 @@ using nlohmann::json;
 
 constexpr double kDefaultReplyTimeoutSeconds = 30;
 constexpr double kMaxReplyTimeoutSeconds = 3600;
+// A manifest's tables faulted in before they are read, at most: those of
+// about 600,000 tensors. Past that, pages come as the reading reaches them.
+constexpr uint64_t kMostPrefaultBytes = uint64_t{64} << 20;
 
 // AcquireOptions::reply_timeout_seconds as this call uses it.
 double ReplyTimeoutSeconds(const AcquireOptions& o) {
@@ -236,8 +239,11 @@ class WeightsImpl final : public Weights {
     WEIGHTD_ASSIGN_OR_RETURN(memory::ManifestSummary summary,
                              memory::ReadManifestSummary(manifest, segment_bytes));
     data_offset_ = summary.data_offset;
-    // Every record, name and dimension is read below.
-    memory::PrefaultForReading(manifest.first(static_cast<size_t>(summary.manifest_bytes)));
+    // Every record, name and dimension is read below: faulted in at once.
+    // Not the size the manifest claims, which a sparse memfd makes cheap to
+    // claim: its holes would be filled (and charged to this process).
+    memory::PrefaultForReading(
+        manifest.first(static_cast<size_t>(std::min(summary.tables_bytes, kMostPrefaultBytes))));
     tensors_.clear();
     // The table is this process's biggest allocation of an attach (80 bytes
     // a tensor): where the memory is not there, an error, not an exception.

@@ -239,6 +239,7 @@ struct CheckedHeader {
   uint64_t dims_at = 0;
   uint64_t strings_at = 0;
   uint64_t data_end = 0;
+  uint64_t tables_end = 0;
 };
 
 Result<CheckedHeader> CheckHeader(std::span<const std::byte> manifest, uint64_t size) {
@@ -261,6 +262,7 @@ Result<CheckedHeader> CheckHeader(std::span<const std::byte> manifest, uint64_t 
   }
   c.dims_at = kHeaderBytes + records_bytes;
   c.strings_at = c.dims_at + dims_bytes;
+  c.tables_end = end;
   return c;
 }
 
@@ -268,7 +270,8 @@ Result<CheckedHeader> CheckHeader(std::span<const std::byte> manifest, uint64_t 
 
 Result<ManifestSummary> ReadManifestSummary(std::span<const std::byte> manifest, uint64_t size) {
   WEIGHTD_ASSIGN_OR_RETURN(CheckedHeader c, CheckHeader(manifest, size));
-  return ManifestSummary{c.h.tensor_count, c.h.data_offset, c.h.data_bytes, c.h.manifest_bytes};
+  return ManifestSummary{c.h.tensor_count, c.h.data_offset, c.h.data_bytes, c.h.manifest_bytes,
+                         c.tables_end};
 }
 
 Status VisitTensors(std::span<const std::byte> manifest, uint64_t size,

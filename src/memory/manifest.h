@@ -105,6 +105,9 @@ struct ManifestSummary {
   uint64_t data_offset = 0;
   uint64_t data_bytes = 0;
   uint64_t manifest_bytes = 0;  // its tables' bytes, within the `manifest` given
+  // What its header, records, dimensions and names take of that: all a
+  // reader touches (manifest_bytes, the writer's word, may say more).
+  uint64_t tables_bytes = 0;
 };
 // Checks a manifest's header and that its tables fit, for a segment of
 // `segment_size` bytes (see ReadManifest for `manifest`).
