@@ -82,6 +82,21 @@ TEST(Checkpoint, MissingShardIsAnError) {
   ExpectError(dir.path(), rules::kShardMissing, "m-2.safetensors");
 }
 
+// One file under two names is refused before any header is read: an index
+// spelling a shard a thousand ways ("m", "./m", ".//m") would otherwise
+// have it read and kept a thousand times. A symlink beside it is a second
+// name too.
+TEST(Checkpoint, AShardFileListedTwiceIsAnError) {
+  TempDir dir;
+  WriteShardWith(dir.Join("m.safetensors"), {"a", "b"});
+  WriteIndex(dir.path(), {{"a", "m.safetensors"}, {"b", "./m.safetensors"}});
+  ExpectError(dir.path(), rules::kShardListedTwice, "./m.safetensors");
+  TempDir linked;
+  WriteShardWith(linked.Join("a.safetensors"), {"a"});
+  ASSERT_EQ(::symlink("a.safetensors", linked.Join("b.safetensors").c_str()), 0);
+  ExpectError(linked.path(), rules::kShardListedTwice, "b.safetensors");
+}
+
 // The index named instead of its directory (a path completed one level too
 // far) says what to name, not that a header is too long.
 TEST(Checkpoint, AnIndexNamedAloneSaysToNameItsDirectory) {

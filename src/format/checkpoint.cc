@@ -469,6 +469,19 @@ Result<ShardListing> ListShards(io::FileSystem& fs, const std::string& path,
   for (auto& e : errors) {
     if (e) return *e;
   }
+  // One file under two names ("a", "./a", a symlink to it) would be read,
+  // kept and parsed twice over, as many times as an index spells it.
+  std::vector<const ShardRef*> by_file;
+  for (const ShardRef& s : listing.shards) by_file.push_back(&s);
+  std::sort(by_file.begin(), by_file.end(),
+            [](const ShardRef* a, const ShardRef* b) { return a->resolved < b->resolved; });
+  for (size_t i = 1; i < by_file.size(); ++i) {
+    if (by_file[i]->resolved == by_file[i - 1]->resolved) {
+      return Error(path + ": shards `" + by_file[i - 1]->name + "` and `" + by_file[i]->name +
+                   "`: " + std::string(rules::kShardListedTwice) + " (both are " +
+                   by_file[i]->resolved + ")");
+    }
+  }
   listing.round_trips += 2 * ((names.size() + kMaxParallelPathChecks - 1) / kMaxParallelPathChecks);
   return listing;
 }

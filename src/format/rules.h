@@ -42,6 +42,7 @@ inline constexpr std::string_view kDataRegionEnd = "data region must end at end 
 inline constexpr std::string_view kIndexNotJson = "index must be a JSON object with a weight_map";
 inline constexpr std::string_view kShardNameEscapes = "shard names must stay inside the checkpoint";
 inline constexpr std::string_view kShardMissing = "a shard the index names must exist";
+inline constexpr std::string_view kShardListedTwice = "a shard file must be listed once";
 inline constexpr std::string_view kIndexTensorMissing =
     "a tensor the index maps to a shard must be in that shard";
 inline constexpr std::string_view kTensorInTwoShards = "a tensor must be in one shard only";
