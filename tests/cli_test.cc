@@ -296,6 +296,8 @@ TEST(Cli, ASignalRemovesWhatTheDemoAndTheGeneratorWereMaking) {
     ASSERT_TRUE(fs::exists(socket)) << demo.out() << demo.err();
     demo.Signal(SIGTERM);
     EXPECT_EQ(demo.Wait(), 128 + SIGTERM) << demo.out() << demo.err();
+    // What it told before the signal is there, not lost in a buffer.
+    EXPECT_NE(demo.out().find("2. start the daemon"), std::string::npos) << demo.out();
     for (const char* made : {"d", "d.sock", "d.cache"}) {
       EXPECT_FALSE(fs::exists(dir.Join(made))) << made;
     }

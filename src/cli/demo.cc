@@ -216,6 +216,9 @@ Status FineTuneOneTensor(const std::string& dir, std::string* which) {
 }
 
 int RunDemo(const DemoOptions& o) {
+  // Each line as it is told: the story takes seconds, is often read through
+  // a pipe or a log, and a signal ends it with nothing flushed.
+  std::cout << std::unitbuf;
   auto size = protocol::ParseSize(o.size);
   if (!size || *size == 0)
     return ReportError("demo", "--size " + o.size + ": not a size", kExitUsage);
