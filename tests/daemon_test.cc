@@ -1405,6 +1405,26 @@ TEST_F(DaemonTest, SecondDaemonOnTheSameDirectoryExitsNamingTheFirst) {
   EXPECT_EQ(Status()["models"].size(), 0u);  // the first still serves
 }
 
+// A daemon's lock file removed (a cleanup of /tmp, a folder emptied): a
+// second daemon takes the lock, but not the first one's socket, which it
+// would have called stale and replaced, leaving the first serving no one.
+TEST_F(DaemonTest, ALiveSocketIsNotReplacedWhenTheLockFileIsGone) {
+  const std::string a = MakeModel("a");
+  auto daemon = StartDaemon();
+  Preload(a);
+  ASSERT_EQ(::unlink((sock_ + "/" + std::string(protocol::kLockName)).c_str()), 0);
+  {
+    Process second({"serve", "--socket-dir", sock_});  // one that served on is ended here
+    ASSERT_TRUE(second.Exits(60)) << "it took the socket: " << second.err();
+    EXPECT_EQ(second.Wait(), 1) << second.err();
+    EXPECT_NE(second.err().find("process " + std::to_string(daemon->pid()) + " is listening on"),
+              std::string::npos)
+        << second.err();
+    EXPECT_EQ(second.err().find("replacing the stale socket"), std::string::npos) << second.err();
+  }
+  EXPECT_EQ(Status()["models"].size(), 1u);  // the first serves on, its model too
+}
+
 TEST_F(DaemonTest, SocketDirectoryMustBeOursAlone) {
   ::mkdir(sock_.c_str(), 0755);
   CommandResult loose = RunWeightd({"serve", "--socket-dir", sock_});

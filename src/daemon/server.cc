@@ -133,6 +133,25 @@ Result<memory::UniqueFd> ClaimDirectory(const std::string& dir) {
   return protocol::OpenSocketDirectory(dir);
 }
 
+// Whether a process listens on the socket at `addr`: a connection it
+// would take (one tried, at once, without waiting), or a backlog full of
+// them. The listener's pid where the kernel says it.
+struct Listener {
+  bool there = false;
+  pid_t pid = 0;
+};
+Listener ListenerAt(const sockaddr_un& addr) {
+  memory::UniqueFd fd(::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0));
+  if (!fd.valid()) return {};
+  if (::connect(fd.get(), reinterpret_cast<const sockaddr*>(&addr), sizeof addr) != 0) {
+    return {.there = errno == EAGAIN};
+  }
+  ucred cred{};
+  socklen_t len = sizeof cred;
+  const bool said = ::getsockopt(fd.get(), SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0;
+  return {.there = true, .pid = said ? cred.pid : 0};
+}
+
 std::string ReadSmallFile(int fd) {
   char buf[64] = {};
   ssize_t n = ::pread(fd, buf, sizeof buf - 1, 0);
@@ -653,15 +672,6 @@ Status Server::Start() {
     return Error(Errno("cannot write the lock file " + lock_path));
   }
 
-  // We hold the lock: a socket already there was left by a daemon that died.
-  struct stat st;
-  if (::fstatat(dir_fd, protocol::kSocketName, &st, AT_SYMLINK_NOFOLLOW) == 0) {
-    if (!S_ISSOCK(st.st_mode)) {
-      return Error(s.socket_path + " exists and is not a socket; remove it by hand");
-    }
-    s.Log("replacing the stale socket of a daemon that is gone");
-    ::unlinkat(dir_fd, protocol::kSocketName, 0);
-  }
   // Bound through the directory checked, not through its path, which
   // whoever may write to its parent could point elsewhere by now.
   WEIGHTD_ASSIGN_OR_RETURN(const std::string bind_path,
@@ -670,6 +680,23 @@ Status Server::Start() {
     return Error("socket path " + bind_path + " is too long for a Unix socket");
   }
   std::memcpy(addr.sun_path, bind_path.c_str(), bind_path.size() + 1);
+  // We hold the lock: a socket already there was left by a daemon that
+  // died, unless someone listens on it (a daemon whose lock file was
+  // removed from under it): that one keeps it, and its models.
+  struct stat st;
+  if (::fstatat(dir_fd, protocol::kSocketName, &st, AT_SYMLINK_NOFOLLOW) == 0) {
+    if (!S_ISSOCK(st.st_mode)) {
+      return Error(s.socket_path + " exists and is not a socket; remove it by hand");
+    }
+    if (const Listener l = ListenerAt(addr); l.there) {
+      return Error((l.pid > 0 ? "process " + std::to_string(l.pid) : std::string("a process")) +
+                   " is listening on " + s.socket_path + ", though " + lock_path +
+                   " was not locked: a daemon whose lock file was removed? Stop it before "
+                   "starting another here");
+    }
+    s.Log("replacing the stale socket of a daemon that is gone");
+    ::unlinkat(dir_fd, protocol::kSocketName, 0);
+  }
   s.listen_fd.Reset(::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0));
   if (!s.listen_fd.valid()) return Error(Errno("socket"));
   if (::bind(s.listen_fd.get(), reinterpret_cast<sockaddr*>(&addr), sizeof addr) != 0) {
