@@ -346,6 +346,19 @@ TEST(Cli, EmptyValuesAreNotFlagsLeftOut) {
   auto save = RunWeightd({"load", m, "--save", "", "--socket-dir", dir.Join("sock")});
   EXPECT_EQ(save.exit_code, 2) << save.err;
   EXPECT_NE(save.err.find("--save: must not be empty"), std::string::npos) << save.err;
+  // Nor is an empty checkpoint or folder named: a usage error, saying so.
+  for (const std::vector<std::string>& empty :
+       {std::vector<std::string>{"load", ""},
+        {"preload", ""},
+        {"inspect", ""},
+        {"fingerprint", ""},
+        {"make-checkpoint", "", "--preset", "tiny"},
+        {"demo", "--dir", ""},
+        {"load", m, "--shard-plan", "", "--socket-dir", dir.Join("sock")}}) {
+    auto r = RunWeightd(empty);
+    EXPECT_EQ(r.exit_code, 2) << empty[0] << ": " << r.err;
+    EXPECT_NE(r.err.find("must not be empty"), std::string::npos) << r.err;
+  }
   auto values = RunWeightd({"inspect", m, "--values", ""});
   EXPECT_EQ(values.exit_code, 1) << values.out;
   EXPECT_NE(values.err.find("no tensor named ``"), std::string::npos) << values.err;

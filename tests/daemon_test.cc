@@ -2411,6 +2411,11 @@ TEST_F(DaemonTest, ConfigPreloadsItsModelsAtStart) {
   ExpectRefused("socket_dir = \"s\"\nsocket_dirr = \"s\"\n", config + ":2: unknown key");
   // A key it takes, of the wrong type, is not called unknown.
   ExpectRefused("[[model]]\npath = 5\n", config + ":2: [[model]] path must be a string");
+  // An empty value (a template's unset variable) is not taken for a key
+  // left out: a model that should have been pinned, a default socket.
+  ExpectRefused("[[model]]\npath = \"a\"\npin = \"\"\n",
+                config + ":3: [[model]] pin must not be empty");
+  ExpectRefused("socket_dir = \"\"\n", config + ":1: socket_dir must not be empty");
   ExpectRefused("[[model]]\npath = \"a\"\nfingerprint = \"most\"\n",
                 "fingerprint `most` is neither sampled nor full");
   // A name pins one model.

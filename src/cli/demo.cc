@@ -337,7 +337,8 @@ Command AddDemoCommand(CLI::App& root) {
       "removed at the end, and its daemon stopped.");
   app->add_option("--dir", o->dir,
                   "where to generate the model: a path that does not exist, nor DIR.sock and\n"
-                  "DIR.cache beside it (default: a new folder under $TMPDIR)");
+                  "DIR.cache beside it (default: a new folder under $TMPDIR)")
+      ->check(NotEmpty());
   app->add_option("--size", o->size, "model size (default 1G)");
   app->add_flag("--keep", o->keep, "keep the generated model");
   return {app, [o] { return RunDemo(*o); }};

@@ -89,7 +89,9 @@ Command AddFingerprintCommand(CLI::App& root) {
       "shard's size, header and the first 1 KiB of every tensor; full is SHA-256 of every byte\n"
       "(the per-file value model hubs list). Unchanged shards are answered from a stat cache\n"
       "in $WEIGHTD_CACHE_DIR (else $XDG_CACHE_HOME/weightd, else ~/.cache/weightd).");
-  app->add_option("PATH", o->path, "a checkpoint directory or .safetensors file")->required();
+  app->add_option("PATH", o->path, "a checkpoint directory or .safetensors file")
+      ->required()
+      ->check(NotEmpty("name a checkpoint directory or .safetensors file"));
   app->add_option("--mode", o->mode, "sampled | full")->check(CLI::IsMember({"sampled", "full"}));
   app->add_flag(
       "--json", o->json,

@@ -234,7 +234,8 @@ Command AddInspectCommand(CLI::App& root) {
       "flags (--plan/--shard-plan, --tp-size, --dtype, --quant), explain what each rank would\n"
       "get instead, from the headers alone: split, cast, quantization, bytes per rank.");
   app->add_option("PATH", options->path, "a .safetensors file or a checkpoint directory")
-      ->required();
+      ->required()
+      ->check(NotEmpty("name a checkpoint directory or .safetensors file"));
   app->add_flag("--json", options->json, "print JSON (documented in docs/cli.md)");
   CLI::Option* values =
       app->add_option("--values", options->values, "print the elements of tensor NAME as numbers");

@@ -233,7 +233,8 @@ void AddProcessingFlags(CLI::App& app, protocol::Processing& p, bool placement) 
                  "none | fp8-block: column and row layers to F8_E4M3 with 128x128 block scales")
       ->check(CLI::IsMember({"none", "fp8-block"}));
   app.add_option("--shard-plan,--plan", p.shard_plan,
-                 "llama | replicate | FILE (TOML rules): how tensors split across ranks");
+                 "llama | replicate | FILE (TOML rules): how tensors split across ranks")
+      ->check(NotEmpty());
   if (placement) {
     app.add_option("--device", p.device,
                    "cpu | cuda:N (this process's numbering) | cuda:GPU-<uuid>: where the weights "
@@ -269,7 +270,9 @@ Command AddLoadCommand(CLI::App& root) {
       "when it holds exactly them, else load from disk (one line says why). Says where they\n"
       "came from and how long it took. With processing flags, the engine gets its rank's share,\n"
       "cast and quantized as asked, the same bytes whether from the daemon or from disk.");
-  app->add_option("DIR", o->spec.path, "checkpoint directory or .safetensors file")->required();
+  app->add_option("DIR", o->spec.path, "checkpoint directory or .safetensors file")
+      ->required()
+      ->check(NotEmpty("name a checkpoint directory or .safetensors file"));
   AddProcessingFlags(*app, o->processing);
   app->add_option("--mode", o->mode, "zero_copy (map, keep the lease) | copy (copy, release)")
       ->check(CLI::IsMember({"zero_copy", "copy"}));

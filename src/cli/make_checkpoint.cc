@@ -116,7 +116,9 @@ Command AddMakeCheckpointCommand(CLI::App& root) {
       "make-checkpoint",
       "Write a synthetic checkpoint: real layouts, pseudo-random values, the same bytes for\n"
       "the same options and seed. OUT must not exist or be empty; it appears only when complete.");
-  app->add_option("OUT", o->out, "directory to create")->required();
+  app->add_option("OUT", o->out, "directory to create")
+      ->required()
+      ->check(NotEmpty("name the directory to create"));
   app->add_option("--preset", o->synthetic.preset,
                   "tiny | llama | many-tensors | k3-layout (sparse files, ~1 TB apparent size)")
       ->required()

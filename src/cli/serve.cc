@@ -552,7 +552,9 @@ Command AddPreloadCommand(CLI::App& root) {
       "Ask the daemon to load a checkpoint and keep it resident, with progress. A model already\n"
       "resident under the same key is not read again. With --tp-size N, every rank's segment\n"
       "is made in one pass over the files.");
-  app->add_option("DIR", o->path, "checkpoint directory or .safetensors file")->required();
+  app->add_option("DIR", o->path, "checkpoint directory or .safetensors file")
+      ->required()
+      ->check(NotEmpty("name a checkpoint directory or .safetensors file"));
   AddProcessingFlags(*app, o->processing);
   app->add_option("--pin", o->pin,
                   "name the model, so engines may `load --trust NAME` without a content check");

@@ -46,6 +46,11 @@ Result<Config> ParseConfig(std::string_view text, const std::string& label) {
     if (k == "socket_dir") {
       if (!value.is_string()) return fail("socket_dir must be a string");
       config.socket_dir = *value.value<std::string>();
+      // An empty one (a template's unset variable) must not quietly mean
+      // the default.
+      if (config.socket_dir.empty()) {
+        return fail_at(value, "socket_dir must not be empty (leave it out for the default)");
+      }
     } else if (k == "budget") {
       if (!value.is_table()) return fail("[budget] must be a table");
       std::set<std::string> given;  // `host` and `cpu` are one device, as are cuda:0 and cuda:00
@@ -102,6 +107,10 @@ Result<Config> ParseConfig(std::string_view text, const std::string& label) {
                     f + "`");
           }
           *into = *v.value<std::string>();
+          if (into->empty()) {
+            return fail_at(
+                v, "[[model]] " + f + " must not be empty (give one, or leave the key out)");
+          }
         }
         if (m.path.empty()) return fail_at(entry, "a [[model]] without a path");
         if (!m.pin.empty()) {
