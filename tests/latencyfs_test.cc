@@ -720,7 +720,7 @@ TEST(Latencyfs, SigtermCountsAConfigPreloadStuckOnTheFileSystemWithTheConnection
   })) << daemon.err();
   daemon.Signal(SIGTERM);
   ASSERT_TRUE(testing::Eventually([&] {
-    return daemon.err().find("0 connection(s), 1 preload(s) from the config and ") !=
+    return daemon.err().find("0 request(s), 1 preload(s) from the config and ") !=
            std::string::npos;
   })) << daemon.err();
   testing::Process next({"serve", "--socket-dir", slow.sock()});

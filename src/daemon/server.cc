@@ -327,6 +327,10 @@ struct Server::State {
   // that its preload was cancelled.
   std::set<int> preloading_sockets;
   int live_connections = 0;
+  // Of those, the ones handling a request now: work a stop waits for. The
+  // others wait for a request (an engine holding its lease, most often)
+  // and end as soon as a stop shuts their socket.
+  std::atomic<int> handling{0};
   // Preloads asked for by the daemon's owner (Server::Preload: the config's
   // models), which a stop waits for like connections.
   int live_preloads = 0;
@@ -861,7 +865,8 @@ Server::Stopped Server::Run() {
   auto all_ended = [&] {
     return s.live_connections == 0 && s.live_preloads == 0 && s.workers == 0;
   };
-  auto only_threads = [&] { return s.live_connections == 0 && s.live_preloads == 0; };
+  // No request being handled: what is left ends on its own, at once.
+  auto no_work = [&] { return s.handling.load() == 0 && s.live_preloads == 0; };
   double waited = s.options.stop_grace_seconds;
   // A preload's asker may hear how it ended (its cancel takes a read's
   // while) until shortly before the grace ends; then its connection is
@@ -873,9 +878,10 @@ Server::Stopped Server::Run() {
     for (int fd : s.open_sockets) ::shutdown(fd, SHUT_RDWR);
     ended = s.conn_done.wait_for(lock, std::chrono::duration<double>(waited - heard), all_ended);
   }
-  if (!ended && only_threads()) {
-    // Only threads on their way out of accept() or a park, woken above: the
-    // grace (which may be 0) is for work, not for them.
+  if (!ended && no_work()) {
+    // Only threads on their way out of accept() or a park, and connections
+    // that were waiting for a request, woken above: the grace (which may
+    // be 0) is for work, not for them.
     constexpr int kIdleThreadSeconds = 5;
     ended = s.conn_done.wait_for(lock, std::chrono::seconds(kIdleThreadSeconds), all_ended);
     waited += kIdleThreadSeconds;
@@ -884,12 +890,13 @@ Server::Stopped Server::Run() {
     s.abandoned = true;
     char grace[32];
     std::snprintf(grace, sizeof grace, "%g", waited);
-    const bool work_left = !only_threads();
+    const bool work_left = !no_work();
     if (!work_left) {
-      s.Log("stopping with " + std::to_string(s.workers) + " idle thread(s) not ended after " +
-            grace + " s: not waiting for them");
+      s.Log("stopping with " + std::to_string(s.workers) + " idle thread(s) and " +
+            std::to_string(s.live_connections) + " idle connection(s) not ended after " + grace +
+            " s: not waiting for them");
     } else {
-      s.Log("stopping with " + std::to_string(s.live_connections) + " connection(s), " +
+      s.Log("stopping with " + std::to_string(s.handling.load()) + " request(s), " +
             std::to_string(s.live_preloads) + " preload(s) from the config and " +
             std::to_string(s.workers) + " thread(s) still busy after " + grace +
             " s (a file system call that does not return?): not waiting for them");
@@ -1124,6 +1131,7 @@ void Server::State::Serve(std::unique_ptr<Connection> c) {
       break;
     }
     Status st = OkStatus();
+    ++handling;
     try {
       st = Handle(c->ch, *m, c->id, c->peer, c->leases);
     } catch (const std::exception& e) {
@@ -1131,6 +1139,7 @@ void Server::State::Serve(std::unique_ptr<Connection> c) {
       // throwing): this connection is closed, the daemon serves on.
       st = Error("could not handle a `" + m->type() + "` request: " + e.what());
     }
+    --handling;
     if (!st.ok()) {
       if (st.error().message() == protocol::Channel::kClosed) break;  // the peer went first
       Log("connection " + std::to_string(c->id) + " (pid " + std::to_string(c->peer.pid) +
