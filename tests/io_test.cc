@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cerrno>
 #include <chrono>
@@ -500,14 +501,15 @@ TEST(UnfinishedPath, RemovesWhatWasNotKept) {
 }
 
 // A signal's removal takes every listed path at once, and leaves nothing
-// moved aside; what was not listed stays. The process is ending then: a
-// path listed after the removal waits for that end, rather than being made
-// and left behind. In a process of its own, as the thread that takes the
-// signals does it just before the process ends.
+// moved aside; what was not listed stays, and so does what was kept. A
+// second try at a listed name, which fails, leaves the first listed. The
+// process is ending then: a path listed after the removal waits for that
+// end, rather than being made and left behind. In a process of its own, as
+// the thread that takes the signals does it just before the process ends.
 TEST(UnfinishedPath, ASignalsRemovalTakesEveryListedPath) {
   TempDir dir;
   const std::string file = dir.Join("f.tmp"), folder = dir.Join("d.partial");
-  const std::string late = dir.Join("late.tmp");
+  const std::string late = dir.Join("late.tmp"), kept = dir.Join("kept");
   testing::WriteFileText(dir.Join("other"), "not listed");
   const pid_t child = ::fork();
   ASSERT_GE(child, 0);
@@ -516,7 +518,10 @@ TEST(UnfinishedPath, ASignalsRemovalTakesEveryListedPath) {
     try {
       auto f = UnfinishedPath::Make(file, [&] { return WriteNew(file); });
       auto d = UnfinishedPath::Make(folder, [&] { return ::mkdir(folder.c_str(), 0755) == 0; });
-      if (!f || !d) ::_exit(3);
+      auto k = UnfinishedPath::Make(kept, [&] { return WriteNew(kept); });
+      if (!f || !d || !k) ::_exit(3);
+      k->Keep();
+      if (UnfinishedPath::Make(file, [&] { return WriteNew(file); }) != nullptr) ::_exit(3);
       testing::WriteFileText(folder + "/shard", "half");
       RemoveUnfinishedPaths();
       std::atomic<bool> made{false};
@@ -541,7 +546,8 @@ TEST(UnfinishedPath, ASignalsRemovalTakesEveryListedPath) {
   for (const auto& e : std::filesystem::directory_iterator(dir.path())) {
     left.push_back(e.path().filename().string());
   }
-  EXPECT_EQ(left, std::vector<std::string>{"other"});
+  std::sort(left.begin(), left.end());
+  EXPECT_EQ(left, (std::vector<std::string>{"kept", "other"}));
 }
 
 // A name that cannot be made is not this process's: a folder already

@@ -154,7 +154,7 @@ class Cleanup {
     dirs_.push_back(std::move(made));
     return true;
   }
-  // The first folder made stays at the end (--keep).
+  // The first folder made stays, at the end or on a signal (--keep).
   void KeepFirst() { dirs_.front()->Keep(); }
   // The daemon, started unless a signal is ending the demo.
   Result<Child> StartDaemon(const std::vector<std::string>& args) {

@@ -421,20 +421,36 @@ std::unique_ptr<UnfinishedPath> UnfinishedPath::Make(std::string path,
   if (!make()) {
     const int error = errno;
     lock.unlock();
-    made.reset();  // kept: nothing of ours to remove
+    made.reset();  // never listed: nothing of ours to remove
     errno = error;
     return nullptr;
   }
   paths.push_back(std::move(entry));
-  made->keep_ = false;
+  made->listed_ = true;
   return made;
+}
+
+namespace {
+
+// Takes one entry for `path` off the list; the caller holds its lock.
+void Unlist(const std::string& path) {
+  auto& paths = Unfinished();
+  if (auto it = std::find(paths.begin(), paths.end(), path); it != paths.end()) paths.erase(it);
+}
+
+}  // namespace
+
+void UnfinishedPath::Keep() {
+  std::lock_guard lock(unfinished_mu);  // a signal's removal is done, or waits
+  if (listed_) Unlist(path_);
+  listed_ = false;
 }
 
 UnfinishedPath::~UnfinishedPath() {
   std::lock_guard lock(unfinished_mu);  // a signal's removal is done, or waits
-  auto& paths = Unfinished();
-  if (auto it = std::find(paths.begin(), paths.end(), path_); it != paths.end()) paths.erase(it);
-  if (!keep_) RemoveMadePath(path_);
+  if (!listed_) return;  // kept, or never made: another's entry of the same name stays
+  Unlist(path_);
+  RemoveMadePath(path_);
 }
 
 void RemoveUnfinishedPaths() {

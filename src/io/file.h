@@ -134,15 +134,16 @@ class UnfinishedPath {
   UnfinishedPath& operator=(const UnfinishedPath&) = delete;
   ~UnfinishedPath();
 
-  // Nothing to remove when this goes: the path was renamed into place, or
-  // is the process's result to keep.
-  void Keep() { keep_ = true; }
+  // Nothing to remove, from now on, when this goes or a signal ends the
+  // process: the path was renamed into place, or is the process's result
+  // to keep. Off the list.
+  void Keep();
 
  private:
-  explicit UnfinishedPath(std::string path);  // not listed, and kept, until Make lists it
+  explicit UnfinishedPath(std::string path);  // not listed until Make lists it
 
   std::string path_;
-  bool keep_ = true;
+  bool listed_ = false;  // guarded by the list's lock
 };
 
 // Removes every path an UnfinishedPath lists now. For a thread that takes
