@@ -290,9 +290,10 @@ TEST(Cli, ASignalRemovesWhatTheDemoAndTheGeneratorWereMaking) {
   {
     testing::Process demo({"demo", "--size", "1G", "--dir", dir.Join("d")});
     // Its daemon starts once the model is generated: tens of seconds on a
-    // slow machine under a sanitizer, so the wait ends when the demo does.
+    // slow machine under a sanitizer, so the wait ends when the demo does
+    // (within the test's own time limit, so that a hang says what it saw).
     const std::string socket = dir.Join("d.sock/weightd.sock");
-    ASSERT_TRUE(testing::Eventually([&] { return fs::exists(socket) || demo.Exits(0); }, 600));
+    ASSERT_TRUE(testing::Eventually([&] { return fs::exists(socket) || demo.Exits(0); }, 300));
     ASSERT_TRUE(fs::exists(socket)) << demo.out() << demo.err();
     demo.Signal(SIGTERM);
     EXPECT_EQ(demo.Wait(), 128 + SIGTERM) << demo.out() << demo.err();
@@ -354,6 +355,9 @@ TEST(Cli, EmptyValuesAreNotFlagsLeftOut) {
         {"fingerprint", ""},
         {"make-checkpoint", "", "--preset", "tiny"},
         {"demo", "--dir", ""},
+        {"make-checkpoint", dir.Join("n"), "--preset", "llama", "--size", ""},
+        {"demo", "--size", ""},
+        {"serve", "--config", "", "--socket-dir", dir.Join("sock")},
         {"load", m, "--shard-plan", "", "--socket-dir", dir.Join("sock")}}) {
     auto r = RunWeightd(empty);
     EXPECT_EQ(r.exit_code, 2) << empty[0] << ": " << r.err;

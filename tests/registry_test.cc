@@ -403,6 +403,7 @@ TEST(Registry, ALookupMayWaitForTheLoadOfItsKey) {
   Registry::Lookup now = r.Acquire(key, "");
   EXPECT_FALSE(now.model);
   EXPECT_TRUE(now.loading);
+  EXPECT_EQ(now.waited_seconds, 0);  // not allowed to wait: answered at once
   std::thread loader([&] {
     std::this_thread::sleep_for(std::chrono::milliseconds(200));
     Publish(r, "host", 1, "xxh3-128:loading");

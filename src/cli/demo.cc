@@ -339,7 +339,7 @@ Command AddDemoCommand(CLI::App& root) {
                   "where to generate the model: a path that does not exist, nor DIR.sock and\n"
                   "DIR.cache beside it (default: a new folder under $TMPDIR)")
       ->check(NotEmpty());
-  app->add_option("--size", o->size, "model size (default 1G)");
+  app->add_option("--size", o->size, "model size (default 1G)")->check(NotEmpty());
   app->add_flag("--keep", o->keep, "keep the generated model");
   return {app, [o] { return RunDemo(*o); }};
 }

@@ -139,7 +139,8 @@ Command AddMakeCheckpointCommand(CLI::App& root) {
           "SEED"));
   app->add_option("--variant", o->variant, "base | finetune: same layout, different values")
       ->check(CLI::IsMember({"base", "finetune"}));
-  app->add_option("--size", o->size, "llama: approximate size, e.g. 512M, 2G (default 512M)");
+  app->add_option("--size", o->size, "llama: approximate size, e.g. 512M, 2G (default 512M)")
+      ->check(NotEmpty());
   app->add_option("--layers", o->synthetic.layers, "llama, k3-layout: number of layers")
       ->check(CLI::Range(1, 10000));
   app->add_option("--hidden", o->synthetic.hidden, "llama: hidden size")

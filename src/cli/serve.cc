@@ -533,9 +533,10 @@ Command AddServeCommand(CLI::App& root) {
                    "kept",
                    86400, /*above_zero=*/true);
   app->add_option(
-      "--config", o->config,
-      "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path, pin, device and "
-      "tp_size/shard_plan/dtype/quant/fingerprint to preload at start (see docs/cli.md)");
+         "--config", o->config,
+         "TOML file: socket_dir, [budget] host = \"64G\", [[model]] path, pin, device and "
+         "tp_size/shard_plan/dtype/quant/fingerprint to preload at start (see docs/cli.md)")
+      ->check(NotEmpty());
   return {app, [o] { return RunServe(*o); }};
 }
 

@@ -333,7 +333,9 @@ Registry::Lookup Registry::Acquire(const protocol::CacheKey& key, const std::str
   // still there: a wait is up to an hour, and holds a thread.
   constexpr auto kSlice = std::chrono::milliseconds(500);
   const auto wait_started = std::chrono::steady_clock::now();
+  // An acquire that may not wait passes through once, answered at once.
   auto waited = [&] {
+    if (!may_wait) return 0.0;
     return std::chrono::duration<double>(std::chrono::steady_clock::now() - wait_started).count();
   };
   bool done = false;
