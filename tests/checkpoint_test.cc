@@ -97,6 +97,43 @@ TEST(Checkpoint, AShardFileListedTwiceIsAnError) {
   ExpectError(linked.path(), rules::kShardListedTwice, "b.safetensors");
 }
 
+// Links to one file are as many shards, each with its header: six names
+// for a file whose header is the largest a file may have (no tensors, and
+// 100 MB of the spaces a writer pads a header with) would have the loader
+// keep 600 MB of headers, from one file. What a checkpoint's headers add up to is bounded: the
+// opening, the fingerprint and the load refuse it, naming the rule.
+TEST(Checkpoint, TheShardsHeadersTogetherAreBounded) {
+  TempDir dir;
+  {
+    const std::string json = "{}" + std::string(kMaxHeaderBytes - 2, ' ');
+    ASSERT_EQ(json.size(), kMaxHeaderBytes);
+    std::string file(8, '\0');
+    const uint64_t n = json.size();
+    for (int i = 0; i < 8; ++i) file[static_cast<size_t>(i)] = static_cast<char>(n >> (8 * i));
+    std::ofstream(dir.Join("a.safetensors"), std::ios::binary) << file << json;
+  }
+  for (const char* link : {"b", "c", "d", "e", "f"}) {
+    ASSERT_EQ(::link(dir.Join("a.safetensors").c_str(),
+                     dir.Join(std::string(link) + ".safetensors").c_str()),
+              0);
+  }
+  ExpectError(dir.path(), rules::kHeadersTooLarge);
+  auto fp = fingerprint::FingerprintCheckpoint(io::PosixFileSystem(), dir.path(), {});
+  ASSERT_FALSE(fp.ok());
+  EXPECT_NE(fp.error().message().find(rules::kHeadersTooLarge), std::string::npos)
+      << fp.error().message();
+  auto loaded = loader::LoadCheckpoint(io::PosixFileSystem(), dir.path());
+  ASSERT_FALSE(loaded.ok());
+  EXPECT_NE(loaded.error().message().find(rules::kHeadersTooLarge), std::string::npos)
+      << loaded.error().message();
+  // The bound itself (five of these files' headers) is within it.
+  HeaderAllowance allowance;
+  EXPECT_TRUE(allowance.Take("x", kMaxCheckpointHeaderBytes).ok());
+  const Status over = allowance.Take("y.safetensors", 1);
+  ASSERT_FALSE(over.ok());
+  EXPECT_NE(over.error().message().find("y.safetensors"), std::string::npos);
+}
+
 // The index named instead of its directory (a path completed one level too
 // far) says what to name, not that a header is too long.
 TEST(Checkpoint, AnIndexNamedAloneSaysToNameItsDirectory) {

@@ -201,10 +201,12 @@ class HeadSlots {
 };
 
 // Stage 1 for one shard: stat shortcut, or open, speculative first read
-// (into `slot`, from HeadSlots), header, and the samples that first read
-// already holds.
+// (into `slot`, from HeadSlots), header (its length taken from
+// `allowance`: each shard's samples are kept until all are read), and the
+// samples that first read already holds.
 void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::ReadStats& stats,
-                     std::span<char> slot, bool cache_checked = false) {
+                     std::span<char> slot, format::HeaderAllowance& allowance,
+                     bool cache_checked = false) {
   w.result.name = w.ref.name;
   if (!cache_checked && FromCache(fs, o, w)) return;
   auto file = fs.Open(w.ref.resolved, w.ref.symlinks);
@@ -246,6 +248,10 @@ void OpenAndReadHead(io::FileSystem& fs, const Options& o, ShardWork& w, io::Rea
   auto n = format::DecodeHeaderLength(w.ref.path, std::as_bytes(head), size);
   if (!n.ok()) {
     w.error = n.error();
+    return;
+  }
+  if (Status s = allowance.Take(w.ref.path, *n); !s.ok()) {
+    w.error = s.error();
     return;
   }
   const uint64_t header_end = format::kHeaderLengthBytes + *n;
@@ -532,7 +538,7 @@ class EarlyHeads {
               // directory, a regular file: a symlink here is not followed.
               const std::string path = io::JoinPath(dir_, names_[i]);
               work_[i].ref = {names_[i], path, path, io::Symlinks::kNotTheFile};
-              OpenAndReadHead(fs_, o_, work_[i], stats_[i], slots[worker]);
+              OpenAndReadHead(fs_, o_, work_[i], stats_[i], slots[worker], allowance_);
               ShardWork& w = work_[i];
               // With heads still to read, not yet: Sampled() reads these
               // samples once it takes the shard.
@@ -614,6 +620,10 @@ class EarlyHeads {
     return named_known_ && i < named_.size() && named_[i] != 0;
   }
 
+  // The checkpoint's headers read so far, early or after the listing: one
+  // allowance for both.
+  format::HeaderAllowance& allowance() { return allowance_; }
+
   // Reads issued for shards that were not taken.
   io::ReadStats Unused() const {
     io::ReadStats unused;
@@ -640,6 +650,7 @@ class EarlyHeads {
   std::vector<char> named_;   // per early shard; guarded by named_mu_
   bool named_known_ = false;  // guarded by named_mu_
   bool failed_ = false;       // the early work threw; set before Finish joins
+  format::HeaderAllowance allowance_;
   std::jthread thread_;
 };
 
@@ -670,7 +681,7 @@ Result<Fingerprint> Sampled(io::FileSystem& fs, const format::ShardListing& list
         const size_t i = todo[k];
         if (!early.Take(refs[i], listing.real_dir, work[i], head_stats[i])) {
           work[i].ref = refs[i];
-          OpenAndReadHead(fs, o, work[i], head_stats[i], slots[worker],
+          OpenAndReadHead(fs, o, work[i], head_stats[i], slots[worker], early.allowance(),
                           /*cache_checked=*/!listing.remote && o.cache != nullptr);
         }
         if (listing.remote) ReadOwnSamples(o, work[i], head_stats[i], budget);

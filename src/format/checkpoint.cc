@@ -570,6 +570,7 @@ Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path) {
   ckpt.shards.resize(refs.size());
   std::vector<std::optional<Error>> errors(refs.size());
   std::atomic<size_t> next{0};
+  HeaderAllowance allowance;  // every header is kept
   const int workers = static_cast<int>(std::min<size_t>(refs.size(), kMaxParallelHeaderReads));
   io::RunTeam(workers, [&](int) {
     for (size_t i; (i = next.fetch_add(1)) < refs.size();) {
@@ -582,7 +583,7 @@ Result<Checkpoint> OpenCheckpoint(io::FileSystem& fs, const std::string& path) {
         continue;
       }
       shard.file_size = (*file)->size();
-      auto header = ReadShardHeader(**file, shard.path);
+      auto header = ReadShardHeader(**file, shard.path, nullptr, &allowance);
       if (!header.ok()) {
         errors[i] = header.error();
         continue;

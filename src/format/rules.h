@@ -43,6 +43,8 @@ inline constexpr std::string_view kIndexNotJson = "index must be a JSON object w
 inline constexpr std::string_view kShardNameEscapes = "shard names must stay inside the checkpoint";
 inline constexpr std::string_view kShardMissing = "a shard the index names must exist";
 inline constexpr std::string_view kShardListedTwice = "a shard file must be listed once";
+inline constexpr std::string_view kHeadersTooLarge =
+    "the shards' headers together must not exceed 500,000,000 bytes";
 inline constexpr std::string_view kIndexTensorMissing =
     "a tensor the index maps to a shard must be in that shard";
 inline constexpr std::string_view kTensorInTwoShards = "a tensor must be in one shard only";

@@ -418,12 +418,24 @@ Result<ShardHeader> ParsePaddedHeader(std::string_view label, std::span<const st
   return ParseJson(label, reinterpret_cast<const char*>(json.data()), json.size(), file_size);
 }
 
+Status HeaderAllowance::Take(std::string_view label, uint64_t header_bytes) {
+  // Each length is at most 100,000,000 (DecodeHeaderLength): the sum of a
+  // checkpoint's, which stops growing past the limit, cannot overflow.
+  const uint64_t before = taken_.fetch_add(header_bytes);
+  if (before + header_bytes <= kMaxCheckpointHeaderBytes) return OkStatus();
+  taken_.fetch_sub(header_bytes);
+  return FileError(label, rules::kHeadersTooLarge,
+                   "its header of " + std::to_string(header_bytes) + " bytes, after " +
+                       std::to_string(before) + " in the others read so far");
+}
+
 Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::string_view label,
-                                    HeaderBytes* raw) {
+                                    HeaderBytes* raw, HeaderAllowance* allowance) {
   std::byte prefix[kHeaderLengthBytes] = {};
   const uint64_t size = file.size();
   if (size >= kHeaderLengthBytes) WEIGHTD_RETURN_IF_ERROR(file.ReadExactly(0, prefix));
   WEIGHTD_ASSIGN_OR_RETURN(uint64_t n, DecodeHeaderLength(label, prefix, size));
+  if (allowance != nullptr) WEIGHTD_RETURN_IF_ERROR(allowance->Take(label, n));
   const ParseTurn turn(n);
   // The prefix and the JSON in one buffer, with the parser's padding after
   // them: read once, parsed where they lie, and kept as the raw bytes.

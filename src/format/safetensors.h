@@ -13,6 +13,7 @@
 // Thread safety: pure functions; safe from any thread.
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <memory>
@@ -75,6 +76,25 @@ std::string ShapeString(std::span<const uint64_t> shape);
 // `label` names the file in errors.
 Result<uint64_t> DecodeHeaderLength(std::string_view label, std::span<const std::byte> prefix,
                                     uint64_t file_size);
+
+// What one checkpoint's headers may add up to. The loader and the
+// fingerprint keep every shard's header (its text, its entries) until all
+// are read, so the sum is what they hold; a real checkpoint's is tens of
+// MB (a 70,000-tensor shard's header is 8 MB), while shards that are
+// links to one crafted file, or sparse files, cost nothing to make.
+inline constexpr uint64_t kMaxCheckpointHeaderBytes = 500'000'000;
+
+// The headers read of one checkpoint so far, for the threads that read
+// them: each takes its length before its text is read, and the one that
+// would pass kMaxCheckpointHeaderBytes gets an error instead.
+class HeaderAllowance {
+ public:
+  // `label` names the shard in the error.
+  Status Take(std::string_view label, uint64_t header_bytes);
+
+ private:
+  std::atomic<uint64_t> taken_{0};
+};
 
 // A parse reserves about six times a document's size (the parser's index
 // of its structure and string buffer), and the header it makes keeps its
@@ -145,14 +165,16 @@ class HeaderBytes {
 
  private:
   friend Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile&, std::string_view,
-                                             HeaderBytes*);
+                                             HeaderBytes*, HeaderAllowance*);
   std::unique_ptr<std::byte[]> bytes_;  // and the parser's padding after size_
   size_t size_ = 0;
 };
 
 // Reads the prefix and the header of an open file and validates them.
-// `raw` (optional) receives the bytes read, when they are valid.
+// `raw` (optional) receives the bytes read, when they are valid. With
+// `allowance`, the header's length is taken from it before its text is read.
 Result<ShardHeader> ReadShardHeader(const io::RandomAccessFile& file, std::string_view label,
-                                    HeaderBytes* raw = nullptr);
+                                    HeaderBytes* raw = nullptr,
+                                    HeaderAllowance* allowance = nullptr);
 
 }  // namespace weightd::format

@@ -49,7 +49,7 @@ struct OpenShard {
 
 // Opens one shard and reads its header, keeping the raw bytes for the digest.
 Status ReadHead(io::FileSystem& fs, const format::ShardRef& ref, OpenShard& out,
-                format::Shard& shard) {
+                format::Shard& shard, format::HeaderAllowance& allowance) {
   shard.name = ref.name;
   shard.path = ref.path;
   WEIGHTD_ASSIGN_OR_RETURN(out.file, fs.Open(ref.resolved, ref.symlinks));
@@ -57,8 +57,8 @@ Status ReadHead(io::FileSystem& fs, const format::ShardRef& ref, OpenShard& out,
   shard.file_size = out.file->size();
   if (out.signature.size != shard.file_size)
     return Error(ref.path + ": changed while being loaded");
-  WEIGHTD_ASSIGN_OR_RETURN(shard.header,
-                           format::ReadShardHeader(*out.file, ref.path, &out.raw_header));
+  WEIGHTD_ASSIGN_OR_RETURN(
+      shard.header, format::ReadShardHeader(*out.file, ref.path, &out.raw_header, &allowance));
   return OkStatus();
 }
 
@@ -420,9 +420,10 @@ Result<LoadedModel> LoadCheckpoint(io::FileSystem& fs, const std::string& path,
   std::vector<std::optional<Error>> errors(shards.size());
   std::atomic<size_t> next{0};
   std::atomic<bool> any_uncached{false};
+  format::HeaderAllowance allowance;  // all are kept until every one is read
   io::RunTeam(static_cast<int>(std::min<size_t>(shards.size(), kParallelHeaderReads)), [&](int) {
     for (size_t i; (i = next.fetch_add(1)) < shards.size();) {
-      if (Status s = ReadHead(fs, listing.shards[i], shards[i], headers[i]); !s.ok()) {
+      if (Status s = ReadHead(fs, listing.shards[i], shards[i], headers[i], allowance); !s.ok()) {
         errors[i] = s.error();
         continue;
       }
